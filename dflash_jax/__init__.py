@@ -1,0 +1,1 @@
+"""dflash-jax: DFlash block-diffusion speculative decoding in JAX/Flax."""

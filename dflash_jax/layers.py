@@ -1,0 +1,154 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, rotary embedding, SwiGLU MLP."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Dtype = Any
+
+
+class RMSNorm(nn.Module):
+    """Hugging Face RMSNorm: normalise in float32, cast back, then scale."""
+
+    eps: float = 1e-6
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale * normed.astype(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    intermediate_size: int
+    use_bias: bool = False
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype,
+                                         param_dtype=self.dtype, name=name)
+        h = nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
+        return dense(x.shape[-1], "down_proj")(h)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, rope: dict, max_pos: int) -> tuple[np.ndarray, float]:
+    factor = rope["factor"]
+    original = rope.get("original_max_position_embeddings") or max_pos
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        if rope.get("mscale") and rope.get("mscale_all_dim"):
+            attention_factor = mscale(factor, rope["mscale"]) / mscale(factor, rope["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations):
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    pos_freqs = theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1 / pos_freqs) * extrapolation_factor
+    return inv_freq, attention_factor
+
+
+def rope_frequencies(head_dim: int, theta: float, rope: dict, max_pos: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim // 2] and the cos/sin scale, as Hugging Face computes them."""
+    rope_type = rope.get("rope_type", "default")
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / rope["factor"], 1.0
+    if rope_type == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if rope_type == "yarn":
+        inv_freq, scale = _yarn_inv_freq(head_dim, theta, rope, max_pos)
+        return inv_freq.astype(np.float32), scale
+    raise ValueError(f"unsupported rope type {rope_type!r}")
+
+
+def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0):
+    """cos, sin of shape [B, T, head_dim] (float32) for integer positions [B, T]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, H, D] rotated half-by-half (Hugging Face layout); cos/sin [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections with optional per-head q/k RMSNorm (Qwen3) and RoPE.
+
+    Split into `queries`, `keys_values` and `output` so the drafter can apply the same k/v
+    projections to the target context and to its own block.
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: bool = False
+    use_bias: bool = False
+    eps: float = 1e-6
+    dtype: Dtype = jnp.float32
+
+    def setup(self):
+        dense = lambda n: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.dtype)
+        self.q_proj = dense(self.num_heads * self.head_dim)
+        self.k_proj = dense(self.num_kv_heads * self.head_dim)
+        self.v_proj = dense(self.num_kv_heads * self.head_dim)
+        self.o_proj = dense(self.hidden_size)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.eps, self.dtype)
+            self.k_norm = RMSNorm(self.eps, self.dtype)
+
+    def queries(self, x, cos, sin):
+        q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        return apply_rotary(q, cos, sin)
+
+    def keys_values(self, x, cos, sin):
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        k = self.k_proj(x).reshape(shape)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return apply_rotary(k, cos, sin), self.v_proj(x).reshape(shape)
+
+    def output(self, attended):
+        """attended [B, T, H, D] -> [B, T, hidden]."""
+        return self.o_proj(attended.reshape(*attended.shape[:-2], self.num_heads * self.head_dim))

@@ -1,0 +1,142 @@
+"""Declarative name tables: Hugging Face tensor name <-> Flax param path, with per-key transforms.
+
+One table serves both directions (`hf_to_params` when loading, `params_to_hf` when exporting).
+Per-layer names contain ``{i}``; their Flax params are stacked on a leading layer axis (nn.scan).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Mapping
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from dflash_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    hf: str  # Hugging Face name; "{i}" marks the layer index
+    path: tuple[str, ...]  # Flax param path
+    transpose: bool = False  # PyTorch Linear [out, in] <-> Flax Dense kernel [in, out]
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+    def hf_names(self, num_layers: int) -> list[str]:
+        return [self.hf.format(i=i) for i in range(num_layers)] if self.per_layer else [self.hf]
+
+
+def _linear(hf_prefix: str, path: tuple[str, ...], bias: bool) -> list[Rule]:
+    rules = [Rule(f"{hf_prefix}.weight", (*path, "kernel"), transpose=True)]
+    if bias:
+        rules.append(Rule(f"{hf_prefix}.bias", (*path, "bias")))
+    return rules
+
+
+def decoder_layer_rules(hf_layer: str, qk_norm: bool, attention_bias: bool, mlp_bias: bool) -> list[Rule]:
+    """Rules of one Qwen3/Llama decoder layer (shared by the target and the drafter)."""
+    rules = [
+        Rule(f"{hf_layer}.input_layernorm.weight", ("layers", "input_layernorm", "scale")),
+        Rule(f"{hf_layer}.post_attention_layernorm.weight", ("layers", "post_attention_layernorm", "scale")),
+    ]
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        rules += _linear(f"{hf_layer}.self_attn.{proj}", ("layers", "self_attn", proj), attention_bias)
+    if qk_norm:
+        rules += [Rule(f"{hf_layer}.self_attn.{n}.weight", ("layers", "self_attn", n, "scale"))
+                  for n in ("q_norm", "k_norm")]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        rules += _linear(f"{hf_layer}.mlp.{proj}", ("layers", "mlp", proj), mlp_bias)
+    return rules
+
+
+def target_rules(cfg: ModelConfig) -> list[Rule]:
+    rules = [Rule("model.embed_tokens.weight", ("embed_tokens", "embedding")),
+             Rule("model.norm.weight", ("norm", "scale"))]
+    rules += decoder_layer_rules("model.layers.{i}", cfg.qk_norm, cfg.attention_bias, cfg.mlp_bias)
+    if not cfg.tie_word_embeddings:
+        rules.append(Rule("lm_head.weight", ("lm_head", "kernel"), transpose=True))
+    return rules
+
+
+# Tensors some checkpoints carry that hold no parameters.
+IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path, value):
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: Any, num_layers: int,
+                 dtype, *, allow_extra: Callable[[str], bool] = lambda name: False,
+                 progress: Callable | None = None) -> dict:
+    """Build a Flax params dict from HF-named tensors, one tensor at a time.
+
+    `shapes` is the expected params pytree (e.g. from jax.eval_shape). Every expected tensor must be
+    present with the right shape and every tensor present must be mapped (or allowed): otherwise a
+    ValueError names the offenders.
+    """
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) else np.dtype(dtype)
+    expected_names = {name for rule in rules for name in rule.hf_names(num_layers)}
+    present = set(tensors)
+    missing = sorted(expected_names - present)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {missing[:8]}")
+    unmapped = sorted(n for n in present - expected_names
+                      if not allow_extra(n) and not any(p.match(n) for p in IGNORED))
+    if unmapped:
+        raise ValueError(f"checkpoint has {len(unmapped)} tensor(s) this model does not use: {unmapped[:8]}")
+    params: dict = {}
+    for rule in rules:
+        want = _get(shapes, rule.path).shape
+        layer_shape = want[1:] if rule.per_layer else want
+        out = np.empty(want, np_dtype)
+        for i, name in enumerate(rule.hf_names(num_layers)):
+            value = np.asarray(tensors[name])
+            value = value.T if rule.transpose else value
+            if value.shape != tuple(layer_shape):
+                got = value.T.shape if rule.transpose else value.shape
+                need = tuple(reversed(layer_shape)) if rule.transpose else tuple(layer_shape)
+                raise ValueError(f"tensor {name} has shape {got}, expected {need}")
+            if rule.per_layer:
+                out[i] = value.astype(np_dtype)
+            else:
+                out[...] = value.astype(np_dtype)
+            if progress:
+                progress(name)
+        _set(params, rule.path, jax.numpy.asarray(out))
+    unfilled = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)
+                if not _has(params, tuple(k.key for k in p))]
+    if unfilled:
+        raise ValueError(f"name table leaves params unfilled: {unfilled}")
+    return params
+
+
+def _has(tree, path) -> bool:
+    try:
+        _get(tree, path)
+        return True
+    except (KeyError, TypeError):
+        return False
+
+
+def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, np.ndarray]:
+    """The inverse of `hf_to_params`: HF name -> numpy array in HF layout, the params' dtype kept."""
+    out = {}
+    for rule in rules:
+        value = np.asarray(jax.device_get(_get(params, rule.path)))
+        for i, name in enumerate(rule.hf_names(num_layers)):
+            layer = value[i] if rule.per_layer else value
+            out[name] = np.ascontiguousarray(layer.T if rule.transpose else layer)
+    return out

@@ -1,0 +1,75 @@
+"""KV-cache behaviour: incremental decode == full forward; ragged rows == rows run alone."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.config import ModelConfig
+from dflash_jax.target import Target, init_target_params
+
+CFG = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                  layer_types=("full_attention", "sliding_attention", "full_attention"), sliding_window=4)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Target(CFG, init_target_params(CFG, jax.random.PRNGKey(0)))
+
+
+def full_logits(target, tokens):
+    hidden, feats, _ = target.forward(target.params, jnp.asarray(tokens)[None], capture=(0, 2))
+    return np.asarray(target.logits(target.params, hidden))[0], np.asarray(feats)[0]
+
+
+def test_prefill_then_decode_equals_full_forward(target):
+    tokens = np.random.default_rng(0).integers(0, 97, size=14)
+    want_logits, want_feats = full_logits(target, tokens)
+    cache = target.init_cache(1, 32)
+    hidden, feats, cache = target.forward(target.params, jnp.asarray(tokens[None, :6]), cache, capture=(0, 2))
+    got_logits, got_feats = [target.logits(target.params, hidden)[0]], [feats[0]]
+    for t in range(6, 14, 2):  # two tokens at a time
+        hidden, feats, cache = target.forward(target.params, jnp.asarray(tokens[None, t:t + 2]), cache,
+                                              capture=(0, 2))
+        got_logits.append(target.logits(target.params, hidden)[0])
+        got_feats.append(feats[0])
+    assert int(cache.lengths[0]) == 14
+    np.testing.assert_allclose(np.concatenate(got_logits), want_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(got_feats), want_feats, rtol=1e-5, atol=1e-5)
+
+
+def test_rollback_is_setting_lengths(target):
+    tokens = np.random.default_rng(1).integers(0, 97, size=10)
+    want, _ = full_logits(target, tokens)
+    cache = target.init_cache(1, 32)
+    _, _, cache = target.forward(target.params, jnp.asarray(tokens[None, :6]), cache)
+    # Feed 3 wrong tokens, roll back, then feed the right ones.
+    _, _, cache = target.forward(target.params, jnp.asarray([[1, 2, 3]]), cache)
+    cache = cache.with_lengths(cache.lengths - 3)
+    hidden, _, cache = target.forward(target.params, jnp.asarray(tokens[None, 6:]), cache)
+    np.testing.assert_allclose(target.logits(target.params, hidden)[0], want[6:], rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_batch_rows_match_rows_alone(target):
+    rng = np.random.default_rng(2)
+    lengths = [3, 9, 6]
+    prompts = [rng.integers(0, 97, size=n) for n in lengths]
+    batch = np.zeros((3, 9), np.int32)
+    for i, p in enumerate(prompts):
+        batch[i, : len(p)] = p
+    cache = target.init_cache(3, 24)
+    hidden, _, cache = target.forward(target.params, jnp.asarray(batch), cache,
+                                      num_new=jnp.asarray(lengths))
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    nxt = rng.integers(0, 97, size=(3, 2))
+    hidden2, _, cache = target.forward(target.params, jnp.asarray(nxt), cache)
+    for i, p in enumerate(prompts):
+        want, _ = full_logits(target, np.concatenate([p, nxt[i]]))
+        got_prefill = target.logits(target.params, hidden[i, : len(p)])
+        np.testing.assert_allclose(got_prefill, want[: len(p)], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(target.logits(target.params, hidden2[i]), want[len(p):], rtol=1e-5, atol=1e-5)
+
+
+def test_capture_layer_out_of_range(target):
+    with pytest.raises(ValueError, match="out of range"):
+        target.forward(target.params, jnp.zeros((1, 2), jnp.int32), capture=(5,))

@@ -140,3 +140,11 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
             layer = value[i] if rule.per_layer else value
             out[name] = np.ascontiguousarray(layer.T if rule.transpose else layer)
     return out
+
+
+def drafter_rules(attention_bias: bool = False) -> list[Rule]:
+    """The official DFlash drafter layout (no `model.` prefix, no embeddings, no LM head)."""
+    rules = [Rule("fc.weight", ("fc", "kernel"), transpose=True),
+             Rule("hidden_norm.weight", ("hidden_norm", "scale")),
+             Rule("norm.weight", ("norm", "scale"))]
+    return rules + decoder_layer_rules("layers.{i}", True, attention_bias, False)

@@ -1,0 +1,162 @@
+"""The DFlash drafter config, read from / written to the official `config.json` layout."""
+from __future__ import annotations
+
+import dataclasses
+
+from dflash_jax.config import resolve_layer_types, rope_settings
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The official layer-selection rule (36-layer target, 5 draft layers -> (1, 9, 17, 25, 33))."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def resolve_mask_token_id(explicit: int | None, tokenizer=None, vocab_size: int | None = None) -> int:
+    """dflash_config.mask_token_id; else the tokenizer's mask token; else the first unused embedding
+    row (len(tokenizer) when the vocabulary is padded); else pad; else eos."""
+    if explicit is not None:
+        return int(explicit)
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None:
+            return int(tokenizer.mask_token_id)
+        if vocab_size is not None and len(tokenizer) < vocab_size:
+            return len(tokenizer)
+        for attr in ("pad_token_id", "eos_token_id"):
+            if getattr(tokenizer, attr, None) is not None:
+                return int(getattr(tokenizer, attr))
+    raise ValueError("cannot resolve a mask token id: the drafter config has no "
+                     "dflash_config.mask_token_id and no tokenizer was given")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int = 16
+    mask_token_id: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_scaling: tuple = (("rope_type", "default"),)
+    max_position_embeddings: int = 40960
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must not be empty")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range for {self.num_target_layers} target layers")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError("layer_types must have one entry per drafter layer")
+        if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def rope(self) -> dict:
+        return dict(self.rope_scaling)
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, tokenizer=None) -> "DrafterConfig":
+        archs = hf.get("architectures") or []
+        if archs and "DFlashDraftModel" not in archs:
+            raise ValueError(f"not a DFlash drafter config: architectures={archs} "
+                             "(expected ['DFlashDraftModel'])")
+        dflash = hf.get("dflash_config") or {}
+        num_layers = hf["num_hidden_layers"]
+        num_target_layers = hf.get("num_target_layers")
+        layer_ids = dflash.get("target_layer_ids")
+        if layer_ids is None:
+            if num_target_layers is None:
+                raise ValueError("drafter config needs num_target_layers or dflash_config.target_layer_ids")
+            layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+        if num_target_layers is None:
+            num_target_layers = max(layer_ids) + 1
+        block_size = dflash.get("block_size", hf.get("block_size", 16))
+        theta, scaling = rope_settings(hf)
+        layer_types = resolve_layer_types(hf, num_layers)
+        num_heads = hf["num_attention_heads"]
+        return cls(
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            vocab_size=hf["vocab_size"],
+            num_target_layers=num_target_layers,
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            block_size=int(block_size),
+            mask_token_id=resolve_mask_token_id(dflash.get("mask_token_id"), tokenizer, hf["vocab_size"])
+            if (dflash.get("mask_token_id") is not None or tokenizer is not None) else None,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            layer_types=layer_types,
+            sliding_window=(hf.get("sliding_window") or 0) if "sliding_attention" in layer_types else 0,
+            attention_bias=bool(hf.get("attention_bias", False)),
+        )
+
+    def to_hf_config(self, base: dict | None = None, dtype_name: str = "bfloat16") -> dict:
+        """The official config.json; fields of `base` (the loaded file) that we don't model are kept."""
+        hf = dict(base or {})
+        rope = dict(self.rope_scaling)
+        rope_type = rope.pop("rope_type", "default")
+        hf.update(
+            architectures=["DFlashDraftModel"],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
+            max_position_embeddings=self.max_position_embeddings,
+            layer_types=list(self.layer_types),
+            sliding_window=self.sliding_window or hf.get("sliding_window"),
+            attention_bias=self.attention_bias,
+            tie_word_embeddings=False,
+            num_target_layers=self.num_target_layers,
+            block_size=self.block_size,
+            dtype=dtype_name,
+        )
+        hf.pop("rope_parameters", None)
+        dflash = dict(hf.get("dflash_config") or {})
+        dflash["target_layer_ids"] = list(self.target_layer_ids)
+        if self.mask_token_id is not None:
+            dflash["mask_token_id"] = self.mask_token_id
+        if "block_size" in dflash:
+            dflash["block_size"] = self.block_size
+        hf["dflash_config"] = dflash
+        return hf

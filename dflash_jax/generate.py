@@ -55,7 +55,7 @@ class GenerationConfig:
 class SamplingParams:
     temperature: jax.Array  # [] float32 (unused when greedy)
     top_p: jax.Array  # [] float32
-    stop_token_ids: jax.Array  # [S] int32 (may be empty)
+    stop_token_ids: jax.Array  # [S] int32, padded with -1
 
 
 @struct.dataclass
@@ -308,12 +308,15 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
     lengths = np.asarray([len(r) for r in rows], np.int32)
+    stops = [int(s) for s in stop_token_ids]
+    padded_stops = np.full(max(8, -(-len(stops) // 8) * 8), -1, np.int32)  # fixed shape: no recompiles
+    padded_stops[: len(stops)] = stops
     params = SamplingParams(temperature=jnp.float32(max(temperature, 1e-6)), top_p=jnp.float32(top_p),
-                            stop_token_ids=jnp.asarray(list(stop_token_ids), jnp.int32).reshape(-1))
+                            stop_token_ids=jnp.asarray(padded_stops))
     drafter_params = drafter.params if drafter is not None else None
     args = (target.params, drafter_params, jnp.asarray(tokens), jnp.asarray(lengths),
             jax.random.PRNGKey(seed), params)
-    return cfg, args, [int(s) for s in stop_token_ids]
+    return cfg, args, stops
 
 
 def _cut(tokens: np.ndarray, start: int, end: int, max_new: int, stops: Sequence[int]) -> list[int]:

@@ -1,0 +1,133 @@
+"""generate: greedy output is bit-identical to plain greedy decoding; batching, stops, limits,
+acceptance statistics, streaming, no recompiles, no host transfers inside the loop."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fitted_models as fm
+from dflash_jax import generate as gen
+from dflash_jax.generate import generate, generate_stream
+from dflash_jax.loading.drafter_io import DrafterMismatchError
+
+
+_REFERENCE = {}
+
+
+def plain_greedy(target, prompt, max_new, stops=()):
+    """Independent reference: prefill, then one token at a time through the KV cache."""
+    if id(target) not in _REFERENCE:
+        _REFERENCE[id(target)] = (jax.jit(lambda p, t, c: target.forward(p, t, c)),
+                                  jax.jit(lambda p, h: jnp.argmax(target.logits(p, h), -1)))
+    fwd, head = _REFERENCE[id(target)]
+    cache = target.init_cache(1, 128)
+    hidden, _, cache = fwd(target.params, jnp.asarray([prompt], jnp.int32), cache)
+    out = [int(head(target.params, hidden[:, -1])[0])]
+    while len(out) < max_new and out[-1] not in stops:
+        hidden, _, cache = fwd(target.params, jnp.asarray([[out[-1]]], jnp.int32), cache)
+        out.append(int(head(target.params, hidden[:, -1])[0]))
+    return out
+
+
+def prompts_mix(seed=0):
+    rng = np.random.default_rng(seed)
+    pattern = [list(map(int, p[: n])) for p, n in zip(fm.pattern_batch(rng, 3, 12), (3, 7, 12))]
+    noise = [list(map(int, rng.integers(0, 40, size=n))) for n in (1, 5, 9)]
+    return pattern + noise
+
+
+@pytest.mark.parametrize("max_new", [1, 13, 40])
+def test_greedy_equals_plain_decoding_batch1(fitted, max_new):
+    target, drafter = fitted
+    for prompt in prompts_mix()[:4]:
+        got = generate(target, drafter, [prompt], max_new_tokens=max_new, stop_token_ids=())
+        assert got.tokens[0] == plain_greedy(target, prompt, max_new)
+        assert sum(got.acceptance_lengths[0]) >= len(got.tokens[0]) - 1  # prefill gives one token
+
+
+def test_greedy_ragged_batch_equals_rows_alone(fitted):
+    target, drafter = fitted
+    prompts = prompts_mix(1)
+    batch = generate(target, drafter, prompts, max_new_tokens=37, stop_token_ids=())
+    for prompt, row in zip(prompts, batch.tokens):
+        assert row == plain_greedy(target, prompt, 37)
+        assert row == generate(target, drafter, [prompt], max_new_tokens=37, stop_token_ids=()).tokens[0]
+
+
+def test_stop_tokens_cut_output(fitted):
+    target, drafter = fitted
+    prompts = prompts_mix(2)
+    free = generate(target, drafter, prompts, max_new_tokens=30, stop_token_ids=())
+    stop = free.tokens[0][9]  # a token the first row emits mid-block
+    got = generate(target, drafter, prompts, max_new_tokens=30, stop_token_ids=[stop])
+    for prompt, row in zip(prompts, got.tokens):
+        want = plain_greedy(target, prompt, 30, stops=(stop,))
+        assert row == want
+        assert stop not in row[:-1]
+    assert got.tokens[0][-1] == stop and len(got.tokens[0]) <= 10
+
+
+def test_autoregressive_mode_is_the_same_loop(fitted):
+    target, _ = fitted
+    prompts = prompts_mix(3)
+    got = generate(target, None, prompts, max_new_tokens=21, stop_token_ids=())
+    assert got.tau == 1.0 and got.block_size == 1
+    for prompt, row in zip(prompts, got.tokens):
+        assert row == plain_greedy(target, prompt, 21)
+
+
+def test_every_acceptance_length_occurs(fitted):
+    target, drafter = fitted
+    prompts = prompts_mix(4) + prompts_mix(5)
+    result = generate(target, drafter, prompts, max_new_tokens=48, stop_token_ids=())
+    hist = result.histogram()
+    g = drafter.config.block_size
+    assert hist[0] == 0 and len(hist) == g + 1
+    assert all(hist[k] > 0 for k in range(1, g + 1)), hist
+    assert result.tau > 2.0
+    flat = [n for row in result.acceptance_lengths for n in row]
+    assert result.tau == pytest.approx(np.mean(flat))
+
+
+def test_block_size_override_and_stream(fitted):
+    target, drafter = fitted
+    prompts = prompts_mix(6)[:3]
+    full = generate(target, drafter, prompts, max_new_tokens=25, block_size=5, stop_token_ids=())
+    assert max(max(a) for a in full.acceptance_lengths) <= 5
+    chunks = list(generate_stream(target, drafter, prompts, max_new_tokens=25, block_size=5, stop_token_ids=()))
+    streamed = [sum((c[b] for c in chunks), []) for b in range(3)]
+    assert streamed == full.tokens
+    assert len(chunks) > 2
+
+
+def test_same_bucket_does_not_recompile_and_no_transfers_in_loop(fitted):
+    target, drafter = fitted
+    first = generate(target, drafter, [[1, 2, 3], [4, 5]], max_new_tokens=16, stop_token_ids=())
+    size = gen.compile_cache_size()
+    second = generate(target, drafter, [[7, 8, 9, 10, 11], [3]], max_new_tokens=16, stop_token_ids=())
+    assert second.compile_seconds == 0.0 and gen.compile_cache_size() == size
+    assert first.compile_seconds >= 0.0
+    cfg, args, _ = gen._prepare(target, drafter, [[1, 2, 3], [4, 5]], 16, 0.0, 0, 1.0, (), None, 0, "exact")
+    (prefill_fn, decode_fn, _), compile_seconds = gen._executables(target, drafter, cfg, args)
+    assert compile_seconds == 0.0
+    state = prefill_fn(*args)
+    with jax.transfer_guard("disallow"):
+        out = decode_fn(args[0], args[1], state, args[-1])
+        jax.block_until_ready(out)
+
+
+def test_bad_input(fitted, tmp_path):
+    target, drafter = fitted
+    with pytest.raises(ValueError, match="prompt too long"):
+        generate(target, drafter, [[1] * 500], max_new_tokens=20)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(target, drafter, [[]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="token ids"):
+        generate(target, drafter, [[999]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(target, drafter, [[1]], max_new_tokens=4, temperature=-1)
+    import dataclasses
+    wrong = dataclasses.replace(drafter, config=dataclasses.replace(drafter.config, num_target_layers=5,
+                                                                    target_layer_ids=(0, 4)))
+    with pytest.raises(DrafterMismatchError, match="number of target layers"):
+        generate(target, wrong, [[1, 2]], max_new_tokens=4)

@@ -6,12 +6,23 @@ softmax and accumulation are float32. A query that sees no key yields zeros (nev
 """
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.masks import KeyRanges
 
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+
+logger = logging.getLogger("dflash_jax.attention")
+_logged_reasons: set[str] = set()
+
+
+def _log_once(level: int, reason: str) -> None:
+    if reason not in _logged_reasons:
+        _logged_reasons.add(reason)
+        logger.log(level, "attention: using the reference implementation: %s", reason)
 
 
 def reference_attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None):
@@ -35,7 +46,29 @@ def reference_attention(q, k, v, ranges: KeyRanges, *, scale: float | None = Non
 
 
 def attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, impl: str = "auto"):
-    """Dispatch to the best implementation available for this backend and shape."""
+    """Dispatch to the best implementation available for this backend and shape.
+
+    impl: "auto" takes the Pallas kernel on GPU when it supports the shape and the reference
+    otherwise (logging the reason once); "pallas" forces the kernel (ValueError if unsupported);
+    "pallas_interpret" runs the kernel in Pallas interpret mode (CPU tests); "reference" the
+    reference.
+    """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLS}")
-    return reference_attention(q, k, v, ranges, scale=scale)
+    if impl == "reference":
+        return reference_attention(q, k, v, ranges, scale=scale)
+
+    # Lazy: the kernel module imports this one (for the reference backward).
+    from dflash_jax.kernels import block_attention, unsupported_reason
+
+    if impl == "auto":
+        backend = jax.default_backend()
+        if backend != "gpu":
+            _log_once(logging.DEBUG, f"backend is {backend!r}, the kernel needs a GPU")
+            return reference_attention(q, k, v, ranges, scale=scale)
+        reason = unsupported_reason(q, k, v, ranges, scale)
+        if reason is not None:
+            _log_once(logging.WARNING, reason)
+            return reference_attention(q, k, v, ranges, scale=scale)
+    # "pallas" / "pallas_interpret" raise on unsupported inputs.
+    return block_attention(q, k, v, ranges, scale=scale, interpret=impl == "pallas_interpret")

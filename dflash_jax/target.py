@@ -141,6 +141,8 @@ class Target:
         return TargetModel(self.config, self.dtype, self.attn_impl)
 
     def forward(self, params, tokens, cache=None, **kwargs):
+        if cache is not None:
+            check_fits(cache, tokens.shape[1])
         return self.module.apply({"params": params}, tokens, cache, **kwargs)
 
     def run_layers(self, params, hidden, cache=None, **kwargs):
@@ -155,6 +157,18 @@ class Target:
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         cfg = self.config
         return KVCache.zeros(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+
+def check_fits(cache: KVCache, num_tokens: int) -> None:
+    """Raise when num_tokens more positions do not fit in the cache (checked when lengths are
+    concrete; under jit the caller sizes the cache, as `generate` does)."""
+    if num_tokens > cache.capacity:
+        raise ValueError(f"{num_tokens} tokens are longer than the cache ({cache.capacity} positions)")
+    if not isinstance(cache.lengths, jax.core.Tracer):
+        need = int(jnp.max(cache.lengths)) + num_tokens
+        if need > cache.capacity:
+            raise ValueError(f"prompt too long for the cache: {need} positions needed, "
+                             f"capacity {cache.capacity}")
 
 
 def init_target_params(config: ModelConfig, rng, dtype=jnp.float32):

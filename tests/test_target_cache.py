@@ -73,3 +73,12 @@ def test_ragged_batch_rows_match_rows_alone(target):
 def test_capture_layer_out_of_range(target):
     with pytest.raises(ValueError, match="out of range"):
         target.forward(target.params, jnp.zeros((1, 2), jnp.int32), capture=(5,))
+
+
+def test_prompt_longer_than_cache_raises(target):
+    cache = target.init_cache(1, 8)
+    with pytest.raises(ValueError, match="longer than the cache"):
+        target.forward(target.params, jnp.zeros((1, 9), jnp.int32), cache)
+    _, _, cache = target.forward(target.params, jnp.zeros((1, 6), jnp.int32), cache)
+    with pytest.raises(ValueError, match="prompt too long"):
+        target.forward(target.params, jnp.zeros((1, 3), jnp.int32), cache)

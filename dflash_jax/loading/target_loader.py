@@ -46,7 +46,7 @@ def params_from_tensors(config: ModelConfig, tensors, dtype, desc: str):
     shapes = target_param_shapes(config, dtype)
     rules = target_rules(config)
     total = sum(len(r.hf_names(config.num_layers)) for r in rules)
-    with tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=total < 50) as bar:
+    with tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None) as bar:
         return hf_to_params(rules, tensors, shapes, config.num_layers, dtype,
                             allow_extra=lambda n: config.tie_word_embeddings and n == "lm_head.weight",
                             progress=lambda _: bar.update())

@@ -63,8 +63,30 @@ def resolve_layer_types(hf: dict, num_layers: int) -> tuple[str, ...]:
     return tuple(layer_types)
 
 
+class LayerLayout:
+    """Shared by model and drafter configs: per-layer attention windows and RoPE settings.
+    Expects the fields num_layers, layer_types, sliding_window, rope_scaling."""
+
+    def _validate_layer_types(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per-layer attention window (0 = full attention)."""
+        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types)
+
+    @property
+    def rope(self) -> dict:
+        return dict(self.rope_scaling)
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(LayerLayout):
     """A decoder-only target (Qwen3 or Llama family)."""
 
     arch: str  # "qwen3" | "llama"
@@ -99,21 +121,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
-        if len(self.layer_types) != self.num_layers:
-            raise ValueError("layer_types must have one entry per layer")
-        if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
-            raise ValueError("sliding_attention layers need a positive sliding_window")
-
-    @property
-    def layer_windows(self) -> tuple[int, ...]:
-        """Per-layer attention window (0 = full attention)."""
-        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types)
-
-    @property
-    def rope(self) -> dict:
-        return dict(self.rope_scaling)
+        self._validate_layer_types()
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "ModelConfig":

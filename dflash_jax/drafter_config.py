@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_jax.config import resolve_layer_types, rope_settings
+from dflash_jax.config import LayerLayout, resolve_layer_types, rope_settings
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -33,7 +33,7 @@ def resolve_mask_token_id(explicit: int | None, tokenizer=None, vocab_size: int 
 
 
 @dataclasses.dataclass(frozen=True)
-class DrafterConfig:
+class DrafterConfig(LayerLayout):
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -63,24 +63,12 @@ class DrafterConfig:
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} out of range for {self.num_target_layers} target layers")
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
-        if len(self.layer_types) != self.num_layers:
-            raise ValueError("layer_types must have one entry per drafter layer")
-        if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
-            raise ValueError("sliding_attention layers need a positive sliding_window")
+        self._validate_layer_types()
 
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
 
-    @property
-    def rope(self) -> dict:
-        return dict(self.rope_scaling)
-
-    @property
-    def layer_windows(self) -> tuple[int, ...]:
-        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types)
 
     @classmethod
     def from_hf_config(cls, hf: dict, tokenizer=None) -> "DrafterConfig":

@@ -233,9 +233,9 @@ def compile_cache_size() -> int:
 
 
 def _strip(model):
-    """The model without params/tokenizer: what the traced functions may close over."""
-    return None if model is None else dataclasses.replace(model, params=None, **(
-        {"tokenizer": None} if hasattr(model, "tokenizer") else {"hf_config": {}}))
+    """The model without its params: the traced functions take params as arguments and must not
+    close over them (that would embed them as constants in the program)."""
+    return None if model is None else dataclasses.replace(model, params=None)
 
 
 def _model_key(model):

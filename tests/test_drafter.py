@@ -192,3 +192,21 @@ def test_block_size_inside_dflash_config_and_default_ids(tmp_path):
     hf["dflash_config"]["block_size"] = 10
     cfg = DrafterConfig.from_hf_config(hf)
     assert cfg.block_size == 10 and cfg.target_layer_ids == (1, 9, 17, 25, 33)
+
+
+def test_mask_token_resolution_order():
+    from types import SimpleNamespace
+
+    from dflash_jax.drafter_config import resolve_mask_token_id
+
+    class Tok(SimpleNamespace):
+        def __len__(self):
+            return self.n
+
+    assert resolve_mask_token_id(7, Tok(n=5, mask_token_id=3), 10) == 7
+    assert resolve_mask_token_id(None, Tok(n=5, mask_token_id=3), 10) == 3
+    assert resolve_mask_token_id(None, Tok(n=5, mask_token_id=None), 10) == 5  # first unused row
+    assert resolve_mask_token_id(None, Tok(n=10, mask_token_id=None, pad_token_id=1), 10) == 1
+    assert resolve_mask_token_id(None, Tok(n=10, mask_token_id=None, pad_token_id=None, eos_token_id=2), 10) == 2
+    with pytest.raises(ValueError, match="mask token"):
+        resolve_mask_token_id(None, None, 10)

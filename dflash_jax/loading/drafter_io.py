@@ -1,12 +1,11 @@
 """Official DFlash drafter directories (config.json + model.safetensors) <-> `Drafter`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax.config import read_config_json
 from dflash_jax.drafter import Drafter, drafter_param_shapes
@@ -52,7 +51,7 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
     if config.mask_token_id is None:
         tokenizer = getattr(target, "tokenizer", None)
         mask = resolve_mask_token_id(None, tokenizer, target.config.vocab_size if target else None)
-        config = DrafterConfig(**{**config.__dict__, "mask_token_id": mask})
+        config = dataclasses.replace(config, mask_token_id=mask)
     if target is not None:
         validate_pair(config, target)
     shapes = drafter_param_shapes(config, dtype)
@@ -73,10 +72,3 @@ def save_drafter(drafter: Drafter, out_dir: str | Path) -> Path:
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return out_dir
 
-
-def drafter_from_params(config: DrafterConfig, params, hf_config: dict | None = None,
-                        attn_impl: str = "auto") -> Drafter:
-    """Wrap params (e.g. restored from Orbax or fresh from training) as a Drafter."""
-    leaves = jax.tree_util.tree_leaves(params)
-    dtype = leaves[0].dtype if leaves else np.float32
-    return Drafter(config, params, hf_config or {}, dtype, attn_impl)

@@ -15,7 +15,7 @@ $(VENV)/.stamp-runtime: requirements.txt
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-runtime requirements-test.txt
-	$(PIP) install -q -r requirements-test.txt
+	$(PIP) install -q --no-warn-conflicts -r requirements-test.txt
 	touch $@
 
 venv: $(VENV)/.stamp-runtime

@@ -11,7 +11,7 @@
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import Drafter
 from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.generate import GenerationResult, generate, generate_stream
+from dflash_jax.speculative import GenerationResult, generate, generate_stream
 from dflash_jax.loading.drafter_io import DrafterMismatchError, load_drafter, save_drafter
 from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
 from dflash_jax.loading.target_loader import load_target

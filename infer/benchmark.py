@@ -128,7 +128,7 @@ class Runner:
         self.compiles: list[dict] = []
 
     def __call__(self, drafter, ids: list[int], mode: str):
-        from dflash_jax.generate import generate
+        from dflash_jax.speculative import generate
 
         a = self.args
         kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,

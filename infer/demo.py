@@ -35,7 +35,7 @@ def main() -> int:
     except CLIError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from dflash_jax.generate import generate
+    from dflash_jax.speculative import generate
 
     stops = default_stop_ids(target)
     mode = "speculative (DFlash)" if drafter is not None else "autoregressive"

@@ -263,7 +263,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def _generate(target, drafter, ids, args, warmup: bool):
-    from dflash_jax.generate import generate
+    from dflash_jax.speculative import generate
 
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, block_size=args.block_size if drafter is not None else None,
@@ -284,7 +284,7 @@ def _stream(target, drafter, ids, args) -> list[str]:
     """Print text as it is committed; return the statistic lines (from the host loop's view)."""
     import numpy as np
 
-    from dflash_jax.generate import generate_stream
+    from dflash_jax.speculative import generate_stream
 
     detok = IncrementalDetokenizer(target.tokenizer)
     per_cycle, stamps = [], []

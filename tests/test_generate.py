@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import fitted_models as fm
-from dflash_jax import generate as gen
-from dflash_jax.generate import generate, generate_stream
+from dflash_jax import speculative as gen
+from dflash_jax.speculative import generate, generate_stream
 from dflash_jax.loading.drafter_io import DrafterMismatchError
 
 
@@ -131,3 +131,14 @@ def test_bad_input(fitted, tmp_path):
                                                                     target_layer_ids=(0, 4)))
     with pytest.raises(DrafterMismatchError, match="number of target layers"):
         generate(target, wrong, [[1, 2]], max_new_tokens=4)
+
+
+def test_array_with_lengths_prompts(fitted):
+    target, drafter = fitted
+    prompts = prompts_mix(7)[:3]
+    array = np.zeros((3, 12), np.int32)
+    for i, p in enumerate(prompts):
+        array[i, : len(p)] = p
+    lengths = np.asarray([len(p) for p in prompts])
+    got = generate(target, drafter, (array, lengths), max_new_tokens=10, stop_token_ids=())
+    assert got.tokens == generate(target, drafter, prompts, max_new_tokens=10, stop_token_ids=()).tokens

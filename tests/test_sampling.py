@@ -12,7 +12,7 @@ from dflash_jax import sampling
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import Drafter, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.generate import generate
+from dflash_jax.speculative import generate
 
 V = 6
 TARGET = ModelConfig(arch="llama", vocab_size=V + 1, hidden_size=32, intermediate_size=64, num_layers=2,

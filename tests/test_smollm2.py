@@ -55,7 +55,7 @@ def test_logits_match_transformers_gguf(target, hf_model, chat_ids):  # noqa: F8
 def test_greedy_answer_is_sensible(target, hf_model, chat_ids):  # noqa: F811
     import torch
 
-    from dflash_jax.generate import generate
+    from dflash_jax.speculative import generate
 
     result = generate(target, None, [chat_ids], max_new_tokens=16)
     tokens = result.tokens[0]

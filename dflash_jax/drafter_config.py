@@ -41,7 +41,7 @@ class DrafterConfig(LayerLayout):
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None: not in config.json; taken from the target at load time
     target_layer_ids: tuple[int, ...]
     block_size: int = 16
     mask_token_id: int | None = None
@@ -60,7 +60,8 @@ class DrafterConfig(LayerLayout):
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must not be empty")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        bad = [i for i in self.target_layer_ids
+               if i < 0 or (self.num_target_layers is not None and i >= self.num_target_layers)]
         if bad:
             raise ValueError(f"target_layer_ids {bad} out of range for {self.num_target_layers} target layers")
         self._validate_layer_types()
@@ -84,8 +85,6 @@ class DrafterConfig(LayerLayout):
             if num_target_layers is None:
                 raise ValueError("drafter config needs num_target_layers or dflash_config.target_layer_ids")
             layer_ids = default_target_layer_ids(num_target_layers, num_layers)
-        if num_target_layers is None:
-            num_target_layers = max(layer_ids) + 1
         block_size = dflash.get("block_size", hf.get("block_size", 16))
         theta, scaling = rope_settings(hf)
         layer_types = resolve_layer_types(hf, num_layers)
@@ -139,6 +138,9 @@ class DrafterConfig(LayerLayout):
             block_size=self.block_size,
             dtype=dtype_name,
         )
+        if self.num_target_layers is None:
+            hf.pop("num_target_layers")
+        hf.pop("torch_dtype", None)  # older name of `dtype`; never leave a stale one behind
         hf.pop("rope_parameters", None)
         dflash = dict(hf.get("dflash_config") or {})
         dflash["target_layer_ids"] = list(self.target_layer_ids)

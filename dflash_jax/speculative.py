@@ -244,8 +244,10 @@ def _model_key(model):
 
 def _executables(target, drafter, cfg, args):
     """(prefill, decode, cycle) executables for this shape bucket, compiled once and cached."""
-    target_params, drafter_params, prompt_tokens = args[0], args[1], args[2]
-    key = (_model_key(target), _model_key(drafter), cfg, prompt_tokens.shape)
+    target_params, drafter_params = args[0], args[1]
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    signature = (treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves))
+    key = (_model_key(target), _model_key(drafter), cfg, signature)
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
     t, d = _strip(target), _strip(drafter)
@@ -270,8 +272,10 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
     if drafter is not None:
         from dflash_jax.loading.drafter_io import validate_pair
         validate_pair(drafter.config, target)
-    if isinstance(prompts, tuple) and len(prompts) == 2:
+    if isinstance(prompts, tuple) and len(prompts) == 2 and np.ndim(prompts[0]) == 2:
         array, lens = np.asarray(prompts[0]), np.asarray(prompts[1])
+        if lens.shape != (array.shape[0],) or (lens > array.shape[1]).any():
+            raise ValueError(f"lengths {lens.tolist()} do not fit prompt array of shape {array.shape}")
         rows = [list(array[i, :n]) for i, n in enumerate(lens)]
     else:
         rows = [list(np.asarray(p).reshape(-1)) for p in prompts]

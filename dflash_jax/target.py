@@ -1,8 +1,9 @@
 """The target model (Qwen3 / Llama) as a pure functional Flax module with a static-shape KV cache.
 
 `TargetModel.__call__(tokens, cache, capture=...)` runs T new tokens per row at that row's own
-offset (`cache.lengths`), returns the final-normed hidden states, the outputs of the captured
-decoder layers concatenated on the last axis (layer id i = Hugging Face `hidden_states[i + 1]`),
+offset (`cache.lengths`), returns the final-normed hidden states, the features of the captured
+layers concatenated on the last axis (layer id i = Hugging Face `hidden_states[i + 1]`: the output
+of decoder layer i, except that the last layer's entry is after the final norm, as in HF),
 and the NEW cache. Layers run under `nn.scan` over stacked per-layer params.
 """
 from __future__ import annotations
@@ -99,22 +100,29 @@ class TargetModel(nn.Module):
         if positions is None:
             positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         cos, sin = rotary_cos_sin(positions, self._inv_freq, self._rope_scale)
-        slots = np.full((cfg.num_layers,), -1, np.int32)
-        for i, layer in enumerate(capture):
+        for layer in capture:
             if not 0 <= layer < cfg.num_layers:
                 raise ValueError(f"capture layer {layer} out of range for {cfg.num_layers} layers")
-            slots[layer] = i
-        features = jnp.zeros((b, t, len(capture), cfg.hidden_size), self.dtype) if capture else None
+        # Hugging Face's hidden_states[L] (layer id L-1) is the final-NORMED output; every other id
+        # is a raw decoder-layer output, captured inside the scan once even when listed twice.
+        last = cfg.num_layers - 1
+        inner = sorted({layer for layer in capture if layer != last})
+        slots = np.full((cfg.num_layers,), -1, np.int32)
+        slots[inner] = np.arange(len(inner))
+        buffer = jnp.zeros((b, t, len(inner), cfg.hidden_size), self.dtype) if inner else None
         layer_xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32),
                     jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(slots))
-        carry = (hidden, features, cache.k if cache else None, cache.v if cache else None, offsets)
-        (hidden, features, k, v, _), _ = self.layers(carry, layer_xs, positions, cos, sin)
-        if features is not None:
-            features = features.reshape(b, t, len(capture) * cfg.hidden_size)
+        carry = (hidden, buffer, cache.k if cache else None, cache.v if cache else None, offsets)
+        (hidden, buffer, k, v, _), _ = self.layers(carry, layer_xs, positions, cos, sin)
+        hidden = self.norm(hidden)
+        features = None
+        if capture:
+            features = jnp.concatenate(
+                [hidden if layer == last else buffer[:, :, slots[layer]] for layer in capture], axis=-1)
         if cache is not None:
             added = t if num_new is None else num_new
             cache = KVCache(k=k, v=v, lengths=cache.lengths + jnp.asarray(added, jnp.int32))
-        return self.norm(hidden), features, cache
+        return hidden, features, cache
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)

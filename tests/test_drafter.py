@@ -210,3 +210,15 @@ def test_mask_token_resolution_order():
     assert resolve_mask_token_id(None, Tok(n=10, mask_token_id=None, pad_token_id=None, eos_token_id=2), 10) == 2
     with pytest.raises(ValueError, match="mask token"):
         resolve_mask_token_id(None, None, 10)
+
+
+def test_missing_num_target_layers_comes_from_target(tmp_path, target):
+    hf = drafter_hf_config(layers=2)
+    del hf["num_target_layers"]
+    hf["torch_dtype"] = "bfloat16"
+    write_official_checkpoint(tmp_path, hf)
+    drafter = load_drafter(tmp_path, target)
+    assert drafter.config.num_target_layers == target.config.num_layers
+    save_drafter(drafter, tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["num_target_layers"] == 4 and saved["dtype"] == "float32" and "torch_dtype" not in saved

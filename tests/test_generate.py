@@ -142,3 +142,11 @@ def test_array_with_lengths_prompts(fitted):
     lengths = np.asarray([len(p) for p in prompts])
     got = generate(target, drafter, (array, lengths), max_new_tokens=10, stop_token_ids=())
     assert got.tokens == generate(target, drafter, prompts, max_new_tokens=10, stop_token_ids=()).tokens
+
+
+def test_many_stop_ids_and_two_row_list_prompts(fitted):
+    target, drafter = fitted
+    few = generate(target, drafter, ([1, 2, 3], [4, 5, 6]), max_new_tokens=8, stop_token_ids=[44])
+    many = generate(target, drafter, ([1, 2, 3], [4, 5, 6]), max_new_tokens=8,
+                    stop_token_ids=list(range(30, 40)))  # 10 ids: a second padded stop shape
+    assert len(few.tokens) == len(many.tokens) == 2  # a 2-tuple of lists is two prompts, not (array, lengths)

@@ -106,3 +106,9 @@ def test_config_validation():
         ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
                                     "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
                                     "rope_scaling": {"rope_type": "longrope"}})
+
+
+def test_generation_config_stop_ids_are_merged(qwen_dir, tmp_path):
+    d = copy_model(qwen_dir, tmp_path / "m", config_edit=lambda c: c.update(eos_token_id=5))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5]}))
+    assert load_target(d).config.eos_token_ids == (5, 7)

@@ -27,7 +27,7 @@ def validate_pair(config: DrafterConfig, target) -> None:
         problems.append(f"hidden size: drafter {config.hidden_size} vs target {tc.hidden_size}")
     if config.vocab_size != tc.vocab_size:
         problems.append(f"vocab size: drafter {config.vocab_size} vs target {tc.vocab_size}")
-    if config.num_target_layers != tc.num_layers:
+    if config.num_target_layers is not None and config.num_target_layers != tc.num_layers:
         problems.append(f"number of target layers: drafter expects {config.num_target_layers}, "
                         f"target has {tc.num_layers}")
     bad = [i for i in config.target_layer_ids if not 0 <= i < tc.num_layers]
@@ -53,6 +53,8 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
         mask = resolve_mask_token_id(None, tokenizer, target.config.vocab_size if target else None)
         config = dataclasses.replace(config, mask_token_id=mask)
     if target is not None:
+        if config.num_target_layers is None:
+            config = dataclasses.replace(config, num_target_layers=target.config.num_layers)
         validate_pair(config, target)
     shapes = drafter_param_shapes(config, dtype)
     params = hf_to_params(drafter_rules(config.attention_bias), ShardedCheckpoint(path), shapes,

@@ -2,6 +2,8 @@
 is installed) or a GGUF file (Llama architecture) -> `Target` with params and tokenizer."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -52,6 +54,17 @@ def params_from_tensors(config: ModelConfig, tensors, dtype, desc: str):
                             progress=lambda _: bar.update())
 
 
+def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:
+    """Add the stop ids of generation_config.json (e.g. Qwen3's <|im_end|> and <|endoftext|>)."""
+    file = directory / "generation_config.json"
+    if not file.is_file():
+        return config
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    eos = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    merged = tuple(dict.fromkeys([*config.eos_token_ids, *map(int, eos)]))
+    return dataclasses.replace(config, eos_token_ids=merged)
+
+
 def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl: str = "auto") -> Target:
     """Load a target model for generation or drafter training.
 
@@ -71,7 +84,7 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         tok = gguf_tokenizer(path) if tokenizer else None
         return Target(config, params, tok, dtype, attn_impl)
 
-    config = ModelConfig.from_hf_config(read_config_json(path))
+    config = with_generation_eos(ModelConfig.from_hf_config(read_config_json(path)), path)
     has_safetensors = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
     if has_safetensors:
         tensors = ShardedCheckpoint(path)

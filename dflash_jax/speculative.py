@@ -194,7 +194,9 @@ def decode(target, drafter, cfg, target_params, drafter_params, state, params) -
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[list[int]]  # generated tokens per row, cut after the first stop token
-    acceptance_lengths: list[list[int]]  # tokens emitted by each verify cycle (accepted + 1)
+    # Tokens emitted by each verify cycle (accepted + 1). As in the official code, the last cycle
+    # of a row counts everything it accepted, even past a stop token or max_new_tokens.
+    acceptance_lengths: list[list[int]]
     prefill_seconds: float
     decode_seconds: float
     compile_seconds: float  # 0.0 when the executables came from the cache

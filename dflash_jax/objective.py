@@ -58,25 +58,53 @@ def block_targets(tokens, loss_mask, anchors, valid, block_size: int, decay: flo
     return labels, weights.astype(jnp.float32)
 
 
+def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024):
+    """Cross-entropy and argmax-correctness through an LM head, `chunk` positions at a time.
+
+    head: hidden [..., D] -> float32 logits [..., V]; hidden [B, M, D]; labels [B, M].
+    Each chunk's logits are recomputed in the backward pass (jax.checkpoint), so peak memory holds
+    B x chunk x V logits instead of B x M x V (M = N blocks x G slots, V ~ 150k for Qwen3).
+    Returns (ce [B, M], correct [B, M]).
+    """
+    b, m, d = hidden.shape
+    chunk = max(1, min(chunk, m))
+    pad = -m % chunk
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d)
+    labels = jnp.pad(labels, ((0, 0), (0, pad))).reshape(b, -1, chunk)
+
+    @jax.checkpoint
+    def one(h, y):  # [B, chunk, D], [B, chunk]
+        logits = head(h)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        return log_z - picked, jnp.argmax(logits, axis=-1) == y
+
+    ce, correct = jax.lax.map(lambda args: one(*args), (jnp.moveaxis(hidden, 1, 0), jnp.moveaxis(labels, 1, 0)))
+    ce = jnp.moveaxis(ce, 0, 1).reshape(b, -1)[:, :m]
+    correct = jnp.moveaxis(correct, 0, 1).reshape(b, -1)[:, :m]
+    return ce, correct
+
+
 def dflash_loss(drafter, target, drafter_params, target_params, features, tokens, loss_mask, anchors,
-                valid, decay: float | None = None):
+                valid, decay: float | None = None, logits_chunk: int = 1024):
     """Weighted block cross-entropy of the drafter for one packed batch.
 
-    features [B, T, n*D] come from the (frozen) target over the same tokens [B, T].
-    Returns (loss, metrics) with per-slot accuracy for monitoring.
+    features [B, T, n*D] come from the (frozen) target over the same tokens [B, T]. The target's
+    embedding table and LM head are used frozen (no gradient reaches them).
+    Returns (loss, metrics) with the accuracy of the weighted slots for monitoring.
     """
     g = drafter.config.block_size
     decay = default_decay(g) if decay is None else decay
     b, n = anchors.shape
+    frozen = jax.lax.stop_gradient(target_params)
     block = block_inputs(tokens, anchors, g, drafter.config.mask_token_id)
-    embeds = jax.lax.stop_gradient(target.embed(target_params, block))
+    embeds = target.embed(frozen, block)
     hidden = drafter.train_hidden(drafter_params, features, embeds, anchors, valid)
-    logits = target.logits(jax.lax.stop_gradient(target_params), hidden).reshape(b, n, g, -1)
     labels, weights = block_targets(tokens, loss_mask, anchors, valid, g, decay)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    ce = -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
-    total = jnp.maximum(jnp.sum(weights), 1e-9)
-    loss = jnp.sum(weights * ce) / total
-    correct = (jnp.argmax(logits, -1) == labels) & (weights > 0)
-    accuracy = jnp.sum(correct) / jnp.maximum(jnp.sum(weights > 0), 1)
+    ce, correct = chunked_cross_entropy(lambda h: target.logits(frozen, h), hidden,
+                                        labels.reshape(b, n * g), logits_chunk)
+    weights = weights.reshape(b, n * g)
+    loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
+    counted = weights > 0
+    accuracy = jnp.sum(correct & counted) / jnp.maximum(jnp.sum(counted), 1)
     return loss, {"loss": loss, "accuracy": accuracy}

@@ -1,0 +1,57 @@
+"""The training objective: anchors, block targets and weights, chunked cross-entropy."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dflash_jax.objective import block_inputs, block_targets, chunked_cross_entropy, default_decay, sample_anchors
+
+
+def test_anchor_candidates_are_distinct_sorted_and_inside_the_mask():
+    mask = np.zeros((3, 20), bool)
+    mask[0, 5:15] = True  # candidates 5..13
+    mask[1, [2, 3, 10]] = True  # candidate 2 only
+    anchors, valid = sample_anchors(jax.random.PRNGKey(0), jnp.asarray(mask), 4)
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
+    assert valid[0].all() and len(set(anchors[0])) == 4 and (np.diff(anchors[0]) > 0).all()
+    assert all(mask[0, a] and mask[0, a + 1] for a in anchors[0])
+    assert valid[1].tolist() == [True, False, False, False] and anchors[1, 0] == 2
+    assert not valid[2].any()
+    # Fresh draws differ; over many draws every candidate appears (uniform over candidates).
+    seen = set()
+    for seed in range(30):
+        a, _ = sample_anchors(jax.random.PRNGKey(seed), jnp.asarray(mask[:1]), 2)
+        seen.update(np.asarray(a)[0].tolist())
+    assert seen == set(range(5, 14))
+
+
+def test_block_targets_labels_weights_and_padding():
+    tokens = jnp.arange(10)[None] + 100
+    loss_mask = jnp.asarray([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1]], bool)
+    anchors = jnp.asarray([[2, 8, 0]])
+    valid = jnp.asarray([[True, True, False]])
+    labels, weights = block_targets(tokens, loss_mask, anchors, valid, 4, decay=2.0)
+    assert np.asarray(labels)[0, 0].tolist() == [102, 103, 104, 105]
+    w = np.asarray(weights)[0]
+    np.testing.assert_allclose(w[0], [0, 1, np.exp(-0.5), np.exp(-1.0)], rtol=1e-6)
+    np.testing.assert_allclose(w[1], [0, 1, 0, 0])  # labels past the end get weight 0
+    np.testing.assert_allclose(w[2], 0)  # padding block
+    assert np.asarray(block_inputs(tokens, anchors, 4, 7))[0, :4].tolist() == [102, 7, 7, 7]
+    assert default_decay(16) == 7 and default_decay(10) == 5 and default_decay(8) == 4
+
+
+def test_chunked_cross_entropy_equals_dense_with_gradients():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(8, 50)).astype(np.float32))
+    hidden = jnp.asarray(rng.normal(size=(2, 13, 8)).astype(np.float32))
+    labels = jnp.asarray(rng.integers(0, 50, size=(2, 13)))
+
+    def dense(h):
+        return optax.softmax_cross_entropy_with_integer_labels(h @ w, labels)
+
+    ce, correct = chunked_cross_entropy(lambda h: h @ w, hidden, labels, chunk=4)
+    np.testing.assert_allclose(ce, dense(hidden), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(correct, jnp.argmax(hidden @ w, -1) == labels)
+    g1 = jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4)[0].sum())(hidden)
+    g2 = jax.grad(lambda h: dense(h).sum())(hidden)
+    np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)

@@ -16,9 +16,7 @@ Nothing here touches the network: the tokenizer is built from the file's own met
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,24 +375,65 @@ def _adds_eos(tok) -> bool:
     return with_special != plain and with_special[-1:] == [eos]
 
 
+def _array(reader, key: str) -> list:
+    field = reader.fields.get(key)
+    return [] if field is None else list(field.contents())
+
+
+_CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4  # llama.cpp token types
+
+
 def _tokenizer_from_gguf_only(path: Path):
-    """``PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=name)`` would also read any
-    tokenizer.json / tokenizer_config.json lying next to the GGUF (and tokenizer.json would even
-    win over the GGUF). Build it from a private directory holding only a link to the file."""
+    """A byte-level BPE tokenizer built straight from the GGUF metadata with `tokenizers`.
+
+    transformers' own GGUF tokenizer path imports torch, which must never be needed at run time,
+    so the vocabulary, merges, special tokens and chat template are read here. Only the "gpt2"
+    (byte-level BPE) tokenizer model is supported; "smollm"/"llama-bpe"-style pre-tokenizers that
+    split digits one by one get a Digits pre-tokenizer, as llama.cpp does.
+    """
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    with tempfile.TemporaryDirectory(prefix="gguf_tok_") as tmp:
-        link = Path(tmp) / path.name
-        try:
-            os.symlink(path.resolve(), link)
-            folder = tmp
-        except OSError:  # no symlinks here: fall back to the file's own directory
-            folder = str(path.parent)
-        tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=path.name, local_files_only=True)
-    try:
-        tok.name_or_path = str(path)
-    except AttributeError:
-        pass
+    reader = GGUFReader(path, "r")
+    meta = _scalar_metadata(reader)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE, "
+                         "'gpt2'); load the target from a Hugging Face directory with its tokenizer.json")
+    tokens = _array(reader, "tokenizer.ggml.tokens")
+    types = _array(reader, "tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in _array(reader, "tokenizer.ggml.merges")]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                   fuse_unk=False, continuing_subword_prefix="", end_of_word_suffix=""))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if meta.get("tokenizer.ggml.pre") in ("smollm", "llama-bpe", "llama3", "qwen2", "deepseek-llm"):
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    special = [t for t, kind in zip(tokens, types) if kind in (_CONTROL_TOKEN, _USER_DEFINED_TOKEN)]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+
+    def token(key: str):
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=token("bos_token_id"), eos_token=token("eos_token_id"),
+        unk_token=token("unknown_token_id"), pad_token=token("padding_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"))
+    tok.add_bos_token = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    tok.add_eos_token = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if tok.add_bos_token and tok.bos_token:  # the plain post-processor below never adds it
+        from tokenizers import processors
+
+        backend = tok.backend_tokenizer
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{tok.bos_token} $A", pair=f"{tok.bos_token} $A $B",
+            special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    tok.name_or_path = str(path)
     return tok
 
 

@@ -172,11 +172,13 @@ def check_fits(cache: KVCache, num_tokens: int) -> None:
     concrete; under jit the caller sizes the cache, as `generate` does)."""
     if num_tokens > cache.capacity:
         raise ValueError(f"{num_tokens} tokens are longer than the cache ({cache.capacity} positions)")
-    if not isinstance(cache.lengths, jax.core.Tracer):
+    try:
         need = int(jnp.max(cache.lengths)) + num_tokens
-        if need > cache.capacity:
-            raise ValueError(f"prompt too long for the cache: {need} positions needed, "
-                             f"capacity {cache.capacity}")
+    except jax.errors.ConcretizationTypeError:  # traced lengths: the caller sized the cache
+        return
+    if need > cache.capacity:
+        raise ValueError(f"prompt too long for the cache: {need} positions needed, "
+                         f"capacity {cache.capacity}")
 
 
 def init_target_params(config: ModelConfig, rng, dtype=jnp.float32):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -30,7 +30,6 @@ from typing import Sequence
 
 from infer.generate import (
     DTYPE_CHOICES,
-    EXIT_ERROR,
     CLIError,
     encode_prompt,
     histogram_text,
@@ -38,6 +37,7 @@ from infer.generate import (
     notice,
     resolve_drafter_path,
     resolve_target_path,
+    run_cli,
 )
 
 SMOKE_PROMPTS = ["What is the capital of France?", "Name three primary colors."]
@@ -154,8 +154,6 @@ def _mode_record(result, with_acceptance: bool) -> dict:
 
 
 def run_benchmark(target, drafter, prompts: list[dict], args) -> tuple[list[dict], dict, list[dict]]:
-    import numpy as np
-
     runner = Runner(target, args)
     records, histogram, skipped = [], None, 0
     for i, prompt in enumerate(prompts):
@@ -359,14 +357,7 @@ def run(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_args(parser, args)
-    try:
-        return run(args)
-    except CLIError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+    return run_cli(build_parser, _check_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -350,15 +350,20 @@ def run(args) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_cli(build_parser, check_args, run, argv: Sequence[str] | None = None) -> int:
+    """Parse, check, run; a CLIError becomes one `error:` line and exit code 2 (shared by the CLIs)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_args(parser, args)
+    check_args(parser, args)
     try:
         return run(args)
     except CLIError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(build_parser, _check_args, run, argv)
 
 
 if __name__ == "__main__":

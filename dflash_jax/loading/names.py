@@ -10,7 +10,6 @@ import re
 from typing import Any, Callable, Mapping
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from dflash_jax.config import ModelConfig
@@ -87,7 +86,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     present with the right shape and every tensor present must be mapped (or allowed): otherwise a
     ValueError names the offenders.
     """
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) else np.dtype(dtype)
+    np_dtype = np.dtype(dtype)  # jnp.bfloat16 is ml_dtypes.bfloat16, a numpy dtype
     expected_names = {name for rule in rules for name in rule.hf_names(num_layers)}
     present = set(tensors)
     missing = sorted(expected_names - present)

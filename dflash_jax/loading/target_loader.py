@@ -81,7 +81,7 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         checkpoint = read_gguf(path)
         config = ModelConfig.from_hf_config(checkpoint.hf_config)
         params = params_from_tensors(config, checkpoint.tensors, dtype, f"loading {path.name}")
-        tok = gguf_tokenizer(path) if tokenizer else None
+        tok = gguf_tokenizer(checkpoint) if tokenizer else None
         return Target(config, params, tok, dtype, attn_impl)
 
     config = with_generation_eos(ModelConfig.from_hf_config(read_config_json(path)), path)

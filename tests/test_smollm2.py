@@ -31,7 +31,7 @@ def target(gguf_path):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def chat_ids(target):
-    from infer.generate import encode_prompt
+    from dflash_jax.cli.common import encode_prompt
 
     return encode_prompt(target.tokenizer, QUESTION)
 
@@ -69,7 +69,7 @@ def test_greedy_answer_is_sensible(target, hf_model, chat_ids):  # noqa: F811
 
 
 def test_incremental_detokenizer_keeps_multibyte_characters(target):
-    from infer.generate import IncrementalDetokenizer
+    from dflash_jax.cli.common import IncrementalDetokenizer
 
     text = "Café ünïcödé 日本語 ✓ 🙂 done"
     ids = target.tokenizer(text, add_special_tokens=False)["input_ids"]

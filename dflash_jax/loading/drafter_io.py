@@ -1,53 +1,35 @@
-"""Official DFlash drafter directories (config.json + model.safetensors) <-> `Drafter`."""
+"""Official DFlash drafter directories (config.json + model.safetensors, or pytorch_model.bin when
+torch is installed) <-> `Drafter`."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
+import shutil
+import uuid
 from pathlib import Path
 
-import jax.numpy as jnp
-
-from dflash_jax.config import read_config_json
+from dflash_jax.config import read_config_json, write_config_json
 from dflash_jax.drafter import Drafter, drafter_param_shapes
-from dflash_jax.drafter_config import DrafterConfig, resolve_mask_token_id
+from dflash_jax.drafter_config import DrafterConfig, resolve_mask_token_id, validate_pair
+from dflash_jax.errors import DrafterMismatchError
+from dflash_jax.loading.checkpoint_files import open_checkpoint
+from dflash_jax.loading.dtypes import dtype_name, resolve_dtype
 from dflash_jax.loading.names import drafter_rules, hf_to_params, params_to_hf
-from dflash_jax.loading.safetensors_io import ShardedCheckpoint, save_safetensors
-from dflash_jax.loading.target_loader import resolve_dtype
+from dflash_jax.loading.safetensors_io import save_safetensors
 
-
-class DrafterMismatchError(ValueError):
-    """The drafter was trained for a different target."""
-
-
-def validate_pair(config: DrafterConfig, target) -> None:
-    """Raise DrafterMismatchError naming both sides when the drafter cannot serve this target."""
-    tc = target.config
-    problems = []
-    if config.hidden_size != tc.hidden_size:
-        problems.append(f"hidden size: drafter {config.hidden_size} vs target {tc.hidden_size}")
-    if config.vocab_size != tc.vocab_size:
-        problems.append(f"vocab size: drafter {config.vocab_size} vs target {tc.vocab_size}")
-    if config.num_target_layers is not None and config.num_target_layers != tc.num_layers:
-        problems.append(f"number of target layers: drafter expects {config.num_target_layers}, "
-                        f"target has {tc.num_layers}")
-    bad = [i for i in config.target_layer_ids if not 0 <= i < tc.num_layers]
-    if bad:
-        problems.append(f"target_layer_ids {bad} out of range for a {tc.num_layers}-layer target")
-    if config.mask_token_id is None or not 0 <= config.mask_token_id < tc.vocab_size:
-        problems.append(f"mask token id {config.mask_token_id} is not inside the target vocabulary "
-                        f"(size {tc.vocab_size})")
-    if problems:
-        raise DrafterMismatchError("drafter does not match target: " + "; ".join(problems))
+__all__ = ["DrafterMismatchError", "load_drafter", "save_drafter", "validate_pair"]
 
 
 def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: str = "auto") -> Drafter:
-    """Read an official DFlash drafter directory; validate it against `target` when given."""
+    """Read an official DFlash drafter directory; validate it against `target` when given (before
+    any tensor is read). Bad input raises one exception naming the file: FileNotFoundError,
+    ConfigError, CheckpointError, TorchRequiredError, DrafterMismatchError."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"drafter directory does not exist: {path}")
     dtype = resolve_dtype(dtype)
     hf = read_config_json(path)
-    config = DrafterConfig.from_hf_config(hf)
+    config = DrafterConfig.from_hf_config(hf, source=str(path / "config.json"))
     if config.mask_token_id is None:
         tokenizer = getattr(target, "tokenizer", None)
         mask = resolve_mask_token_id(None, tokenizer, target.config.vocab_size if target else None)
@@ -57,20 +39,50 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
             config = dataclasses.replace(config, num_target_layers=target.config.num_layers)
         validate_pair(config, target)
     shapes = drafter_param_shapes(config, dtype)
-    params = hf_to_params(drafter_rules(config.attention_bias), ShardedCheckpoint(path), shapes,
-                          config.num_layers, dtype)
+    params = hf_to_params(drafter_rules(config.attention_bias), open_checkpoint(path), shapes,
+                          config.num_layers, dtype, source=str(path))
     return Drafter(config, params, hf, dtype, attn_impl)
 
 
-def save_drafter(drafter: Drafter, out_dir: str | Path) -> Path:
-    """Write the official layout: config.json + model.safetensors (the params' dtype)."""
+def _sibling(path: Path, tag: str) -> Path:
+    """A new, hidden directory beside `path` (created with the usual permissions)."""
+    sibling = path.parent / f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}"
+    sibling.mkdir()
+    return sibling
+
+
+@contextlib.contextmanager
+def replace_directory(out_dir: Path, overwrite: bool):
+    """Yield a temporary directory beside `out_dir`; when the block succeeds it is renamed to `out_dir`
+    (an existing `out_dir` is first moved aside, then deleted: replaced only with overwrite=True, or
+    when empty). On failure the temporary directory is removed and `out_dir` is left as it was."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory or replace it "
+                              "explicitly (overwrite=True; --force on the command line)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(out_dir, "tmp")
+    try:
+        yield tmp
+        if out_dir.exists():
+            old = _sibling(out_dir, "old")
+            out_dir.rename(old / out_dir.name)
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_drafter(drafter: Drafter, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the official layout: config.json + model.safetensors (the params' dtype), atomically.
+    An existing non-empty `out_dir` is refused (FileExistsError) unless overwrite=True."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     tensors = params_to_hf(drafter_rules(drafter.config.attention_bias), drafter.params,
                            drafter.config.num_layers)
-    dtype_name = "bfloat16" if jnp.dtype(drafter.dtype) == jnp.dtype(jnp.bfloat16) else "float32"
-    save_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    hf = drafter.config.to_hf_config(drafter.hf_config, dtype_name)
-    (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    with replace_directory(out_dir, overwrite) as tmp:
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_config_json(tmp, drafter.config.to_hf_config(drafter.hf_config, dtype_name(drafter.dtype)))
     return out_dir
-

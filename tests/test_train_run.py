@@ -1,0 +1,160 @@
+"""Training runs end to end on the tiny fitted target: tau rises, kill-and-resume reproduces an
+uninterrupted run, bad input fails with one clear error and leaves nothing half-written."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+import fitted_models
+from dflash_jax import generate
+from dflash_jax.config import write_config_json
+from dflash_jax.drafter import Drafter, init_drafter_params
+from dflash_jax.loading.drafter_io import load_drafter
+from dflash_jax.loading.names import params_to_hf, target_rules
+from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors
+from train import checkpointing, drafter_init
+from train.config import ConfigError, config_from_dict
+from train.export import export
+from train.train import drafter_config_for, train
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT, NEW = 4, 28
+VOCAB = 32  # draft vocabulary of the reduced-vocabulary run (the data uses 40 ids)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(target dir, train JSONL, held-out prompts): the fitted target and its own greedy continuations."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = fitted_models.fit_target()
+    cfg = fitted_models.TARGET_CONFIG
+    hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": cfg.vocab_size,
+          "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+          "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+          "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+          "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+          "tie_word_embeddings": False}
+    target_dir = root / "target"
+    target_dir.mkdir()
+    save_safetensors(params_to_hf(target_rules(cfg), target.params, cfg.num_layers), target_dir / "model.safetensors")
+    write_config_json(target_dir, hf)
+    prompts = fitted_models.pattern_batch(np.random.default_rng(1), 72, PROMPT).tolist()
+    out = generate(target, None, prompts, max_new_tokens=NEW, stop_token_ids=())
+    data = root / "train.jsonl"
+    with data.open("w") as f:
+        for p, t in zip(prompts[:64], out.tokens[:64]):
+            f.write(json.dumps({"tokens": p + t, "loss_mask": [0] * PROMPT + [1] * len(t)}) + "\n")
+    return target, target_dir, data, prompts[64:]
+
+
+def settings(tiny, out_dir, **run):
+    _, target_dir, data, _ = tiny
+    return {"model": {"target": str(target_dir), "num_layers": 1, "intermediate_size": 128, "block_size": 8,
+                      "target_layer_ids": [0, 2], "mask_token_id": fitted_models.MASK},
+            "data": {"path": str(data), "max_length": 32, "batch_size": 8, "seed": 3},
+            "optim": {"learning_rate": 3e-3, "warmup_ratio": 0.05},
+            "run": {"out_dir": str(out_dir), "steps": 120, "num_anchors": 8, "log_every": 20,
+                    "checkpoint_every": 60, "async_checkpointing": False, **run}}
+
+
+def test_a_short_run_raises_tau_through_generate(tiny, tmp_path):
+    target, _, _, held_out = tiny
+    cfg = config_from_dict(settings(tiny, tmp_path / "run"))
+    last = train(cfg, target=target)
+    assert last["step"] == 120 and np.isfinite(last["loss"])
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    assert len(lines) == 6 and last["loss"] < first["loss"] and len(first["slot_accuracy"]) == 7
+    dcfg = drafter_config_for(cfg, target)
+    _, params = checkpointing.restore_params(tmp_path / "run")
+    untrained = Drafter(dcfg, init_drafter_params(dcfg, jax.random.PRNGKey(0)))
+    tau_before = generate(target, untrained, held_out, max_new_tokens=24, stop_token_ids=()).tau
+    tau_after = generate(target, Drafter(dcfg, params["drafter"]), held_out, max_new_tokens=24,
+                         stop_token_ids=()).tau
+    assert tau_after > tau_before + 1.0, (tau_before, tau_after)
+
+    exported = export(tmp_path / "run", tmp_path / "drafter", dtype="float32")
+    loaded = load_drafter(exported, target=target)
+    assert loaded.config == dcfg
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, params["drafter"])
+    with pytest.raises(FileExistsError, match="--force"):
+        export(tmp_path / "run", tmp_path / "drafter")
+
+
+def _launch(config_file: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-m", "train.train", "--config", str(config_file), *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_kill_and_resume_equals_an_uninterrupted_run(tiny, tmp_path):
+    configs = {}
+    for name in ("straight", "killed"):
+        configs[name] = tmp_path / f"{name}.yaml"
+        values = settings(tiny, tmp_path / name, steps=400, checkpoint_every=25, log_every=50, keep_checkpoints=2)
+        values["model"]["draft_vocab_size"] = VOCAB  # a reduced draft vocabulary: labels outside it weigh 0
+        configs[name].write_text(yaml.safe_dump(values))
+    straight, killed = _launch(configs["straight"]), _launch(configs["killed"])
+    first = tmp_path / "killed" / "checkpoints" / "25"
+    deadline = time.time() + 400
+    while not first.is_dir() and time.time() < deadline and killed.poll() is None:
+        time.sleep(0.02)
+    assert killed.poll() is None, "the run ended before it could be killed: " + killed.stdout.read()
+    assert first.is_dir(), "no checkpoint within the deadline"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert straight.wait(timeout=300) == 0, straight.stdout.read()
+    resumed = _launch(configs["killed"], "--resume")
+    assert resumed.wait(timeout=300) == 0, resumed.stdout.read()
+
+    step_a, a = checkpointing.restore_params(tmp_path / "straight")
+    step_b, b = checkpointing.restore_params(tmp_path / "killed")
+    assert step_a == step_b == 400
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    data_state = lambda run: (run / "checkpoints" / "400" / "data" / "process_0-of-1.json").read_text()
+    assert data_state(tmp_path / "straight") == data_state(tmp_path / "killed")
+
+    exported = export(tmp_path / "straight", tmp_path / "drafter")
+    tensors = SafetensorsFile(exported / "model.safetensors")
+    d2t, t2d, head = tensors["d2t"], tensors["t2d"], tensors["lm_head.weight"]
+    assert d2t.dtype == np.int64 and d2t.shape == (VOCAB,) and t2d.dtype == bool and t2d.shape == (48,)
+    np.testing.assert_array_equal(np.flatnonzero(t2d), d2t + np.arange(VOCAB))
+    np.testing.assert_allclose(head.astype(np.float32), np.asarray(a["draft_head"]).T, rtol=1e-2, atol=1e-3)
+    assert json.loads((exported / "config.json").read_text())["draft_vocab_size"] == VOCAB
+
+
+def test_bad_input_fails_with_one_clear_error(tiny, tmp_path):
+    target = tiny[0]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="no records"):
+        train(config_from_dict(settings(tiny, tmp_path / "a"), [f"data.path={empty}"]), target=target)
+    with pytest.raises(drafter_init.DrafterFitError, match=r"target_layer_ids \[7\]"):
+        train(config_from_dict(settings(tiny, tmp_path / "b"), ["model.target_layer_ids=[0,7]"]), target=target)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+    corrupt = tmp_path / "c" / "checkpoints" / "60"
+    (corrupt / "state").mkdir(parents=True)
+    (corrupt / "state" / "garbage").write_text("not a checkpoint")
+    with pytest.raises(checkpointing.CheckpointError, match="cannot be restored"):
+        train(config_from_dict(settings(tiny, tmp_path / "c")), resume=True, target=target)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        train(config_from_dict(settings(tiny, tmp_path / "c")), target=target)
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['run.stepz'\]"):
+        config_from_dict(settings(tiny, tmp_path / "d"), ["run.stepz=3"])
+    with pytest.raises(ConfigError, match="optim.learning_rate: expected a number"):
+        config_from_dict(settings(tiny, tmp_path / "d"), ["optim.learning_rate=fast"])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_shipped_configs_are_valid(name):
+    cfg = config_from_dict(yaml.safe_load((ROOT / "configs" / name).read_text()))
+    assert cfg.run.steps > 0 and cfg.data.batch_size % cfg.optim.grad_accum == 0

@@ -1,0 +1,146 @@
+"""The drafter train step: online vs offline features, reduced-vocabulary loss, warm start,
+gradient accumulation."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fitted_models
+from dflash_jax import objective
+from dflash_jax.config import ModelConfig
+from dflash_jax.drafter import Drafter
+from dflash_jax.target import Target, init_target_params
+from train import drafter_init, step as step_lib
+
+NUM_ANCHORS = 6
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = Target(fitted_models.TARGET_CONFIG,
+                    init_target_params(fitted_models.TARGET_CONFIG, jax.random.PRNGKey(0)))
+    config = fitted_models.drafter_config(block_size=4)
+    params = drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1))
+    rng = np.random.default_rng(0)
+    tokens = fitted_models.pattern_batch(rng, 4, 24)
+    loss_mask = np.ones(tokens.shape, bool)
+    loss_mask[:, :5] = False  # a prompt
+    loss_mask[1, 18:] = False  # a shorter row (padding)
+    batch = {"tokens": tokens, "loss_mask": loss_mask, "lengths": np.asarray([24, 18, 24, 24], np.int32)}
+    return target, config, params, batch
+
+
+def run_step(target, config, params, batch, frozen_extra=None, **spec_kwargs):
+    spec = step_lib.StepSpec(num_anchors=NUM_ANCHORS, decay=4.0, **spec_kwargs)
+    schedule = step_lib.learning_rate_schedule(1e-3, 10, 0.1)
+    optimizer = step_lib.make_optimizer(schedule)
+    state = step_lib.init_state(params, optimizer, seed=3)
+    frozen = {"target": target.params, **(frozen_extra or {})}
+    fn = jax.jit(step_lib.make_train_step(target, config, spec, optimizer, schedule))
+    batch = jax.tree.map(jnp.asarray, batch)
+    return fn(state, frozen, batch)
+
+
+def test_online_and_offline_features_give_the_same_step(setup):
+    target, config, params, batch = setup
+    features = step_lib.target_features(target, target.params, jnp.asarray(batch["tokens"]), config.target_layer_ids)
+    online_state, online = run_step(target, config, params, batch)
+    offline_state, offline = run_step(target, config, params, {**batch, "features": np.asarray(features)})
+    np.testing.assert_allclose(online["loss"], offline["loss"], rtol=1e-6)
+    assert float(online["loss"]) > 0 and online["slot_accuracy"].shape == (config.block_size - 1,)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 online_state.params, offline_state.params)
+    assert int(online_state.step) == 1
+
+
+def test_gradient_accumulation_equals_one_big_batch(setup):
+    target, config, params, batch = setup
+    full = {**batch, "loss_mask": np.ones_like(batch["loss_mask"])}  # equal weight sums per micro-batch
+    one_state, one = run_step(target, config, params, full)
+    two_state, two = run_step(target, config, params, full, grad_accum=2)
+    np.testing.assert_allclose(one["loss"], two["loss"], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 one_state.params, two_state.params)
+
+
+def test_reduced_vocabulary_loss_equals_a_hand_computed_reference(setup):
+    target, config, params, batch = setup
+    keep = np.asarray([0, 2, 3, 5, 8, 13, 21, 34], np.int32)  # draft id -> target id
+    target_to_draft = np.full((config.vocab_size,), -1, np.int32)
+    target_to_draft[keep] = np.arange(len(keep))
+    params = drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1),
+                                         draft_to_target=keep)
+    head = np.asarray(params["draft_head"])
+    np.testing.assert_array_equal(head, np.asarray(target.params["lm_head"]["kernel"])[:, keep])
+    tokens, mask = jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"])
+    anchors, valid = objective.sample_anchors(jax.random.PRNGKey(5), mask, NUM_ANCHORS)
+    features = step_lib.target_features(target, target.params, tokens, config.target_layer_ids)
+    micro = {"tokens": tokens, "loss_mask": mask, "features": features, "anchors": anchors, "valid": valid}
+    spec = step_lib.StepSpec(num_anchors=NUM_ANCHORS, decay=2.0)
+    frozen = {"target": target.params, "target_to_draft": jnp.asarray(target_to_draft)}
+    loss, slots = step_lib.batch_loss(target, config, spec, params, frozen, micro)
+
+    hidden = objective.drafter_block_hidden(Drafter(config, None), target, params["drafter"], target.params,
+                                            features, tokens, anchors, valid)
+    logits = np.asarray(hidden, np.float64) @ head.astype(np.float64)  # [B, N*G, Vd]
+    tokens, mask, anchors, valid = map(np.asarray, (tokens, mask, anchors, valid))
+    g, total, weight_sum = config.block_size, 0.0, 0.0
+    hits, counts = np.zeros(g), np.zeros(g)
+    for b in range(tokens.shape[0]):
+        for j in range(NUM_ANCHORS):
+            for k in range(1, g):
+                pos = anchors[b, j] + k
+                if not valid[b, j] or pos >= tokens.shape[1] or not mask[b, pos]:
+                    continue
+                row = logits[b, j * g + k]
+                counts[k] += 1
+                draft_id = target_to_draft[tokens[b, pos]]
+                if draft_id < 0:
+                    continue  # weight 0, and counts as a miss
+                w = np.exp(-(k - 1) / 2.0)
+                log_z = np.log(np.sum(np.exp(row - row.max()))) + row.max()
+                total += w * (log_z - row[draft_id])
+                weight_sum += w
+                hits[k] += row.argmax() == draft_id
+    assert weight_sum > 0 and counts[1:].min() > 0 and (target_to_draft[tokens] < 0).any()
+    np.testing.assert_allclose(float(loss), total / weight_sum, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(slots)[1:], hits[1:] / counts[1:], rtol=1e-6)
+
+
+def test_warm_start_copies_the_targets_top_layers():
+    llama = dataclasses.replace(fitted_models.TARGET_CONFIG, arch="llama", qk_norm=False, num_layers=4,
+                                layer_types=())
+    target = Target(llama, init_target_params(llama, jax.random.PRNGKey(2)))
+    config = dataclasses.replace(fitted_models.drafter_config(), num_layers=2, num_target_layers=4,
+                                 layer_types=())
+    params = drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1), warm=True,
+                                         fc_init="last_feature")["drafter"]
+    src, dst = target.params["layers"], params["layers"]
+    for path in (("self_attn", "q_proj", "kernel"), ("self_attn", "o_proj", "kernel"), ("mlp", "down_proj", "kernel"),
+                 ("input_layernorm", "scale"), ("post_attention_layernorm", "scale")):
+        get = lambda tree: tree[path[0]][path[1]] if len(path) == 2 else tree[path[0]][path[1]][path[2]]
+        np.testing.assert_array_equal(get(dst), get(src)[2:4])
+    np.testing.assert_array_equal(params["layers"]["self_attn"]["q_norm"]["scale"], 1.0)  # llama has none
+    np.testing.assert_array_equal(params["norm"]["scale"], target.params["norm"]["scale"])
+    d = config.hidden_size
+    kernel = np.asarray(params["fc"]["kernel"])
+    np.testing.assert_array_equal(kernel[d:], np.eye(d))
+    np.testing.assert_array_equal(kernel[:d], 0)
+    narrow = dataclasses.replace(config, intermediate_size=32)
+    with pytest.raises(drafter_init.DrafterFitError, match="intermediate_size"):
+        drafter_init.initial_params(narrow, target, target.params, jax.random.PRNGKey(1), warm=True)
+
+
+def test_attending_in_anchor_groups_gives_the_same_hidden_states(setup):
+    target, config, params, batch = setup
+    tokens, mask = jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"])
+    anchors, valid = objective.sample_anchors(jax.random.PRNGKey(7), mask, NUM_ANCHORS)
+    features = step_lib.target_features(target, target.params, tokens, config.target_layer_ids)
+    run = jax.jit(lambda chunk: objective.drafter_block_hidden(
+        Drafter(config, None), target, params["drafter"], target.params, features, tokens, anchors, valid, chunk),
+        static_argnums=0)
+    np.testing.assert_allclose(run(2), run(0), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of anchor_chunk"):
+        run(4)

@@ -1,0 +1,215 @@
+"""Training configuration: frozen, validated dataclasses loaded from YAML with dotted overrides.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["optim.learning_rate=1e-3", "run.steps=50"])
+
+Sections: `model` (target and drafter shape), `data` (train.data.DataConfig), `optim`, `run`.
+Unknown keys and values of the wrong type raise ConfigError naming the file and the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from train.data import DataConfig
+
+FEATURE_MODES = ("online", "offline")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+FC_INITS = ("random", "last_feature")
+
+
+class ConfigError(ValueError):
+    """A training config that cannot run; the message names the file and key."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    target: str = "smollm2"  # HF directory or .gguf file; "smollm2" = the embedded SmolLM2-135M GGUF
+    target_dtype: str = "float32"
+    num_layers: int = 1  # drafter depth
+    intermediate_size: int | None = None  # drafter MLP width; None = the target's
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] | None = None  # None = the official selection rule
+    mask_token_id: int | None = None  # None = resolve_mask_token_id(tokenizer)
+    warm_start: bool = False  # drafter layers <- the target's top num_layers layers
+    fc_init: str = "random"  # "last_feature": fc passes the deepest captured feature through
+    draft_vocab_size: int = 0  # 0 = full target vocabulary
+    draft_vocab_path: str | None = None  # saved DraftVocab (.npz); built from data counts when absent
+
+    def __post_init__(self):
+        _check(self.target_dtype in COMPUTE_DTYPES, f"model.target_dtype must be one of {COMPUTE_DTYPES}")
+        _check(self.num_layers >= 1, "model.num_layers must be >= 1")
+        _check(self.block_size >= 2, "model.block_size must be >= 2")
+        _check(self.intermediate_size is None or self.intermediate_size >= 1,
+               "model.intermediate_size must be positive")
+        _check(self.fc_init in FC_INITS, f"model.fc_init must be one of {FC_INITS}")
+        _check(self.draft_vocab_size >= 0, "model.draft_vocab_size must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    final_lr_ratio: float = 0.0  # cosine decays to learning_rate * final_lr_ratio
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_accum: int = 1  # micro-batches per optimizer step (the global batch is split)
+
+    def __post_init__(self):
+        _check(self.learning_rate > 0, "optim.learning_rate must be positive")
+        _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)")
+        _check(self.grad_accum >= 1, "optim.grad_accum must be >= 1")
+        _check(self.clip_norm > 0, "optim.clip_norm must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    out_dir: str = "runs/default"
+    steps: int = 1000
+    seed: int = 0
+    num_anchors: int = 64  # blocks per sequence, redrawn every step
+    anchor_chunk: int = 0  # > 0: attend in groups of this many anchors (cheaper attention, same loss)
+    decay: float | None = None  # slot-weight decay; None = the paper's value for the block size
+    compute_dtype: str = "float32"  # drafter activations; master params stay float32
+    logits_chunk: int = 1024
+    mesh_data: int = -1  # -1 = all devices / mesh_fsdp
+    mesh_fsdp: int = 1
+    shard_target: bool = False  # fsdp-shard the frozen target like the drafter (else replicated)
+    log_every: int = 10
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    async_checkpointing: bool = True
+    eval_every: int = 0  # 0 = never; tau with generate on held-out prompts
+    eval_path: str | None = None  # pre-tokenized JSONL; the prompt is each record's unmasked prefix
+    eval_prompts: int = 4
+    eval_max_new_tokens: int = 64
+
+    def __post_init__(self):
+        _check(self.steps >= 1, "run.steps must be >= 1")
+        _check(self.num_anchors >= 1, "run.num_anchors must be >= 1")
+        _check(self.anchor_chunk == 0 or self.num_anchors % self.anchor_chunk == 0,
+               "run.num_anchors must be a multiple of run.anchor_chunk")
+        _check(self.compute_dtype in COMPUTE_DTYPES, f"run.compute_dtype must be one of {COMPUTE_DTYPES}")
+        _check(self.mesh_fsdp >= 1 and (self.mesh_data >= 1 or self.mesh_data == -1),
+               "run.mesh_data must be -1 or >= 1 and run.mesh_fsdp >= 1")
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
+            _check(getattr(self, name) >= 1, f"run.{name} must be >= 1")
+        _check(self.eval_every == 0 or self.eval_path, "run.eval_every > 0 needs run.eval_path")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelSettings = ModelSettings()
+    data: DataConfig = None  # type: ignore[assignment]  # required: data.path
+    optim: OptimSettings = OptimSettings()
+    run: RunSettings = RunSettings()
+
+    def __post_init__(self):
+        _check(self.data is not None, "the `data` section (with data.path) is required")
+        _check(self.data.batch_size % self.optim.grad_accum == 0,
+               f"data.batch_size ({self.data.batch_size}) must be a multiple of optim.grad_accum "
+               f"({self.optim.grad_accum})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Convert a YAML value to the field's annotated type (int, float, bool, str, X | None,
+    tuple[int, ...]) or raise ConfigError naming the key."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _coerce(value, inner, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(_coerce(v, typing.get_args(hint)[0], key) for v in value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {hint}")
+
+
+def _build(cls, values: dict, prefix: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {[prefix + k for k in unknown]}; known in "
+                          f"{prefix.rstrip('.') or 'the top level'}: {names}")
+    kwargs = {}
+    for name in names:
+        if name not in values:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, values[name] or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(values[name], hint, prefix + name)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        child = tree.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {p!r} is not a section")
+        tree = child
+    tree[leaf] = value
+
+
+def config_from_dict(values: dict, overrides: typing.Sequence[str] = ()) -> TrainConfig:
+    values = {k: dict(v) if isinstance(v, dict) else v for k, v in (values or {}).items()}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        _set_dotted(values, key.strip(), yaml.safe_load(raw))
+    return _build(TrainConfig, values, "")
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+        return config_from_dict(values, overrides)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e

@@ -1,0 +1,96 @@
+"""The drafter a training run starts from: its config (fitted to the target) and initial params.
+
+Levers: warm start (drafter layers <- the target's top layers), fc passing the deepest captured
+feature through, and a reduced draft vocabulary head initialised from the target's LM head columns.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.drafter import init_drafter_params
+from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids, resolve_mask_token_id
+from dflash_jax.loading.drafter_io import validate_pair
+
+LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+
+
+class DrafterFitError(ValueError):
+    """The configured drafter cannot serve the target (one message lists every problem)."""
+
+
+def build_drafter_config(target, *, num_layers: int, block_size: int, intermediate_size: int | None = None,
+                         target_layer_ids=None, mask_token_id: int | None = None) -> DrafterConfig:
+    """A drafter shaped like the target's layers (hidden size, heads, RoPE), the official
+    target-layer rule unless ids are given, and the mask token resolved from the tokenizer."""
+    tc = target.config
+    layer_ids = tuple(target_layer_ids) if target_layer_ids is not None else \
+        default_target_layer_ids(tc.num_layers, num_layers)
+    try:
+        mask = resolve_mask_token_id(mask_token_id, target.tokenizer, tc.vocab_size)
+        config = DrafterConfig(
+            hidden_size=tc.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
+            num_layers=num_layers, num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads,
+            head_dim=tc.head_dim, vocab_size=tc.vocab_size, num_target_layers=tc.num_layers,
+            target_layer_ids=layer_ids, block_size=block_size, mask_token_id=mask,
+            rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling,
+            max_position_embeddings=tc.max_position_embeddings)
+        validate_pair(config, target)
+    except ValueError as e:
+        raise DrafterFitError(f"the configured drafter does not fit the target "
+                              f"({tc.num_layers} layers, hidden {tc.hidden_size}, vocab {tc.vocab_size}): {e}") from e
+    return config
+
+
+def target_head_kernel(target, target_params):
+    """The target's LM head as a kernel [D, V] (the embedding transposed when tied)."""
+    if target.config.tie_word_embeddings:
+        return target_params["embed_tokens"]["embedding"].T
+    return target_params["lm_head"]["kernel"]
+
+
+def warm_start(drafter_params, target_params, num_target_layers: int):
+    """Drafter layer i <- target layer (L - n + i) for attention projections, norms and MLP; the
+    final norm <- the target's. q_norm/k_norm stay as initialised (ones) when the target has none."""
+    n = jax.tree.leaves(drafter_params["layers"])[0].shape[0]
+    top = slice(num_target_layers - n, num_target_layers)
+    source = target_params["layers"]
+
+    def copy(dst, src, where):
+        if dst.shape != src[top].shape:
+            raise DrafterFitError(f"warm start: drafter {where} has shape {dst.shape[1:]}, target layers "
+                                  f"have {src.shape[1:]} (set model.intermediate_size to the target's)")
+        return jnp.asarray(src[top], dst.dtype)
+
+    def merge(dst, src, where):
+        return {k: (merge(v, src[k], f"{where}.{k}") if isinstance(v, dict) else copy(v, src[k], f"{where}.{k}"))
+                if k in src else v for k, v in dst.items()}
+
+    layers = {k: (merge(v, source[k], k) if k in LAYER_PARTS else v) for k, v in drafter_params["layers"].items()}
+    norm = {"scale": jnp.asarray(target_params["norm"]["scale"], drafter_params["norm"]["scale"].dtype)}
+    return {**drafter_params, "layers": layers, "norm": norm}
+
+
+def last_feature_fc(drafter_params, num_features: int):
+    """fc kernel [n*D, D] = [0; ...; 0; I]: the context starts as the deepest captured feature."""
+    kernel = drafter_params["fc"]["kernel"]
+    d = kernel.shape[1]
+    eye = jnp.zeros_like(kernel).at[(num_features - 1) * d:].set(jnp.eye(d, dtype=kernel.dtype))
+    return {**drafter_params, "fc": {"kernel": eye}}
+
+
+def initial_params(config: DrafterConfig, target, target_params, rng, *, warm: bool = False,
+                   fc_init: str = "random", draft_to_target: np.ndarray | None = None) -> dict:
+    """{"drafter": params} (+ {"draft_head": target LM head columns [D, Vd]} for a draft vocabulary)."""
+    drafter = init_drafter_params(config, rng, jnp.float32)
+    if warm:
+        drafter = warm_start(drafter, target_params, target.config.num_layers)
+    if fc_init == "last_feature":
+        drafter = last_feature_fc(drafter, config.num_features)
+    params = {"drafter": drafter}
+    if draft_to_target is not None:
+        head = target_head_kernel(target, target_params)
+        params["draft_head"] = jnp.asarray(head[:, np.asarray(draft_to_target)], jnp.float32)
+    return params
+

@@ -1,0 +1,79 @@
+"""Export a trained drafter to the official DFlash layout (config.json + model.safetensors).
+
+    python -m train.export RUN_DIR OUT_DIR [--step N] [--dtype bfloat16] [--force]
+
+RUN_DIR is a `train.train` run directory (its latest checkpoint unless --step). The full-vocabulary
+layout is the official one (loadable by the official PyTorch code, vLLM and SGLang). A run with a
+reduced draft vocabulary also writes, in EAGLE-3's convention as vLLM and SpecForge read it, the
+tensors `d2t` (int64 [Vd]: target_id = draft_id + d2t[draft_id]), `t2d` (bool [V]) and the
+drafter's own `lm_head.weight` [Vd, D], and `draft_vocab_size` in config.json.
+The output directory appears in one rename; an existing one is replaced only with --force.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import read_config_json, write_config_json
+from dflash_jax.draft_vocab import DraftVocab
+from dflash_jax.drafter import Drafter
+from dflash_jax.drafter_config import DrafterConfig
+from dflash_jax.loading.drafter_io import replace_directory, save_drafter
+from dflash_jax.loading.dtypes import resolve_dtype
+from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors
+from train import checkpointing
+from train.train import VOCAB_FILE
+
+
+def add_draft_vocabulary(directory: Path, vocab: DraftVocab, head_kernel, dtype) -> None:
+    """Add d2t, t2d and lm_head.weight [Vd, D] (from the head kernel [D, Vd]) to DIR's
+    model.safetensors and draft_vocab_size to its config.json."""
+    file = directory / "model.safetensors"
+    tensors = {name: np.asarray(value) for name, value in SafetensorsFile(file).items()}
+    tensors.update(vocab.to_eagle3())
+    tensors["lm_head.weight"] = np.asarray(jnp.asarray(head_kernel, dtype).T)
+    save_safetensors(tensors, file, metadata={"format": "pt"})
+    hf = read_config_json(directory)
+    write_config_json(directory, {**hf, "draft_vocab_size": vocab.size})
+
+
+def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, dtype: str = "bfloat16",
+           force: bool = False) -> Path:
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    hf = read_config_json(run_dir / "drafter")
+    config = DrafterConfig.from_hf_config(hf)
+    step, params = checkpointing.restore_params(run_dir, step)
+    dtype = resolve_dtype(dtype)
+    drafter = Drafter(config, jax.tree.map(lambda p: jnp.asarray(p, dtype), params["drafter"]), hf, dtype)
+    vocab_file = run_dir / VOCAB_FILE
+    with replace_directory(out_dir, force) as tmp:
+        save_drafter(drafter, tmp, overwrite=True)
+        if "draft_head" in params:
+            add_draft_vocabulary(tmp, DraftVocab.load(vocab_file), params["draft_head"], dtype)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="a train.train run directory (run.out_dir)")
+    p.add_argument("out_dir", help="the drafter directory to write")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (official) or float32")
+    p.add_argument("--force", action="store_true", help="replace an existing out_dir")
+    args = p.parse_args(argv)
+    try:
+        out = export(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype, force=args.force)
+    except (FileNotFoundError, FileExistsError, ValueError, checkpointing.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Train state, optimizer, loss and the jitted train step of the DFlash drafter.
+
+Trainable params are {"drafter": drafter params} plus {"draft_head": kernel [D, Vd]} with a
+reduced draft vocabulary; the target (embedding, LM head, and in online mode its layers) is frozen.
+Master params are float32; `compute_dtype` casts them for the forward pass only.
+
+batch (the dict train.data.make_iterator yields, as global arrays):
+    tokens [B, T] int32, loss_mask [B, T] bool, lengths [B] int32, features [B, T, n*D] (offline only)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from dflash_jax import objective
+from dflash_jax.drafter import Drafter
+from dflash_jax.drafter_config import DrafterConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Static settings of one train step (hashable)."""
+
+    num_anchors: int
+    decay: float
+    logits_chunk: int = 1024
+    compute_dtype: str = "float32"
+    grad_accum: int = 1
+    anchor_chunk: int = 0  # > 0: blocks attend in groups of this many anchors (objective.drafter_block_hidden)
+
+
+class TrainState(flax.struct.PyTreeNode):
+    step: jax.Array  # int32 []: optimizer steps done
+    params: Any  # {"drafter": ..., "draft_head": [D, Vd] (reduced vocabulary only)}, float32
+    opt_state: Any
+    rng: jax.Array  # uint32 [2]; step s draws its anchors from fold_in(rng, s)
+
+
+def learning_rate_schedule(learning_rate: float, total_steps: int, warmup_ratio: float,
+                           final_lr_ratio: float = 0.0) -> optax.Schedule:
+    """Linear warmup from 0 over warmup_ratio * total_steps, then cosine decay."""
+    warmup = max(1, round(warmup_ratio * total_steps))
+    return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(total_steps, warmup + 1),
+                                              learning_rate * final_lr_ratio)
+
+
+def make_optimizer(schedule: optax.Schedule, *, clip_norm: float = 1.0, weight_decay: float = 0.0,
+                   b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (the paper: lr 6e-4, warmup 4%, clip 1.0, wd 0)."""
+    return optax.chain(optax.clip_by_global_norm(clip_norm),
+                       optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+
+
+def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                      rng=jax.random.PRNGKey(seed))
+
+
+def target_features(target, target_params, tokens, layer_ids):
+    """Online mode: the frozen target's captured features [B, T, n*D] (no gradient)."""
+    _, features, _ = target.forward(jax.lax.stop_gradient(target_params), tokens, capture=layer_ids)
+    return jax.lax.stop_gradient(features)
+
+
+def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch):
+    """Loss and per-slot accuracy [G] of one (micro-)batch that carries its anchors [B, N] and
+    their validity [B, N] (objective.sample_anchors).
+
+    frozen: {"target": target params, "target_to_draft": int32 [V] (reduced vocabulary only)}.
+    Labels outside a reduced draft vocabulary weigh 0 and count as wrong for accuracy.
+    """
+    dtype = DTYPES[spec.compute_dtype]
+    target_params = jax.lax.stop_gradient(frozen["target"])
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    if "features" in batch:
+        features = batch["features"]
+    else:
+        features = target_features(target, target_params, tokens, config.target_layer_ids)
+    anchors, valid = batch["anchors"], batch["valid"]
+    drafter = Drafter(config, None, dtype=dtype)
+    drafter_params = jax.tree.map(lambda p: p.astype(dtype), params["drafter"])
+    hidden = objective.drafter_block_hidden(drafter, target, drafter_params, target_params,
+                                            features.astype(dtype), tokens, anchors, valid, spec.anchor_chunk)
+    labels, weights = objective.block_targets(tokens, loss_mask, anchors, valid, config.block_size, spec.decay)
+    counted = weights > 0
+    if "draft_head" in params:
+        labels, weights = objective.draft_labels(labels, weights, frozen["target_to_draft"])
+        kernel = params["draft_head"].astype(dtype)
+        head = lambda h: jnp.einsum("bmd,dv->bmv", h, kernel).astype(jnp.float32)
+    else:
+        head = lambda h: target.logits(target_params, h)
+    return objective.weighted_block_loss(head, hidden, labels, weights, counted, spec.logits_chunk)
+
+
+def _micro_batches(batch: dict, count: int) -> dict:
+    """[B, ...] -> [count, B // count, ...]; micro-batch a holds rows a, a + count, ... so that
+    each device's contiguous rows stay on it."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1),
+                        batch)
+
+
+def make_train_step(target, config: DrafterConfig, spec: StepSpec, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule) -> Callable:
+    """(state, frozen, batch) -> (new state, metrics).
+
+    Anchors are drawn for the whole batch from fold_in(state.rng, state.step), then gradients are
+    averaged over spec.grad_accum micro-batches. metrics: loss, slot_accuracy [G-1] (slots 1..G-1), tau_estimate, grad_norm,
+    learning_rate."""
+
+    def step(state: TrainState, frozen, batch):
+        anchors, valid = objective.sample_anchors(jax.random.fold_in(state.rng, state.step),
+                                                  batch["loss_mask"], spec.num_anchors)
+        batch = {**batch, "anchors": anchors, "valid": valid}
+        grad_fn = jax.value_and_grad(lambda p, mb: batch_loss(target, config, spec, p, frozen, mb), has_aux=True)
+
+        def accumulate(total, micro):
+            (loss, slots), grads = grad_fn(state.params, micro)
+            return jax.tree.map(jnp.add, total, grads), (loss, slots)
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, (losses, slots) = jax.lax.scan(accumulate, zeros, _micro_batches(batch, spec.grad_accum))
+        grads = jax.tree.map(lambda g: g / spec.grad_accum, grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        slot_accuracy = jnp.mean(slots, axis=0)[1:]
+        metrics = {"loss": jnp.mean(losses), "slot_accuracy": slot_accuracy,
+                   "tau_estimate": objective.tau_estimate(slot_accuracy),
+                   "grad_norm": optax.global_norm(grads), "learning_rate": schedule(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return step

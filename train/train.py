@@ -1,0 +1,250 @@
+"""Train a DFlash drafter for a frozen target.
+
+    python -m train.train --config configs/tiny_cpu.yaml [section.key=value ...] [--resume]
+    python -m train.train --config configs/qwen3_8b.yaml --coordinator HOST:PORT --num-processes 4 --process-id 0
+
+Writes RUN_DIR (= run.out_dir): config.yaml, drafter/config.json (the drafter's official config),
+draft_vocab.npz (reduced vocabulary only), metrics.jsonl (one line per log step), checkpoints/.
+Online mode runs the target inside the step; offline mode reads cached features (data.path is a
+feature cache written by `python -m train.cache_features`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from tqdm.auto import tqdm
+
+from dflash_jax.draft_vocab import DraftVocab, build_draft_vocab
+from dflash_jax.drafter import Drafter
+from dflash_jax.loading.target_loader import load_target
+from dflash_jax.objective import default_decay
+from dflash_jax.speculative import generate
+from train import checkpointing, data as data_lib, drafter_init, mesh as mesh_lib, step as step_lib
+from train.config import ConfigError, TrainConfig, load_config
+
+log = logging.getLogger("train")
+VOCAB_FILE = "draft_vocab.npz"
+
+
+def load_target_model(cfg: TrainConfig):
+    if cfg.model.target == "smollm2":
+        from dflash_jax.loading.gguf_reader import smollm2_gguf_path
+
+        return load_target(smollm2_gguf_path(), dtype=cfg.model.target_dtype)
+    return load_target(cfg.model.target, dtype=cfg.model.target_dtype)
+
+
+def drafter_config_for(cfg: TrainConfig, target):
+    m = cfg.model
+    return drafter_init.build_drafter_config(target, num_layers=m.num_layers, block_size=m.block_size,
+                                             intermediate_size=m.intermediate_size,
+                                             target_layer_ids=m.target_layer_ids, mask_token_id=m.mask_token_id)
+
+
+def check_feature_cache(cfg: TrainConfig, drafter_config) -> None:
+    """Offline mode: the cache must hold the features of the drafter's target layers."""
+    meta = json.loads((Path(cfg.data.path) / data_lib.META).read_text())
+    if tuple(meta["target_layer_ids"]) != drafter_config.target_layer_ids or \
+            meta["hidden_size"] != drafter_config.hidden_size:
+        raise ConfigError(f"{cfg.data.path}: feature cache has layers {meta['target_layer_ids']} of width "
+                          f"{meta['hidden_size']}; the drafter needs layers {list(drafter_config.target_layer_ids)} "
+                          f"of width {drafter_config.hidden_size} (rerun train.cache_features or set "
+                          f"model.target_layer_ids)")
+
+
+def draft_vocabulary(cfg: TrainConfig, run_dir: Path, target, records) -> DraftVocab | None:
+    """The run's draft vocabulary: RUN_DIR's (on resume), model.draft_vocab_path, or built from the
+    loss-masked token counts of the training data (the target's stop tokens always kept)."""
+    size = cfg.model.draft_vocab_size
+    if not size:
+        return None
+    saved = run_dir / VOCAB_FILE
+    if saved.is_file():
+        vocab = DraftVocab.load(saved)
+    elif cfg.model.draft_vocab_path:
+        vocab = DraftVocab.load(cfg.model.draft_vocab_path)
+    else:
+        counts = data_lib.count_tokens(cfg.data, target.tokenizer, target.config.vocab_size)
+        vocab = build_draft_vocab(counts, size, always_include=target.config.eos_token_ids)
+    if vocab.size != size or vocab.target_vocab_size != target.config.vocab_size:
+        raise ConfigError(f"draft vocabulary has {vocab.size} of {vocab.target_vocab_size} ids; the config asks "
+                          f"for {size} of the target's {target.config.vocab_size}")
+    return vocab
+
+
+def eval_prompts(path: str, count: int) -> list[list[int]]:
+    """Held-out prompts: each pre-tokenized record's tokens before its first loss-masked token."""
+    prompts = []
+    with open(path) as f:
+        for line in f:
+            if line.strip() and len(prompts) < count:
+                record = json.loads(line)
+                mask = np.asarray(record["loss_mask"], bool)
+                start = int(np.argmax(mask)) if mask.any() else len(mask)
+                prompts.append([int(t) for t in record["tokens"][:max(start, 1)]])
+    return prompts
+
+
+def measure_tau(target, drafter_config, drafter_params, prompts, max_new_tokens: int) -> float:
+    drafter = Drafter(drafter_config, jax.device_get(drafter_params))
+    return generate(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                    block_size=drafter_config.block_size).tau
+
+
+class MetricsLog:
+    """metrics.jsonl (process 0 only) and the progress bar's postfix."""
+
+    def __init__(self, run_dir: Path, bar, enabled: bool):
+        self.path, self.bar, self.enabled = run_dir / "metrics.jsonl", bar, enabled
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in record.items()
+                              if k in ("loss", "tau_estimate", "tau", "tokens_per_s")}, refresh=False)
+
+
+def prepare_run_dir(cfg: TrainConfig, run_dir: Path, resume: bool, drafter_config) -> None:
+    has_checkpoints = checkpointing.checkpoint_dir(run_dir).is_dir() and \
+        any(checkpointing.checkpoint_dir(run_dir).iterdir())
+    if resume and not has_checkpoints:
+        raise checkpointing.CheckpointError(f"--resume: no checkpoints in {checkpointing.checkpoint_dir(run_dir)}")
+    if not resume and has_checkpoints:
+        raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume, or a new run.out_dir")
+    if jax.process_index() == 0:
+        (run_dir / "drafter").mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        (run_dir / "drafter" / "config.json").write_text(
+            json.dumps(drafter_config.to_hf_config(), indent=2, sort_keys=True) + "\n")
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
+    """Run (or resume) training; returns the last logged metrics. `target` skips loading it."""
+    run_dir = Path(cfg.run.out_dir)
+    target = load_target_model(cfg) if target is None else target
+    drafter_config = drafter_config_for(cfg, target)
+    offline = data_lib.is_feature_cache(cfg.data.path)
+    if offline:
+        check_feature_cache(cfg, drafter_config)
+    try:
+        records = data_lib.load_records(cfg.data, target.tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"data.path: {e}") from e
+    prepare_run_dir(cfg, run_dir, resume, drafter_config)
+    vocab = draft_vocabulary(cfg, run_dir, target, records)
+    if vocab is not None and jax.process_index() == 0:
+        vocab.save(run_dir / VOCAB_FILE)
+
+    mesh = mesh_lib.make_mesh(cfg.run.mesh_data, cfg.run.mesh_fsdp)
+    schedule = step_lib.learning_rate_schedule(cfg.optim.learning_rate, cfg.run.steps, cfg.optim.warmup_ratio,
+                                               cfg.optim.final_lr_ratio)
+    optimizer = step_lib.make_optimizer(schedule, clip_norm=cfg.optim.clip_norm,
+                                        weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2)
+    spec = step_lib.StepSpec(num_anchors=cfg.run.num_anchors,
+                             decay=cfg.run.decay or default_decay(drafter_config.block_size),
+                             logits_chunk=cfg.run.logits_chunk, compute_dtype=cfg.run.compute_dtype,
+                             grad_accum=cfg.optim.grad_accum, anchor_chunk=cfg.run.anchor_chunk)
+
+    frozen = {"target": target.params}
+    if vocab is not None:
+        frozen["target_to_draft"] = jnp.asarray(vocab.target_to_draft())
+    frozen_shardings = mesh_lib.tree_shardings(mesh, frozen, shard=cfg.run.shard_target)
+    frozen = jax.device_put(frozen, frozen_shardings)
+
+    def fresh_state(target_params):
+        params = drafter_init.initial_params(
+            drafter_config, target, target_params, jax.random.PRNGKey(cfg.run.seed), warm=cfg.model.warm_start,
+            fc_init=cfg.model.fc_init, draft_to_target=None if vocab is None else vocab.draft_to_target)
+        return step_lib.init_state(params, optimizer, cfg.run.seed)
+
+    abstract = jax.eval_shape(fresh_state, frozen["target"])
+    state_shardings = mesh_lib.tree_shardings(mesh, abstract)
+    iterator = data_lib.make_iterator(cfg.data, target.tokenizer, records=records)
+    manager = checkpointing.make_manager(run_dir, cfg.run.keep_checkpoints, cfg.run.async_checkpointing)
+    if resume:
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                abstract, state_shardings)
+        state, iterator = checkpointing.restore(manager, abstract, iterator)
+    else:
+        state = jax.jit(fresh_state, out_shardings=state_shardings)(frozen["target"])
+
+    train_step = jax.jit(step_lib.make_train_step(target, drafter_config, spec, optimizer, schedule),
+                         in_shardings=(state_shardings, frozen_shardings, mesh_lib.batch_sharding(mesh)),
+                         out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,))
+    prompts = eval_prompts(cfg.run.eval_path, cfg.run.eval_prompts) if cfg.run.eval_every else []
+    if prompts and vocab is not None:
+        log.warning("run.eval_every: generate has no reduced-vocabulary drafting yet; only the tau estimate is logged")
+    start = int(jax.device_get(state.step))
+    last: dict = {}
+    with tqdm(total=cfg.run.steps, initial=start, desc="train", unit="step", disable=None) as bar:
+        metrics_log = MetricsLog(run_dir, bar, jax.process_index() == 0)
+        clock, tokens, blocks = time.perf_counter(), 0, 0
+        for step in range(start + 1, cfg.run.steps + 1):
+            try:
+                local = next(iterator)
+            except StopIteration:
+                log.info("data exhausted after %d epochs at step %d", cfg.data.num_epochs, step - 1)
+                break
+            batch = mesh_lib.global_batch(mesh, local)
+            state, metrics = train_step(state, frozen, batch)
+            tokens += int(np.sum(local["lengths"])) * jax.process_count()
+            blocks += cfg.data.batch_size * cfg.run.num_anchors * drafter_config.block_size
+            bar.update()
+            if step % cfg.run.log_every == 0 or step == cfg.run.steps:
+                metrics = jax.device_get(metrics)
+                elapsed = time.perf_counter() - clock
+                steps_done = step - (last.get("step", start))
+                last = {"step": step, "loss": float(metrics["loss"]), "tau_estimate": float(metrics["tau_estimate"]),
+                        "slot_accuracy": [round(float(a), 5) for a in metrics["slot_accuracy"]],
+                        "grad_norm": float(metrics["grad_norm"]), "learning_rate": float(metrics["learning_rate"]),
+                        "step_time": elapsed / steps_done, "tokens_per_s": tokens / elapsed,
+                        "block_tokens_per_s": blocks / elapsed}
+                if cfg.run.eval_every and step % cfg.run.eval_every == 0 and vocab is None:
+                    last["tau"] = measure_tau(target, drafter_config, state.params["drafter"], prompts,
+                                              cfg.run.eval_max_new_tokens)
+                metrics_log.write(last)
+                clock, tokens, blocks = time.perf_counter(), 0, 0
+            if step % cfg.run.checkpoint_every == 0 or step == cfg.run.steps:
+                checkpointing.save(manager, state, iterator)
+    manager.wait_until_finished()
+    manager.close()
+    return last
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m train.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="YAML file (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.learning_rate=1e-3 run.steps=100")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0 for multi-process runs")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        last = train(cfg, resume=args.resume)
+    except (ConfigError, checkpointing.CheckpointError, drafter_init.DrafterFitError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(last))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

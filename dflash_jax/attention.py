@@ -1,8 +1,15 @@
-"""The attention seam: every attention in dflash_jax (target, drafter, training) calls `attention`.
+"""The attention seam: every attention in dflash_jax (target, drafter, training) calls `attention`
+or, when part of its keys sit in a KV cache, `cache_attention`. Both dispatch between the Pallas
+kernel (`dflash_jax.kernels.block_attention`) and the plain-jnp reference beside it
+(`dflash_jax.kernels.reference`).
 
 q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D] with Hq % Hkv == 0 (GQA without repeating K/V);
 ranges: `masks.KeyRanges` ([B, Tq, 2] bounds). Output [B, Tq, Hq, D] in q's dtype. Scores,
 softmax and accumulation are float32. A query that sees no key yields zeros (never NaN).
+
+`cache_attention` attends over two parts, the used slots of one layer of a cache and the new keys,
+and merges them with their softmax statistics (out, log-sum-exp): the cache is only read, in key
+chunks whose count follows the filled length (not the capacity), and never concatenated.
 """
 from __future__ import annotations
 
@@ -11,7 +18,19 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.kernels import block_attention, block_attention_with_lse, unsupported_reason
+from dflash_jax.kernels.reference import (
+    CACHE_CHUNK,
+    chunked_cache_attention_with_lse,
+    reference_attention,
+    reference_attention_with_lse,
+)
 from dflash_jax.masks import KeyRanges
+
+__all__ = [
+    "IMPLS", "attention", "cache_attention", "chunked_cache_attention_with_lse", "merge_with_lse",
+    "reference_attention", "reference_attention_with_lse",
+]
 
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 
@@ -25,24 +44,32 @@ def _log_once(level: int, reason: str) -> None:
         logger.log(level, "attention: using the reference implementation: %s", reason)
 
 
-def reference_attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None):
-    """Plain-jnp attention with a materialised mask: the ground truth and the CPU path."""
-    b, tq, hq, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    scale = d**-0.5 if scale is None else scale
-    qg = q.reshape(b, tq, hkv, hq // hkv, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
-    visible = ranges.dense(tk)[:, None, None]  # [B, 1, 1, Tq, Tk]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    probs = jnp.exp(scores - row_max)
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
-    probs = probs / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, tq, hq, d).astype(q.dtype)
+def merge_with_lse(first, second):
+    """Merge two partial attentions over disjoint key sets: (out, lse) pairs -> out float32."""
+    (out1, lse1), (out2, lse2) = first, second
+    lse = jnp.logaddexp(lse1, lse2)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight1, weight2 = jnp.exp(lse1 - safe)[..., None], jnp.exp(lse2 - safe)[..., None]
+    return out1.astype(jnp.float32) * weight1 + out2.astype(jnp.float32) * weight2
+
+
+def _kernel_mode(impl: str, q, k, v, ranges: KeyRanges, scale) -> bool | None:
+    """None: use the reference; else the kernel's `interpret` flag. Validates impl."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLS}")
+    if impl == "reference":
+        return None
+    if impl == "auto":
+        backend = jax.default_backend()
+        if backend != "gpu":
+            _log_once(logging.DEBUG, f"backend is {backend!r}, the kernel needs a GPU")
+            return None
+        reason = unsupported_reason(q, k, v, ranges, scale)
+        if reason is not None:
+            _log_once(logging.WARNING, reason)
+            return None
+    # "pallas" / "pallas_interpret": the kernel raises on unsupported inputs.
+    return impl == "pallas_interpret"
 
 
 def attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, impl: str = "auto"):
@@ -53,22 +80,42 @@ def attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, impl: s
     "pallas_interpret" runs the kernel in Pallas interpret mode (CPU tests); "reference" the
     reference.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLS}")
-    if impl == "reference":
+    interpret = _kernel_mode(impl, q, k, v, ranges, scale)
+    if interpret is None:
         return reference_attention(q, k, v, ranges, scale=scale)
+    return block_attention(q, k, v, ranges, scale=scale, interpret=interpret)
 
-    # Lazy: the kernel module imports this one (for the reference backward).
-    from dflash_jax.kernels import block_attention, unsupported_reason
 
+def _partial(q, k, v, ranges: KeyRanges, scale, impl: str):
+    """(out, lse) of one part through the kernel or the dense reference (per `attention`'s rules)."""
+    interpret = _kernel_mode(impl, q, k, v, ranges, scale)
+    if interpret is None:
+        return reference_attention_with_lse(q, k, v, ranges, scale=scale)
+    return block_attention_with_lse(q, k, v, ranges, scale=scale, interpret=interpret)
+
+
+def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, ranges: KeyRanges, *,
+                    scale: float | None = None, impl: str = "auto", chunk_size: int = CACHE_CHUNK):
+    """Attention of q [B, Tq, Hq, D] over [layer `layer` of cache_k/v [L, B, S, Hkv, D] ; k, v
+    [B, T, Hkv, D]]: cache_ranges index the cache slots, ranges the new keys (0 .. T-1); build
+    both from one `KeyRanges` with `KeyRanges.segment`. -> [B, Tq, Hq, D] in q's dtype.
+
+    The reference reads the cache in chunks of chunk_size keys bounded by the visible slots; the
+    kernel ("pallas" / "pallas_interpret") reads the layer's slots and skips key tiles outside the
+    ranges. "auto" takes the reference here on every backend (see below).
+    """
     if impl == "auto":
-        backend = jax.default_backend()
-        if backend != "gpu":
-            _log_once(logging.DEBUG, f"backend is {backend!r}, the kernel needs a GPU")
-            return reference_attention(q, k, v, ranges, scale=scale)
-        reason = unsupported_reason(q, k, v, ranges, scale)
-        if reason is not None:
-            _log_once(logging.WARNING, reason)
-            return reference_attention(q, k, v, ranges, scale=scale)
-    # "pallas" / "pallas_interpret" raise on unsupported inputs.
-    return block_attention(q, k, v, ranges, scale=scale, interpret=impl == "pallas_interpret")
+        # The kernel path inside the models' layer scan (cache passed as a broadcast input) fails
+        # to trace on jax 0.11 / flax 0.12.10 on a GPU ("broadcasted variable has a data
+        # dependency on the scan body"); until that is fixed, "auto" reads caches with the
+        # reference, which ran on that GPU. "pallas" still forces the kernel.
+        impl = "reference"
+    layer_k = jax.lax.dynamic_index_in_dim(cache_k, layer, axis=0, keepdims=False)
+    layer_v = jax.lax.dynamic_index_in_dim(cache_v, layer, axis=0, keepdims=False)
+    if _kernel_mode(impl, q, layer_k, layer_v, cache_ranges, scale) is None:
+        cached = chunked_cache_attention_with_lse(q, cache_k, cache_v, layer, cache_ranges, scale=scale,
+                                                  chunk_size=chunk_size)
+    else:
+        cached = _partial(q, layer_k, layer_v, cache_ranges, scale, impl)
+    new = _partial(q, k, v, ranges, scale, impl)
+    return merge_with_lse(cached, new).astype(q.dtype)

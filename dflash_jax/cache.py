@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+UNROLLED_ROWS = 16  # batch rows written by unrolled updates; more rows use a loop
+
 
 @struct.dataclass
 class KVCache:
@@ -24,28 +26,50 @@ class KVCache:
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
+    @classmethod
+    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
+        """An empty cache for a model config (fields num_layers, num_kv_heads, head_dim)."""
+        return cls.zeros(config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim, dtype)
+
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
-
-def write_rows(buffer: jax.Array, layer: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
-    """Write new [B, T, H, D] into buffer [L, B, S, H, D] at (layer, b, offsets[b]:offsets[b]+T)."""
-
-    def write_one(row_buffer, row_new, offset):  # [L, S, H, D], [T, H, D], []
-        return jax.lax.dynamic_update_slice(row_buffer, row_new[None].astype(row_buffer.dtype),
-                                            (layer, offset, 0, 0))
-
-    return jax.vmap(write_one, in_axes=(1, 0, 0), out_axes=1)(buffer, new, offsets)
+    def append(self, k_new: jax.Array, v_new: jax.Array, num_new) -> "KVCache":
+        """Write k_new, v_new [L, B, T, Hkv, Dh] at each row's length; lengths += num_new ([B] or
+        a scalar; slots written past a row's num_new are garbage, overwritten later)."""
+        return KVCache(k=write_rows(self.k, k_new, self.lengths, axis=1),
+                       v=write_rows(self.v, v_new, self.lengths, axis=1),
+                       lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
 
 
-def read_layer(buffer: jax.Array, layer: jax.Array) -> jax.Array:
-    """[L, B, S, H, D] -> [B, S, H, D] of one (traced) layer."""
-    return jax.lax.dynamic_index_in_dim(buffer, layer, axis=0, keepdims=False)
+def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array, *, axis: int = 0) -> jax.Array:
+    """Write `new` into `buffer` row by row: row b of `new` (rows along `axis`) lands at
+    positions offsets[b] .. offsets[b] + T - 1 of the axis after `axis`; other axes are whole.
+
+    buffer [..., B, S, ...], new [..., B, T, ...] (same rank, T <= S), offsets [B] int.
+    One `dynamic_update_slice` with scalar offsets per row: XLA updates the buffer in place and
+    touches only the T new positions (a vmapped update with per-row offsets would lower to a
+    scatter over the whole buffer). Up to UNROLLED_ROWS rows the writes are unrolled; larger
+    batches write in a `fori_loop` so the program does not grow with the batch. Offsets past
+    S - T are clamped by XLA; callers size S.
+    """
+    new = new.astype(buffer.dtype)
+    zero = jnp.zeros((), jnp.int32)
+
+    def write(row, buffer):
+        start = [zero] * buffer.ndim
+        start[axis] = jnp.asarray(row, jnp.int32)
+        start[axis + 1] = offsets[row].astype(jnp.int32)
+        row_new = jax.lax.dynamic_slice_in_dim(new, row, 1, axis=axis)
+        return jax.lax.dynamic_update_slice(buffer, row_new, start)
+
+    rows = buffer.shape[axis]
+    if rows > UNROLLED_ROWS:
+        return jax.lax.fori_loop(0, rows, write, buffer)
+    for row in range(rows):
+        buffer = write(row, buffer)
+    return buffer

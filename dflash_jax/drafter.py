@@ -9,7 +9,8 @@ attention + SwiGLU MLP. The output goes through `norm`, then the TARGET's LM hea
 Two entry points share the layers:
 * inference: `append_context` projects the features of newly committed tokens into every layer's
   context K/V and appends them to a static-shape draft cache (`KVCache`, rollback by length);
-  `draft_hidden` runs one block per row against the cached context. Block K/V are never kept.
+  `draft_hidden` runs one block per row against the cached context: attention reads the cache's
+  used slots and the block's own K/V in two parts (`cache_attention`). Block K/V are never kept.
 * training: `train_hidden` runs a packed sequence [context | N blocks] where block j sees context
   positions < anchor_j and its own block only.
 """
@@ -24,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import masks
-from dflash_jax.attention import attention
+from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
+from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, rope_frequencies, rotary_cos_sin
+from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
 
 
 def _select_ranges(windowed: bool, windowed_ranges, full_ranges):
@@ -35,7 +37,8 @@ def _select_ranges(windowed: bool, windowed_ranges, full_ranges):
 
 
 class DrafterLayer(nn.Module):
-    """One K/V-injected layer. Both methods are scanned over layers (carry, per-layer xs)."""
+    """One K/V-injected layer. Its methods are scanned over layers as (carry, per-layer xs,
+    shared): `shared` is broadcast to every layer (read-only inputs such as the cache)."""
 
     config: DrafterConfig
     dtype: Any = jnp.float32
@@ -50,25 +53,43 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.mlp = MLP(cfg.intermediate_size, False, self.dtype)
 
-    def context_kv(self, carry, _):
-        """carry (context [B, C, D], cos, sin) -> per-layer context keys/values [B, C, Hkv, Dh]."""
-        context, cos, sin = carry
+    def context_kv(self, carry, _, shared):
+        """shared (context [B, C, D], cos, sin) -> per-layer context keys/values [B, C, Hkv, Dh]."""
+        context, cos, sin = shared
         return carry, self.self_attn.keys_values(context, cos, sin)
 
-    def __call__(self, carry, layer_xs):
-        """carry (hidden [B, Tq, D], cos, sin, full ranges, windowed ranges);
-        layer_xs (context k, context v [B, C, Hkv, Dh], windowed flag)."""
-        hidden, cos, sin, full_ranges, windowed_ranges = carry
-        k_ctx, v_ctx, windowed = layer_xs
+    def _block_qkv(self, hidden, cos, sin):
+        """Block states [B, Tq, D] -> queries [B, Tq, H, Dh], keys, values [B, Tq, Hkv, Dh]."""
         x = self.input_layernorm(hidden)
-        q = self.self_attn.queries(x, cos, sin)
-        k_blk, v_blk = self.self_attn.keys_values(x, cos, sin)
+        return (self.self_attn.queries(x, cos, sin), *self.self_attn.keys_values(x, cos, sin))
+
+    def _residual(self, hidden, attended):
+        hidden = hidden + self.self_attn.output(attended)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def __call__(self, hidden, layer_xs, shared):
+        """Training: hidden [B, Tq, D]; layer_xs (context k, context v [B, C, Hkv, Dh], windowed
+        flag); shared (cos, sin, full ranges, windowed ranges) over keys [context ; blocks]."""
+        cos, sin, full_ranges, windowed_ranges = shared
+        k_ctx, v_ctx, windowed = layer_xs
+        q, k_blk, v_blk = self._block_qkv(hidden, cos, sin)
         k = jnp.concatenate([k_ctx.astype(k_blk.dtype), k_blk], axis=1)
         v = jnp.concatenate([v_ctx.astype(v_blk.dtype), v_blk], axis=1)
         ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
-        hidden = hidden + self.self_attn.output(attention(q, k, v, ranges, impl=self.attn_impl))
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
-        return (hidden, cos, sin, full_ranges, windowed_ranges), None
+        return self._residual(hidden, attention(q, k, v, ranges, impl=self.attn_impl)), None
+
+    def decode(self, hidden, layer_xs, shared):
+        """Inference: hidden [B, G, D]; layer_xs (layer index, windowed flag); shared (cos, sin,
+        context cache, full ranges, windowed ranges) over keys [cache slots ; block]. The cache
+        is only read (`cache_attention`), never concatenated with the block."""
+        cos, sin, cache, full_ranges, windowed_ranges = shared
+        layer, windowed = layer_xs
+        q, k_blk, v_blk = self._block_qkv(hidden, cos, sin)
+        ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
+        slots = cache.capacity
+        attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, slots), k_blk, v_blk,
+                                   ranges.segment(slots, slots + k_blk.shape[1]), impl=self.attn_impl)
+        return self._residual(hidden, attended), None
 
 
 class DrafterModel(nn.Module):
@@ -84,16 +105,15 @@ class DrafterModel(nn.Module):
             DrafterLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
             length=cfg.num_layers,
-            methods=["context_kv", "__call__"],
+            methods=["context_kv", "__call__", "decode"],
         )(cfg, self.dtype, self.attn_impl)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        inv_freq, self._rope_scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope,
-                                                      cfg.max_position_embeddings)
-        self._inv_freq = np.asarray(inv_freq)
+        self.rotary = Rotary(cfg)
 
-    def _rope(self, positions):
-        return rotary_cos_sin(positions, self._inv_freq, self._rope_scale)
+    def _windowed_layers(self):
+        return jnp.asarray([w > 0 for w in self.config.layer_windows])
 
     def context_kv(self, features, positions):
         """features [B, C, n*D] at positions [B, C] -> keys, values [L, B, C, Hkv, Dh]."""
@@ -101,16 +121,24 @@ class DrafterModel(nn.Module):
             raise ValueError(f"features have width {features.shape[-1]}, expected "
                              f"{self.config.num_features} x {self.config.hidden_size}")
         context = self.hidden_norm(self.fc(features.astype(self.dtype)))
-        cos, sin = self._rope(positions)
-        _, (k, v) = self.layers.context_kv((context, cos, sin), None)
+        cos, sin = self.rotary(positions)
+        _, (k, v) = self.layers.context_kv(None, None, (context, cos, sin))
         return k, v
 
     def blocks(self, block_embeds, positions, k_ctx, v_ctx, full_ranges, windowed_ranges):
         """block_embeds [B, Tq, D] at positions [B, Tq] against context K/V [L, B, C, Hkv, Dh]."""
-        cos, sin = self._rope(positions)
-        windowed = jnp.asarray([w > 0 for w in self.config.layer_windows])
-        carry = (block_embeds.astype(self.dtype), cos, sin, full_ranges, windowed_ranges)
-        (hidden, *_), _ = self.layers(carry, (k_ctx, v_ctx, windowed))
+        cos, sin = self.rotary(positions)
+        hidden, _ = self.layers(block_embeds.astype(self.dtype), (k_ctx, v_ctx, self._windowed_layers()),
+                                (cos, sin, full_ranges, windowed_ranges))
+        return self.norm(hidden)
+
+    def cached_blocks(self, block_embeds, positions, cache: KVCache, full_ranges, windowed_ranges):
+        """block_embeds [B, G, D] at positions [B, G] against the context cache; ranges over keys
+        [cache slots ; block] -> hidden [B, G, D]."""
+        cos, sin = self.rotary(positions)
+        layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        hidden, _ = self.layers.decode(block_embeds.astype(self.dtype), (layers, self._windowed_layers()),
+                                       (cos, sin, cache, full_ranges, windowed_ranges))
         return self.norm(hidden)
 
     def __call__(self, features, positions, block_embeds, block_positions, full_ranges, windowed_ranges):
@@ -119,26 +147,62 @@ class DrafterModel(nn.Module):
         return self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
 
 
-def append_rows(cache: KVCache, k_new, v_new, num_new) -> KVCache:
-    """Write [L, B, T, Hkv, Dh] at each row's length; lengths += num_new."""
-
-    def write_one(buffer, new, offset):  # [L, S, H, D], [L, T, H, D]
-        return jax.lax.dynamic_update_slice(buffer, new.astype(buffer.dtype), (0, offset, 0, 0))
-
-    write = jax.vmap(write_one, in_axes=(1, 1, 0), out_axes=1)
-    return KVCache(k=write(cache.k, k_new, cache.lengths), v=write(cache.v, v_new, cache.lengths),
-                   lengths=cache.lengths + jnp.asarray(num_new, jnp.int32))
-
-
 @dataclasses.dataclass
 class Drafter:
-    """A loaded drafter: config, params, the config.json it came from, and pure functions."""
+    """A loaded drafter: config, params, the config.json it came from, and pure functions.
+
+    With a reduced draft vocabulary (config.draft_vocab_size = Vd) the drafter has its own head,
+    `draft_head` = {"kernel": [D, Vd], "draft_to_target": int32 [Vd] (ascending target ids)}, kept
+    apart from the Flax module's params. `loop_params` is what generation passes into its jitted
+    loop as `drafter_params` (never closed over): the module params alone, or {"drafter": module
+    params, "draft_head": draft_head}. `append_context` and `draft_hidden` take that layout.
+    """
 
     config: DrafterConfig
     params: Any
     hf_config: dict = dataclasses.field(default_factory=dict)
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
+    draft_head: Any = None
+
+    def __post_init__(self):
+        size = self.config.draft_vocab_size
+        if self.draft_head is None:
+            if size is not None and self.params is not None:
+                raise ValueError(f"the drafter config has draft_vocab_size={size} but no draft_head was given")
+            return
+        if size is None:
+            raise ValueError("a draft_head needs config.draft_vocab_size (use Drafter.with_draft_vocab)")
+        kernel, ids = self.draft_head["kernel"], self.draft_head["draft_to_target"]
+        if kernel.shape != (self.config.hidden_size, size) or ids.shape != (size,):
+            raise ValueError(f"draft_head: kernel {kernel.shape} and draft_to_target {ids.shape} must be "
+                             f"[{self.config.hidden_size}, {size}] and [{size}]")
+
+    def with_draft_vocab(self, kernel, vocab: DraftVocab) -> "Drafter":
+        """This drafter drafting over `vocab` with head kernel [D, Vd] (stored in self.dtype)."""
+        if vocab.target_vocab_size != self.config.vocab_size:
+            raise ValueError(f"the draft vocabulary maps into {vocab.target_vocab_size} target ids, the "
+                             f"drafter's vocabulary has {self.config.vocab_size}")
+        head = {"kernel": jnp.asarray(kernel, self.dtype),
+                "draft_to_target": jnp.asarray(vocab.draft_to_target, jnp.int32)}
+        config = dataclasses.replace(self.config, draft_vocab_size=vocab.size)
+        return dataclasses.replace(self, config=config, draft_head=head)
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        if self.draft_head is None:
+            return None
+        return DraftVocab(np.asarray(jax.device_get(self.draft_head["draft_to_target"])), self.config.vocab_size)
+
+    @property
+    def loop_params(self):
+        """The params generation passes into its jitted loop (see the class docstring)."""
+        if self.config.draft_vocab_size is None:
+            return self.params
+        return {"drafter": self.params, "draft_head": self.draft_head}
+
+    def _module_params(self, loop_params):
+        return loop_params if self.config.draft_vocab_size is None else loop_params["drafter"]
 
     @property
     def module(self) -> DrafterModel:
@@ -149,26 +213,29 @@ class Drafter:
         return self.config.block_size
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
-        cfg = self.config
-        return KVCache.zeros(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        """An empty context cache of `capacity` positions (the block never goes into it)."""
+        return KVCache.for_model(self.config, batch, capacity, self.dtype)
 
     def append_context(self, params, cache: KVCache, features, num_new=None) -> KVCache:
         """Append the features [B, T, n*D] of newly committed tokens (positions lengths .. +T-1).
-        Rows commit num_new[b] <= T tokens (default T); slots past that are overwritten later."""
+        Rows commit num_new[b] <= T tokens (default T); slots past that are overwritten later.
+        params: `loop_params`."""
         t = features.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        k, v = self.module.apply({"params": params}, features, positions, method=DrafterModel.context_kv)
-        return append_rows(cache, k, v, t if num_new is None else num_new)
+        k, v = self.module.apply({"params": self._module_params(params)}, features, positions,
+                                 method=DrafterModel.context_kv)
+        return cache.append(k, v, t if num_new is None else num_new)
 
     def draft_hidden(self, params, block_embeds, cache: KVCache):
         """One block per row, block_embeds [B, G, D] at positions lengths .. lengths + G - 1 (the
-        anchor sits at position lengths[b]); sees the row's cached context. -> hidden [B, G, D]."""
+        anchor sits at position lengths[b]); sees the row's cached context. -> hidden [B, G, D].
+        params: `loop_params`."""
         g = block_embeds.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
         full = masks.drafter_inference(cache.lengths, cache.capacity, g)
         windowed = masks.drafter_inference(cache.lengths, cache.capacity, g, self.config.sliding_window)
-        return self.module.apply({"params": params}, block_embeds, positions, cache.k, cache.v, full,
-                                 windowed, method=DrafterModel.blocks)
+        return self.module.apply({"params": self._module_params(params)}, block_embeds, positions, cache,
+                                 full, windowed, method=DrafterModel.cached_blocks)
 
     def train_hidden(self, params, features, block_embeds, anchors, block_valid):
         """Packed training forward.

@@ -54,6 +54,9 @@ class DrafterConfig(LayerLayout):
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0
     attention_bias: bool = False
+    # A reduced draft vocabulary (EAGLE-3 layout: `lm_head.weight`, `d2t`, `t2d` in the weights):
+    # the drafter's own head predicts draft_vocab_size target ids. None: the target's LM head.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         self._validate_sizes("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -66,6 +69,9 @@ class DrafterConfig(LayerLayout):
                if i < 0 or (self.num_target_layers is not None and i >= self.num_target_layers)]
         if bad:
             raise ValueError(f"target_layer_ids {bad} out of range for {self.num_target_layers} target layers")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must lie in [1, vocab_size={self.vocab_size}], "
+                             f"got {self.draft_vocab_size}")
         self._validate_layer_types()
 
     @property
@@ -100,6 +106,7 @@ class DrafterConfig(LayerLayout):
             block_size=dflash.int("block_size", fields.int("block_size", 16)),
             mask_token_id=mask_token_id,
             attention_bias=fields.bool("attention_bias", False),
+            draft_vocab_size=fields.int("draft_vocab_size", None),
         )
 
     def to_hf_config(self, base: dict | None = None, dtype_name: str = "bfloat16") -> dict:
@@ -125,12 +132,14 @@ class DrafterConfig(LayerLayout):
             sliding_window=self.sliding_window or hf.get("sliding_window"),
             attention_bias=self.attention_bias,
             tie_word_embeddings=False,
-            num_target_layers=self.num_target_layers,
             block_size=self.block_size,
             dtype=dtype_name,
         )
-        if self.num_target_layers is None:
-            hf.pop("num_target_layers")
+        for name in ("num_target_layers", "draft_vocab_size"):
+            if getattr(self, name) is None:
+                hf.pop(name, None)
+            else:
+                hf[name] = getattr(self, name)
         hf.pop("torch_dtype", None)  # older name of `dtype`; never leave a stale one behind
         hf.pop("rope_parameters", None)
         dflash = dict(hf.get("dflash_config") or {})

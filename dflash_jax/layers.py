@@ -102,6 +102,19 @@ def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
+class Rotary:
+    """RoPE of one model config (fields head_dim, rope_theta, rope, max_position_embeddings):
+    `rotary(positions [B, T])` -> cos, sin [B, T, head_dim]. Shared by the target and the drafter."""
+
+    def __init__(self, config):
+        inv_freq, self.scale = rope_frequencies(config.head_dim, config.rope_theta, config.rope,
+                                                config.max_position_embeddings)
+        self.inv_freq = np.asarray(inv_freq)
+
+    def __call__(self, positions: jax.Array):
+        return rotary_cos_sin(positions, self.inv_freq, self.scale)
+
+
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [B, T, H, D] rotated half-by-half (Hugging Face layout); cos/sin [B, T, D]."""
     half = x.shape[-1] // 2

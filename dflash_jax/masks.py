@@ -28,19 +28,41 @@ class KeyRanges:
     start: jax.Array  # [B, Tq, 2] int32
     end: jax.Array  # [B, Tq, 2] int32
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.start.shape[0], self.start.shape[1]
-
     def dense(self, num_keys: int) -> jax.Array:
         """Boolean mask [B, Tq, num_keys]."""
-        k = jnp.arange(num_keys, dtype=jnp.int32)[None, None, None, :]
-        inside = (k >= self.start[..., None]) & (k < self.end[..., None])  # [B, Tq, 2, Tk]
+        return self.visible(jnp.arange(num_keys, dtype=jnp.int32))
+
+    def visible(self, keys: jax.Array) -> jax.Array:
+        """Boolean mask [B, Tq, K] of the key indices keys [K]."""
+        k = keys.astype(jnp.int32)[None, None, None, :]
+        inside = (k >= self.start[..., None]) & (k < self.end[..., None])  # [B, Tq, 2, K]
         return inside.any(axis=2)
 
     def any_visible(self) -> jax.Array:
         """[B, Tq] True where the query sees at least one key."""
         return (self.end > self.start).any(axis=-1)
+
+    def segment(self, lo, hi) -> "KeyRanges":
+        """The ranges restricted to keys [lo, hi) and re-indexed so that key lo becomes key 0.
+
+        lo, hi: [B] per row (or scalars). Splits one attention into parts over separate buffers
+        (a cache and the new keys) whose results are merged with their softmax statistics.
+        """
+        lo = jnp.asarray(lo, jnp.int32).reshape(-1, 1, 1)
+        hi = jnp.asarray(hi, jnp.int32).reshape(-1, 1, 1)
+        start = jnp.clip(self.start, lo, hi) - lo
+        end = jnp.clip(self.end, lo, hi) - lo
+        empty = end <= start
+        return KeyRanges(start=jnp.where(empty, 0, start), end=jnp.where(empty, 0, end))
+
+    def bounds(self) -> tuple[jax.Array, jax.Array]:
+        """(lowest start, highest end) over every non-empty range: scalar int32 key bounds that
+        hold every visible key ((0, 0) when none is visible)."""
+        nonempty = self.end > self.start
+        big = jnp.iinfo(jnp.int32).max
+        lo = jnp.min(jnp.where(nonempty, self.start, big))
+        hi = jnp.max(jnp.where(nonempty, self.end, 0))
+        return jnp.where(hi > 0, lo, 0), hi
 
 
 def _window_start(end: jax.Array, window) -> jax.Array:

@@ -17,23 +17,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import masks
-from dflash_jax.attention import attention
-from dflash_jax.cache import KVCache, read_layer, write_rows
+from dflash_jax.attention import attention, cache_attention
+from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
-from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, rope_frequencies, rotary_cos_sin
+from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
+
+PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
 
 
 class TargetLayer(nn.Module):
-    """One pre-norm decoder layer; the scan body. Carry: (hidden, features, k_cache, v_cache)."""
+    """One pre-norm decoder layer; the scan body.
+
+    carry: (hidden [B, T, D], features [B, T, n, D] | None); xs: (layer index, window, capture
+    slot or -1); broadcast: (positions [B, T], cos, sin, cache | None). With a cache, attention
+    reads the cache's used slots and the T new keys (`cache_attention`) and the layer's new keys
+    and values [B, T, Hkv, Dh] come out as ys (the caller writes all layers' rows at once);
+    without one, attention is over the T new keys only and ys is None.
+    """
 
     config: ModelConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
 
     @nn.compact
-    def __call__(self, carry, layer_xs, positions, cos, sin):
+    def __call__(self, carry, layer_xs, positions, cos, sin, cache: KVCache | None):
         cfg = self.config
-        hidden, features, k_cache, v_cache, offsets = carry
+        hidden, features = carry
         layer, window, slot = layer_xs
         attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype,
@@ -41,11 +50,13 @@ class TargetLayer(nn.Module):
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
         q = attn.queries(x, cos, sin)
         k, v = attn.keys_values(x, cos, sin)
-        if k_cache is not None:
-            k_cache = write_rows(k_cache, layer, k, offsets)
-            v_cache = write_rows(v_cache, layer, v, offsets)
-            k, v = read_layer(k_cache, layer), read_layer(v_cache, layer)
-        attended = attention(q, k, v, masks.causal(positions, window), impl=self.attn_impl)
+        ranges = masks.causal(positions, window)  # over cache slots (== positions)
+        if cache is None:
+            attended = attention(q, k, v, ranges, impl=self.attn_impl)
+        else:
+            offsets = cache.lengths
+            attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, offsets), k, v,
+                                       ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl)
         hidden = hidden + attn.output(attended)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
         hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, name="mlp")(x)
@@ -54,7 +65,7 @@ class TargetLayer(nn.Module):
             current = jax.lax.dynamic_index_in_dim(features, index, axis=2, keepdims=False)
             update = jnp.where(slot >= 0, hidden.astype(features.dtype), current)
             features = jax.lax.dynamic_update_index_in_dim(features, update, index, axis=2)
-        return (hidden, features, k_cache, v_cache, offsets), None
+        return (hidden, features), (None if cache is None else (k, v))
 
 
 class TargetModel(nn.Module):
@@ -70,16 +81,14 @@ class TargetModel(nn.Module):
             TargetLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
         )(cfg, self.dtype, self.attn_impl)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
                                     param_dtype=self.dtype)
-        inv_freq, self._rope_scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope,
-                                                      cfg.max_position_embeddings)
-        self._inv_freq = np.asarray(inv_freq)
+        self.rotary = Rotary(cfg)
 
     def __call__(self, tokens, cache: KVCache | None = None, *, positions=None,
                  capture: Sequence[int] = (), num_new=None):
@@ -89,17 +98,13 @@ class TargetModel(nn.Module):
         returned cache has lengths + num_new (default T: pass fewer for right-padded rows).
         Without a cache, `positions` defaults to 0..T-1 and attention is causal over the T tokens.
         """
-        hidden = self.embed(tokens)
-        return self.run_layers(hidden, cache, positions=positions, capture=capture, num_new=num_new)
-
-    def run_layers(self, hidden, cache: KVCache | None = None, *, positions=None,
-                   capture: Sequence[int] = (), num_new=None):
         cfg = self.config
-        b, t = hidden.shape[:2]
+        hidden = self.embed(tokens)
+        b, t = tokens.shape
         offsets = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
         if positions is None:
             positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        cos, sin = rotary_cos_sin(positions, self._inv_freq, self._rope_scale)
+        cos, sin = self.rotary(positions)
         for layer in capture:
             if not 0 <= layer < cfg.num_layers:
                 raise ValueError(f"capture layer {layer} out of range for {cfg.num_layers} layers")
@@ -112,16 +117,14 @@ class TargetModel(nn.Module):
         buffer = jnp.zeros((b, t, len(inner), cfg.hidden_size), self.dtype) if inner else None
         layer_xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32),
                     jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(slots))
-        carry = (hidden, buffer, cache.k if cache else None, cache.v if cache else None, offsets)
-        (hidden, buffer, k, v, _), _ = self.layers(carry, layer_xs, positions, cos, sin)
+        (hidden, buffer), new_kv = self.layers((hidden, buffer), layer_xs, positions, cos, sin, cache)
         hidden = self.norm(hidden)
         features = None
         if capture:
             features = jnp.concatenate(
                 [hidden if layer == last else buffer[:, :, slots[layer]] for layer in capture], axis=-1)
         if cache is not None:
-            added = t if num_new is None else num_new
-            cache = KVCache(k=k, v=v, lengths=cache.lengths + jnp.asarray(added, jnp.int32))
+            cache = cache.append(*new_kv, t if num_new is None else num_new)
         return hidden, features, cache
 
     def embed(self, tokens):
@@ -148,13 +151,44 @@ class Target:
     def module(self) -> TargetModel:
         return TargetModel(self.config, self.dtype, self.attn_impl)
 
-    def forward(self, params, tokens, cache=None, **kwargs):
-        if cache is not None:
-            check_fits(cache, tokens.shape[1])
-        return self.module.apply({"params": params}, tokens, cache, **kwargs)
+    def forward(self, params, tokens, cache=None, *, positions=None, capture: Sequence[int] = (),
+                num_new=None):
+        """See `TargetModel.__call__`. With a cache, more than PREFILL_CHUNK tokens go through
+        `prefill` (same results, chunk by chunk)."""
+        if cache is None:
+            return self.module.apply({"params": params}, tokens, positions=positions, capture=capture)
+        check_fits(cache, tokens.shape[1])
+        if positions is None and tokens.shape[1] > PREFILL_CHUNK:
+            return self.prefill(params, tokens, cache, capture=capture, num_new=num_new)
+        return self.module.apply({"params": params}, tokens, cache, positions=positions,
+                                 capture=capture, num_new=num_new)
 
-    def run_layers(self, params, hidden, cache=None, **kwargs):
-        return self.module.apply({"params": params}, hidden, cache, method=TargetModel.run_layers, **kwargs)
+    def prefill(self, params, tokens, cache: KVCache, *, capture: Sequence[int] = (), num_new=None,
+                chunk_size: int = PREFILL_CHUNK):
+        """`forward` with a cache, chunk_size tokens at a time (a `lax.scan` over chunks carrying
+        the cache, then the remainder): peak memory follows the chunk, and each chunk's attention
+        reads only the filled slots. tokens [B, T] -> (hidden [B, T, D], features | None, cache)."""
+        check_fits(cache, tokens.shape[1])
+        b, t = tokens.shape
+        size = min(chunk_size, t)
+        whole, rest = divmod(t, size)
+        start = cache.lengths
+        apply = lambda c, chunk: self.module.apply({"params": params}, chunk, c, capture=capture)
+
+        def step(c, chunk):  # chunk [B, size]
+            hidden, features, c = apply(c, chunk)
+            return c, (hidden, features)
+
+        chunks = tokens[:, : whole * size].reshape(b, whole, size).swapaxes(0, 1)
+        cache, outputs = jax.lax.scan(step, cache, chunks)
+        hidden, features = jax.tree_util.tree_map(
+            lambda x: x.swapaxes(0, 1).reshape(b, whole * size, *x.shape[3:]), outputs)
+        if rest:
+            hidden_rest, features_rest, cache = apply(cache, tokens[:, whole * size:])
+            hidden = jnp.concatenate([hidden, hidden_rest], axis=1)
+            if features is not None:
+                features = jnp.concatenate([features, features_rest], axis=1)
+        return hidden, features, cache.with_lengths(start + jnp.asarray(t if num_new is None else num_new))
 
     def embed(self, params, tokens):
         return self.module.apply({"params": params}, tokens, method=TargetModel.embed)
@@ -163,8 +197,7 @@ class Target:
         return self.module.apply({"params": params}, hidden, method=TargetModel.logits)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
-        cfg = self.config
-        return KVCache.zeros(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return KVCache.for_model(self.config, batch, capacity, self.dtype)
 
 
 def check_fits(cache: KVCache, num_tokens: int) -> None:

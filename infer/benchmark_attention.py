@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import masks
-from dflash_jax.attention import reference_attention
-from dflash_jax.kernels import block_attention
+from dflash_jax.kernels import BlockSizes, block_attention, reference_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +88,9 @@ def _time(fn, args, reps):
     return statistics.median(times), out
 
 
-def _impls(kernel_kw):
+def _impls(tiles: BlockSizes, interpret: bool):
     def kern(q, k, v, r):
-        return block_attention(q, k, v, r, **kernel_kw)
+        return block_attention(q, k, v, r, block_sizes=tiles, interpret=interpret)
 
     def ref(q, k, v, r):
         return reference_attention(q, k, v, r)
@@ -110,7 +109,7 @@ def _fwd_and_grad(fn):
     return jax.jit(fwd), jax.jit(grad)
 
 
-def check(heads, kv_heads, head_dim, kernel_kw, interpret) -> bool:
+def check(heads, kv_heads, head_dim, tiles, interpret) -> bool:
     """Kernel vs reference, forward and gradients, bf16 and f32, on a small training mask."""
     ok = True
     case = training_case(1, 48 if interpret else 512, 3 if interpret else 64, 16, 1, seed=1)
@@ -119,7 +118,7 @@ def check(heads, kv_heads, head_dim, kernel_kw, interpret) -> bool:
         q, k, v, w = _inputs(case, heads, kv_heads, head_dim, dtype, seed=1)
         results = {}
         with jax.default_matmul_precision("float32"):
-            for name, fn in _impls(kernel_kw).items():
+            for name, fn in _impls(tiles, interpret).items():
                 fwd, grad = _fwd_and_grad(fn)
                 out = fwd(q, k, v, case.ranges.start, case.ranges.end)
                 g = grad(q, k, v, w, case.ranges.start, case.ranges.end)
@@ -135,14 +134,14 @@ def check(heads, kv_heads, head_dim, kernel_kw, interpret) -> bool:
     return ok
 
 
-def run_case(case: Case, heads, kv_heads, head_dim, dtype, kernel_kw, reps, skip_reference):
+def run_case(case: Case, heads, kv_heads, head_dim, dtype, tiles, interpret, reps, skip_reference):
     q, k, v, w = _inputs(case, heads, kv_heads, head_dim, dtype)
     visible = float(np.asarray(jnp.sum(case.ranges.dense(case.k_len), axis=-1)).astype(np.float64).sum())
     fwd_flops = 4.0 * head_dim * heads * visible
     density = visible / (case.batch * case.q_len * case.k_len)
     rows = []
     outs = {}
-    for name, fn in _impls(kernel_kw).items():
+    for name, fn in _impls(tiles, interpret).items():
         if name == "xla-dense" and skip_reference:
             continue
         fwd, grad = _fwd_and_grad(fn)
@@ -176,23 +175,23 @@ def sweep(case, heads, kv_heads, head_dim, dtype, reps, interpret):
     """A few tile configurations at one shape (forward and forward+backward)."""
     q, k, v, w = _inputs(case, heads, kv_heads, head_dim, dtype)
     configs = [
-        dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
-        dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
-        dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
-        dict(block_q=128, block_k=32, num_warps=4, num_stages=3),
-        dict(block_q_bwd=32, block_k_bwd=64, num_stages=2),
-        dict(block_q_bwd=64, block_k_bwd=32, num_stages=2),
-        dict(block_q_bwd=32, block_k_bwd=32, num_stages=3),
+        BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=2),
+        BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
+        BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=3),
+        BlockSizes(block_q=128, block_k=32, num_warps=4, num_stages=3),
+        BlockSizes(block_q_bwd=32, block_k_bwd=64, num_stages=2),
+        BlockSizes(block_q_bwd=64, block_k_bwd=32, num_stages=2),
+        BlockSizes(block_q_bwd=32, block_k_bwd=32, num_stages=3),
     ]
     print(f"\nsweep: {case.name}")
-    for cfg in configs:
-        fwd, grad = _fwd_and_grad(_impls(dict(cfg, interpret=interpret))["pallas"])
+    for tiles in configs:
+        fwd, grad = _fwd_and_grad(_impls(tiles, interpret)["pallas"])
         try:
             t_fwd, _ = _time(fwd, (q, k, v, case.ranges.start, case.ranges.end), reps)
             t_bwd, _ = _time(grad, (q, k, v, w, case.ranges.start, case.ranges.end), reps)
-            print(f"  {cfg}: fwd {1e3 * t_fwd:.3f} ms, fwd+bwd {1e3 * t_bwd:.3f} ms")
+            print(f"  {tiles}: fwd {1e3 * t_fwd:.3f} ms, fwd+bwd {1e3 * t_bwd:.3f} ms")
         except Exception as e:  # a config Triton cannot compile (e.g. out of shared memory)
-            print(f"  {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            print(f"  {tiles}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
 def main(argv=None):
@@ -210,12 +209,11 @@ def main(argv=None):
     p.add_argument("--draft-context", type=int, default=8192, help="inference context capacity")
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--block-q", type=int, default=128)
-    p.add_argument("--block-k", type=int, default=64)
-    p.add_argument("--block-q-bwd", type=int, default=64)
-    p.add_argument("--block-k-bwd", type=int, default=64)
-    p.add_argument("--num-warps", type=int, default=None)
-    p.add_argument("--num-stages", type=int, default=2)
+    default_tiles = BlockSizes()
+    for field in dataclasses.fields(BlockSizes):  # --block-q, ..., --num-stages
+        default = getattr(default_tiles, field.name)
+        p.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=default,
+                       help=f"BlockSizes.{field.name} (default {default})")
     p.add_argument("--skip-reference-train", action="store_true",
                    help="do not run the dense reference at the training shape (needs ~50 GB)")
     p.add_argument("--skip-check", action="store_true")
@@ -236,18 +234,14 @@ def main(argv=None):
         context, blocks, block_size = args.context, args.blocks, args.block_size
         draft_ctx, decode_batch, reps = args.draft_context, args.decode_batch, args.reps
     dtype = jnp.dtype(args.dtype)
-    kernel_kw = dict(
-        block_q=args.block_q, block_k=args.block_k, block_q_bwd=args.block_q_bwd,
-        block_k_bwd=args.block_k_bwd, num_warps=args.num_warps, num_stages=args.num_stages,
-        interpret=interpret,
-    )
+    tiles = BlockSizes(**{field.name: getattr(args, field.name) for field in dataclasses.fields(BlockSizes)})
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {jax.devices()[0].device_kind}")
-    print(f"kernel config: {kernel_kw}")
+    print(f"kernel tiles: {tiles}, interpret={interpret}")
 
     ok = True
     if not args.skip_check:
         print("\nkernel vs reference (forward and gradients):")
-        ok = check(heads, kv_heads, head_dim, kernel_kw, interpret)
+        ok = check(heads, kv_heads, head_dim, tiles, interpret)
 
     only = set(filter(None, args.only.split(",")))
     want = lambda kind: not only or kind in only  # noqa: E731
@@ -263,7 +257,7 @@ def main(argv=None):
     if want("decode"):
         cases += [(target_case(b, draft_ctx, 1, seed=0, label="decode"), False) for b in batches]
     for case, skip_ref in cases:
-        run_case(case, heads, kv_heads, head_dim, dtype, kernel_kw, reps, skip_ref)
+        run_case(case, heads, kv_heads, head_dim, dtype, tiles, interpret, reps, skip_ref)
     if args.sweep:
         sweep(training_case(1, context, blocks, block_size, args.pad_blocks, seed=0),
               heads, kv_heads, head_dim, dtype, reps, interpret)

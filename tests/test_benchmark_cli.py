@@ -109,6 +109,7 @@ def test_decode_rate_excludes_the_prefill_token_and_cycle_cost_is_per_step():
 # --------------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow  # an end-to-end run: `make test-all`
 def test_random_target_run_prints_the_table_and_writes_json(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(benchmark.RANDOM_TARGETS, "tiny", TINY)
     out = tmp_path / "r.json"

@@ -6,6 +6,7 @@ and that nothing is NaN. Shapes are small so that the whole file stays fast in i
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -16,15 +17,23 @@ import pytest
 
 from dflash_jax import attention as attention_mod
 from dflash_jax import masks
-from dflash_jax.attention import attention, reference_attention
-from dflash_jax.kernels import block_attention, block_attention_with_lse, unsupported_reason
-from dflash_jax.kernels.block_attention import _key_tile_lists, _row_bounds, _row_tile_plan
+from dflash_jax.attention import attention
+from dflash_jax.kernels import (
+    BlockSizes,
+    block_attention,
+    block_attention_with_lse,
+    reference_attention,
+    round_up,
+    unsupported_reason,
+)
+from dflash_jax.kernels.tile_plan import key_tile_lists, row_bounds, row_tile_plan
 
 # interpret mode runs everywhere; "compiled" runs the Triton kernels (a GPU is needed).
 INTERPRET = os.environ.get("DFLASH_PALLAS_BACKEND", "interpret") != "compiled"
 KERNEL_IMPL = "pallas_interpret" if INTERPRET else "pallas"
 
 F32_TOL = 2e-5
+TILES_16 = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
 
 
 def _qkv(seed, b, tq, tk, hq, hkv, d, dtype=jnp.float32):
@@ -41,15 +50,21 @@ def _out_and_grads(fn, q, k, v, w):
     return out, vjp(w.astype(out.dtype))
 
 
-def _run_both(q, k, v, w, ranges, scale=None, **kernel_kw):
+def _run_both(q, k, v, w, ranges, scale=None, block_sizes=None, backward="pallas"):
     """(kernel out, kernel grads), (reference out, reference grads) and the same for the float32
     reference on the upcast inputs; one jit for all."""
 
     @jax.jit
     def run(q, k, v, w, start, end):
         r = masks.KeyRanges(start, end)
-        kern = lambda q, k, v: block_attention(q, k, v, r, scale=scale, interpret=INTERPRET, **kernel_kw)  # noqa: E731
-        ref = lambda q, k, v: reference_attention(q, k, v, r, scale=scale)  # noqa: E731
+
+        def kern(q, k, v):
+            return block_attention(q, k, v, r, scale=scale, block_sizes=block_sizes, interpret=INTERPRET,
+                                   backward=backward)
+
+        def ref(q, k, v):
+            return reference_attention(q, k, v, r, scale=scale)
+
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         return (_out_and_grads(kern, q, k, v, w), _out_and_grads(ref, q, k, v, w),
                 _out_and_grads(ref, *f32, w))
@@ -93,15 +108,13 @@ def test_causal_with_cache_offsets_gqa_ragged():
     # Tq = 24 and Tk = 40 are not multiples of the 16-tiles; GQA 4 query heads over 2 kv heads.
     q, k, v, w = _qkv(0, 2, 24, 40, 4, 2, 16)
     pos = jnp.arange(24)[None] + jnp.array([[3], [16]])
-    _check_f32(q, k, v, w, masks.causal(pos), "causal", block_q=16, block_k=16,
-               block_q_bwd=16, block_k_bwd=16)
+    _check_f32(q, k, v, w, masks.causal(pos), "causal", block_sizes=TILES_16)
 
 
 def test_sliding_window_bf16():
     q, k, v, w = _qkv(1, 1, 48, 48, 2, 2, 64, jnp.bfloat16)
     ranges = masks.causal(jnp.arange(48)[None], window=7)
-    kernel, ref16, ref32 = _run_both(q, k, v, w, ranges, block_q=16, block_k=16, block_q_bwd=16,
-                                     block_k_bwd=16)
+    kernel, ref16, ref32 = _run_both(q, k, v, w, ranges, block_sizes=TILES_16)
     # The float32 reference on the same (bf16) inputs is the truth; the kernel must be about as
     # close to it as the bf16 reference is.
     for i, name in enumerate(["dq", "dk", "dv"]):
@@ -117,8 +130,8 @@ def test_drafter_inference_splits_mqa():
     cap, g = 37, 16
     q, k, v, w = _qkv(2, 2, g, cap + g, 4, 1, 16)
     ranges = masks.drafter_inference(jnp.array([29, 0]), cap, g)
-    _check_f32(q, k, v, w, ranges, "drafter inference", block_q=16, block_k=16, num_splits=3,
-               block_q_bwd=16, block_k_bwd=16)
+    _check_f32(q, k, v, w, ranges, "drafter inference",
+               block_sizes=dataclasses.replace(TILES_16, num_splits=3))
 
 
 def test_drafter_inference_default_tiles_window():
@@ -138,8 +151,7 @@ def test_drafter_training_padding_blocks():
     r0 = masks.drafter_training(anchors[:1], valid[:1], ctx, g)
     r1 = masks.drafter_training(anchors[1:], valid[1:], ctx, g, window=12)
     ranges = masks.KeyRanges(jnp.concatenate([r0.start, r1.start]), jnp.concatenate([r0.end, r1.end]))
-    kernel = _check_f32(q, k, v, w, ranges, "drafter training", block_q=16, block_k=16,
-                        block_q_bwd=16, block_k_bwd=16)
+    kernel = _check_f32(q, k, v, w, ranges, "drafter training", block_sizes=TILES_16)
     _assert_masked_rows_zero(kernel, ranges)
 
 
@@ -154,8 +166,8 @@ def test_random_ranges_empty_and_out_of_bounds_hd48():
     end = start + rng.integers(-3, 20, size=(b, tq, 2))
     end[0, :4] = start[0, :4]  # fully masked rows
     ranges = masks.KeyRanges(jnp.array(start, jnp.int32), jnp.array(end, jnp.int32))
-    kernel = _check_f32(q, k, v, w, ranges, "random ranges", scale=0.3, block_q=16, block_k=32,
-                        block_q_bwd=32, block_k_bwd=16)
+    kernel = _check_f32(q, k, v, w, ranges, "random ranges", scale=0.3,
+                        block_sizes=BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16))
     _assert_masked_rows_zero(kernel, ranges)
 
 
@@ -163,8 +175,7 @@ def test_all_rows_masked_no_nan():
     q, k, v, w = _qkv(6, 1, 16, 16, 2, 1, 16)
     zeros = jnp.zeros((1, 16, 2), jnp.int32)
     ranges = masks.KeyRanges(zeros, zeros)
-    kernel = _check_f32(q, k, v, w, ranges, "all masked", block_q=16, block_k=16,
-                        block_q_bwd=16, block_k_bwd=16)
+    kernel = _check_f32(q, k, v, w, ranges, "all masked", block_sizes=TILES_16)
     for x in (kernel[0], *kernel[1]):
         assert (np.asarray(x) == 0).all()
 
@@ -172,7 +183,7 @@ def test_all_rows_masked_no_nan():
 def test_reference_backward_option():
     q, k, v, w = _qkv(7, 1, 24, 40, 4, 2, 16)
     ranges = masks.causal(jnp.arange(24)[None] + 16)
-    _check_f32(q, k, v, w, ranges, "reference backward", block_q=16, block_k=16,
+    _check_f32(q, k, v, w, ranges, "reference backward", block_sizes=BlockSizes(block_q=16, block_k=16),
                backward="reference")
 
 
@@ -182,8 +193,9 @@ def test_with_lse():
     start = jnp.stack([jnp.zeros_like(pos), jnp.zeros_like(pos)], -1)
     end = jnp.stack([pos + 1, jnp.zeros_like(pos)], -1).at[0, :3, 0].set(0)  # 3 empty rows
     ranges = masks.KeyRanges(start.astype(jnp.int32), end.astype(jnp.int32))
+    blocks = BlockSizes(block_q=16, block_k=16, num_splits=2)
     out, lse = jax.jit(lambda q, k, v: block_attention_with_lse(
-        q, k, v, ranges, block_q=16, block_k=16, num_splits=2, interpret=INTERPRET))(q, k, v)
+        q, k, v, ranges, block_sizes=blocks, interpret=INTERPRET))(q, k, v)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 16**-0.5
     scores = jnp.where(ranges.dense(24)[:, None], scores, -jnp.inf)
     want = jnp.moveaxis(jax.nn.logsumexp(scores, axis=-1), 1, 2)  # [B, Tq, H]
@@ -213,21 +225,21 @@ def test_larger_training_mask_bf16_default_tiles():
 
 
 @pytest.mark.parametrize(
-    "dtype,d,tq,tk,kw",
+    "dtype,d,tq,tk,blocks",
     [
-        (jnp.bfloat16, 128, 64, 200, {}),
-        (jnp.float32, 48, 40, 130, dict(num_splits=3, block_q=32, block_k=32)),
-        (jnp.float16, 64, 1, 300, dict(block_q_bwd=32, block_k_bwd=128)),
+        (jnp.bfloat16, 128, 64, 200, BlockSizes()),
+        (jnp.float32, 48, 40, 130, BlockSizes(num_splits=3, block_q=32, block_k=32)),
+        (jnp.float16, 64, 1, 300, BlockSizes(block_q_bwd=32, block_k_bwd=128)),
     ],
 )
-def test_lowers_to_triton_for_cuda(dtype, d, tq, tk, kw):
+def test_lowers_to_triton_for_cuda(dtype, d, tq, tk, blocks):
     q = jnp.zeros((2, tq, 8, d), dtype)
     k = jnp.zeros((2, tk, 2, d), dtype)
     ranges = masks.causal(jnp.arange(tq)[None] + jnp.array([[tk - tq], [3]]))
 
     def fwd_and_grad(q, k, v, start, end):
         def f(q, k, v):
-            return block_attention(q, k, v, masks.KeyRanges(start, end), **kw)
+            return block_attention(q, k, v, masks.KeyRanges(start, end), block_sizes=blocks)
 
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(out)
@@ -255,11 +267,11 @@ def test_tile_plan_covers_exactly_the_visible_tiles():
         if trial == 0:  # ranges that overlap in the same tiles must be visited once
             start[..., 1] = start[..., 0] + 1
         start, end = np.clip(start, 0, tk), np.clip(end, 0, tk)
-        r_pad = -(-tq * group // bq) * bq
-        bounds = _row_bounds(jnp.array(start, jnp.int32), jnp.array(end, jnp.int32), group, r_pad)
-        plan = np.asarray(_row_tile_plan(bounds, bq, bk))
-        n_kt = -(-tk // bk)
-        lists = np.asarray(_key_tile_lists(jnp.array(plan), n_kt))
+        r_pad = round_up(tq * group, bq)
+        bounds = row_bounds(jnp.array(start, jnp.int32), jnp.array(end, jnp.int32), group, r_pad)
+        plan = np.asarray(row_tile_plan(bounds, bq, bk))
+        n_kt = round_up(tk, bk) // bk
+        lists = np.asarray(key_tile_lists(jnp.array(plan), n_kt))
         dense = np.asarray(masks.KeyRanges(jnp.array(start), jnp.array(end)).dense(tk))
         dense = np.repeat(dense, group, axis=1)  # folded rows
         for bb in range(b):
@@ -285,12 +297,24 @@ def test_tile_plan_drafter_training_is_tight():
     ctx, g, n = 64, 16, 4
     anchors = jnp.array([[10, 20, 40, 60]])
     r = masks.drafter_training(anchors, jnp.ones((1, n), bool), ctx, g)
-    bounds = _row_bounds(r.start, r.end, 1, n * g)
-    plan = np.asarray(_row_tile_plan(bounds, 32, 16))
+    bounds = row_bounds(r.start, r.end, 1, n * g)
+    plan = np.asarray(row_tile_plan(bounds, 32, 16))
     # Row tile 0 = blocks 0, 1: context [0, 20) -> tiles 0..1; blocks at keys [64, 96) -> 4..5.
     np.testing.assert_array_equal(plan[0, 0], [0, 2, 4, 6])
     # Row tile 1 = blocks 2, 3: context [0, 60) -> tiles 0..3; blocks [96, 128) -> 6..7.
     np.testing.assert_array_equal(plan[0, 1], [0, 4, 6, 8])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("block_q", 24, "BlockSizes.block_q must be a power of two >= 16"),
+    ("block_k_bwd", 8, "BlockSizes.block_k_bwd must be a power of two >= 16"),
+    ("num_splits", 0, "BlockSizes.num_splits must be None or >= 1"),
+    ("num_warps", 6, "BlockSizes.num_warps must be None or a power of two"),
+    ("num_stages", 0, "BlockSizes.num_stages must be >= 1"),
+])
+def test_block_sizes_reject_bad_tiles(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        BlockSizes(**{field: value})
 
 
 # ----------------------------------------------------------------------------------------------

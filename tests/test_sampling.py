@@ -124,3 +124,57 @@ def test_exact_rule_unit_distribution():
     first = np.asarray(jax.vmap(one)(keys, draft_keys))
     counts = np.bincount(first, minlength=3)
     assert stats.chisquare(counts, np.asarray([0.5, 0.3, 0.2]) * n).pvalue > 1e-3
+
+
+def sorted_nucleus(probs, top_p):
+    """The definition top-p implements, by sorting: walking the tokens in descending order, keep a
+    token while the mass before it is < top_p, and keep every token tied with the last kept one."""
+    ordered = -np.sort(-probs, axis=-1)
+    mass_before = np.cumsum(ordered, axis=-1) - ordered
+    cutoff = np.min(np.where(mass_before < top_p, ordered, np.inf), axis=-1, keepdims=True)
+    return probs >= cutoff
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_top_p_without_sorting_equals_the_sorted_definition(top_k):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 97)).astype(np.float32) * rng.uniform(0.2, 6.0, size=(64, 1))
+    logits[::2] = np.round(logits[::2])  # many exact ties, also at the cutoff
+    logits[1::4, :40] = -np.inf  # tokens that are already out
+    checked = 0
+    for top_p in (0.05, 0.3, 0.5, 0.9, 0.99):
+        got = np.asarray(sampling.filtered_probs(jnp.asarray(logits), 1.0, top_k, jnp.float32(top_p)))
+        base = np.asarray(sampling.filtered_probs(jnp.asarray(logits), 1.0, top_k))
+        # Float sums in another order differ by rounding: skip rows whose boundary sits within it.
+        ordered = -np.sort(-base, axis=-1)
+        boundary = np.min(np.abs(np.cumsum(ordered, axis=-1) - top_p), axis=-1) < 1e-5
+        want = sorted_nucleus(base, top_p)
+        np.testing.assert_array_equal((got > 0)[~boundary], want[~boundary])
+        np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-5)
+        checked += int((~boundary).sum())
+    assert checked > 300
+    # The top token is always kept, even when it alone carries more than top_p.
+    peaked = sampling.filtered_probs(jnp.asarray([[9.0, 0.0, 0.0, 0.0]]), 1.0, 0, jnp.float32(0.1))
+    np.testing.assert_array_equal(np.asarray(peaked) > 0, [[True, False, False, False]])
+
+
+def test_top_k_keeps_ties_and_greedy_matches_argmax():
+    logits = jnp.asarray([[1.0, 3.0, 2.0, 2.0, 0.5], [0.0, 0.0, 0.0, 0.0, -1.0]])
+    kept = np.asarray(sampling.filtered_probs(logits, 1.0, 2)) > 0
+    np.testing.assert_array_equal(kept, [[False, True, True, True, False], [True, True, True, True, False]])
+    rng = np.random.default_rng(1)
+    ties = jnp.asarray(np.round(rng.normal(size=(32, 50)) * 2), jnp.float32)
+    np.testing.assert_array_equal(sampling.greedy(ties), jnp.argmax(ties, axis=-1))
+
+
+def test_chunked_sample_follows_the_distribution():
+    """`sample` draws a chunk and then an id inside it: the draws follow probs exactly, zero-probability
+    ids (the padded tail of the last chunk included) never come out."""
+    probs = np.zeros(11, np.float32)  # chunks of 4: the last chunk has one padded slot
+    probs[[0, 3, 4, 9, 10]] = [0.1, 0.25, 0.05, 0.35, 0.25]
+    n = 20000
+    draws = np.asarray(sampling.sample(jax.random.PRNGKey(2), jnp.broadcast_to(jnp.asarray(probs), (n, 11))))
+    counts = np.bincount(draws, minlength=12)
+    assert counts[11] == 0 and counts[:11][probs == 0].sum() == 0
+    support = probs > 0
+    assert stats.chisquare(counts[:11][support], probs[support] * n).pvalue > 1e-3

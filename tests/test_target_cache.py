@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.cache import UNROLLED_ROWS, write_rows
 from dflash_jax.config import ModelConfig
 from dflash_jax.target import Target, init_target_params
 
@@ -82,3 +83,47 @@ def test_prompt_longer_than_cache_raises(target):
     _, _, cache = target.forward(target.params, jnp.zeros((1, 6), jnp.int32), cache)
     with pytest.raises(ValueError, match="prompt too long"):
         target.forward(target.params, jnp.zeros((1, 3), jnp.int32), cache)
+
+
+def test_prefill_in_chunks_equals_one_pass(target):
+    rng = np.random.default_rng(4)
+    tokens = jnp.asarray(rng.integers(0, 97, size=(2, 11)))
+    lengths = jnp.asarray([11, 7])
+    want = target.forward(target.params, tokens, target.init_cache(2, 32), capture=(0, 2), num_new=lengths)
+    got = target.prefill(target.params, tokens, target.init_cache(2, 32), capture=(0, 2), num_new=lengths,
+                         chunk_size=4)  # two chunks of 4 in the scan, then a remainder of 3
+    np.testing.assert_array_equal(got[2].lengths, lengths)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_chunked_cache_attention_equals_dense(window):
+    """Key chunks of 4 over 10 slots (the last chunk overlaps the one before), ragged rows, one
+    row with nothing visible: the same as dense attention over the layer."""
+    from dflash_jax.attention import chunked_cache_attention_with_lse, reference_attention_with_lse
+    from dflash_jax import masks
+
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(3, 2, 4, 8)), jnp.float32)
+    cache_k, cache_v = (jnp.asarray(rng.normal(size=(2, 3, 10, 2, 8)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray([10, 6, 0])
+    ranges = masks.causal(lengths[:, None] - 1 + jnp.arange(2)[None, :], window).segment(0, lengths)
+    got = chunked_cache_attention_with_lse(q, cache_k, cache_v, 1, ranges, chunk_size=4)
+    want = reference_attention_with_lse(q, cache_k[1], cache_v[1], ranges)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [3, UNROLLED_ROWS + 5])
+def test_write_rows_writes_each_row_at_its_offset(batch):
+    """Both paths of the cache writer (unrolled, and a loop for large batches) equal numpy."""
+    rng = np.random.default_rng(0)
+    buffer = rng.normal(size=(2, batch, 12, 3)).astype(np.float32)  # [L, B, S, H]
+    new = rng.normal(size=(2, batch, 4, 3)).astype(np.float32)
+    offsets = rng.integers(0, 9, size=batch).astype(np.int32)
+    expected = buffer.copy()
+    for b, o in enumerate(offsets):
+        expected[:, b, o:o + 4] = new[:, b]
+    got = jax.jit(lambda *a: write_rows(*a, axis=1))(buffer, new, offsets)
+    np.testing.assert_array_equal(np.asarray(got), expected)

@@ -69,6 +69,11 @@ def _assert_same(a_path, b_path):
         np.testing.assert_allclose(a[name], b[name], rtol=2e-5, atol=2e-6, err_msg=name)
 
 
+# Each test starts subprocesses (8 simulated devices; two gloo processes): minutes on 2 cores,
+# so they run with `make test-all`, not in the default suite.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "one_device.npz"

@@ -95,6 +95,7 @@ def _launch(config_file: Path, *extra: str) -> subprocess.Popen:
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow  # two training subprocesses, one SIGKILLed: `make test-all`
 def test_kill_and_resume_equals_an_uninterrupted_run(tiny, tmp_path):
     configs = {}
     for name in ("straight", "killed"):

@@ -17,29 +17,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from dflash_jax.config import read_config_json, write_config_json
+from dflash_jax.config import read_config_json
 from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter import Drafter
 from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.loading.drafter_io import replace_directory, save_drafter
+from dflash_jax.loading.drafter_io import save_drafter
 from dflash_jax.loading.dtypes import resolve_dtype
-from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors
 from train import checkpointing
 from train.train import VOCAB_FILE
-
-
-def add_draft_vocabulary(directory: Path, vocab: DraftVocab, head_kernel, dtype) -> None:
-    """Add d2t, t2d and lm_head.weight [Vd, D] (from the head kernel [D, Vd]) to DIR's
-    model.safetensors and draft_vocab_size to its config.json."""
-    file = directory / "model.safetensors"
-    tensors = {name: np.asarray(value) for name, value in SafetensorsFile(file).items()}
-    tensors.update(vocab.to_eagle3())
-    tensors["lm_head.weight"] = np.asarray(jnp.asarray(head_kernel, dtype).T)
-    save_safetensors(tensors, file, metadata={"format": "pt"})
-    hf = read_config_json(directory)
-    write_config_json(directory, {**hf, "draft_vocab_size": vocab.size})
 
 
 def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, dtype: str = "bfloat16",
@@ -50,12 +36,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     step, params = checkpointing.restore_params(run_dir, step)
     dtype = resolve_dtype(dtype)
     drafter = Drafter(config, jax.tree.map(lambda p: jnp.asarray(p, dtype), params["drafter"]), hf, dtype)
-    vocab_file = run_dir / VOCAB_FILE
-    with replace_directory(out_dir, force) as tmp:
-        save_drafter(drafter, tmp, overwrite=True)
-        if "draft_head" in params:
-            add_draft_vocabulary(tmp, DraftVocab.load(vocab_file), params["draft_head"], dtype)
-    return out_dir
+    if "draft_head" in params:
+        drafter = drafter.with_draft_vocab(params["draft_head"], DraftVocab.load(run_dir / VOCAB_FILE))
+    return save_drafter(drafter, out_dir, overwrite=force)
 
 
 def main(argv=None) -> int:

@@ -94,8 +94,14 @@ def eval_prompts(path: str, count: int) -> list[list[int]]:
     return prompts
 
 
-def measure_tau(target, drafter_config, drafter_params, prompts, max_new_tokens: int) -> float:
-    drafter = Drafter(drafter_config, jax.device_get(drafter_params))
+def measure_tau(target, drafter_config, params, prompts, max_new_tokens: int,
+                vocab: DraftVocab | None = None) -> float:
+    """Greedy tau through `generate` on the prompts; params: the trainable params ({"drafter": ...},
+    plus {"draft_head": kernel [D, Vd]} with the run's draft vocabulary `vocab`)."""
+    params = jax.device_get(params)
+    drafter = Drafter(drafter_config, params["drafter"])
+    if "draft_head" in params:
+        drafter = drafter.with_draft_vocab(params["draft_head"], vocab)
     return generate(target, drafter, prompts, max_new_tokens=max_new_tokens,
                     block_size=drafter_config.block_size).tau
 
@@ -182,8 +188,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
                          in_shardings=(state_shardings, frozen_shardings, mesh_lib.batch_sharding(mesh)),
                          out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,))
     prompts = eval_prompts(cfg.run.eval_path, cfg.run.eval_prompts) if cfg.run.eval_every else []
-    if prompts and vocab is not None:
-        log.warning("run.eval_every: generate has no reduced-vocabulary drafting yet; only the tau estimate is logged")
     start = int(jax.device_get(state.step))
     last: dict = {}
     with tqdm(total=cfg.run.steps, initial=start, desc="train", unit="step", disable=None) as bar:
@@ -209,9 +213,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
                         "grad_norm": float(metrics["grad_norm"]), "learning_rate": float(metrics["learning_rate"]),
                         "step_time": elapsed / steps_done, "tokens_per_s": tokens / elapsed,
                         "block_tokens_per_s": blocks / elapsed}
-                if cfg.run.eval_every and step % cfg.run.eval_every == 0 and vocab is None:
-                    last["tau"] = measure_tau(target, drafter_config, state.params["drafter"], prompts,
-                                              cfg.run.eval_max_new_tokens)
+                if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+                    last["tau"] = measure_tau(target, drafter_config, state.params, prompts,
+                                              cfg.run.eval_max_new_tokens, vocab)
                 metrics_log.write(last)
                 clock, tokens, blocks = time.perf_counter(), 0, 0
             if step % cfg.run.checkpoint_every == 0 or step == cfg.run.steps:

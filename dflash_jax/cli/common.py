@@ -181,7 +181,8 @@ def describe(label: str, result, stops: Sequence[int]) -> list[str]:
         lines += [f"tau             : {result.tau:.2f} tokens per cycle (block size {result.block_size})",
                   f"acceptance hist : {histogram_text(result.histogram())}"]
     lines += [f"prefill         : {result.prefill_seconds:.3f} s",
-              f"decode          : {result.decode_seconds:.3f} s = {result.tokens_per_second:.1f} tokens/s",
+              f"decode          : {result.decode_seconds:.3f} s = {result.decode_tokens_per_second:.1f} tokens/s "
+              f"(decode-loop tokens; the first token comes from the prefill)",
               f"compile         : {result.compile_seconds:.2f} s (excluded from the times above)"]
     return lines
 

@@ -73,13 +73,13 @@ def run(args) -> int:
     for prompt in args.prompt or DEFAULT_PROMPTS:
         ids = encode_prompt(target.tokenizer, prompt)
         result = generate_measured(target, drafter, ids, True, max_new_tokens=args.max_new_tokens)
-        print(f">>> {prompt}\n{target.tokenizer.decode(result.tokens[0], skip_special_tokens=True).strip()}\n")
+        print(f">>> {prompt}\n{result.text(target.tokenizer).strip()}\n")
         print("\n".join(describe(mode, result, stops)))
         if drafter is not None:
             base = generate_measured(target, None, ids, True, max_new_tokens=args.max_new_tokens)
             print("\n".join(describe("autoregressive (baseline)", base, stops)))
             print(f"outputs         : {compare_outputs(result.tokens[0], base.tokens[0], 0.0, 'float32')}")
-            print(_verdict(result.tokens_per_second / base.tokens_per_second, result.tau))
+            print(_verdict(result.decode_tokens_per_second / base.decode_tokens_per_second, result.tau))
         print(flush=True)
     if drafter is None:
         notice("no drafter: these were plain autoregressive answers (no speedup to show)")

@@ -167,7 +167,7 @@ def run(args) -> int:
         base = generate_measured(target, None, ids, args.warmup, **_generation_kwargs(args, None))
         print("\n".join(describe("autoregressive (baseline)", base, stops)))
         same = compare_outputs(result.tokens[0], base.tokens[0], args.temperature, args.dtype)
-        speedup = result.tokens_per_second / base.tokens_per_second
+        speedup = result.decode_tokens_per_second / base.decode_tokens_per_second
         print(f"--- comparison ---\noutputs         : {same}\n"
               f"speedup         : {speedup:.2f}x (decode tokens/s, speculative / autoregressive)")
     return 0

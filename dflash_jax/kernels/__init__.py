@@ -1,8 +1,27 @@
-"""Pallas kernels. Each ships beside a plain-jnp reference and is reached through a dispatcher."""
+"""Attention kernels over the `KeyRanges` mask language, each beside its plain-jnp reference.
+
+`block_attention` (Pallas GPU kernels, forward and backward) and its tiles (`BlockSizes`,
+`KEY_TILE`; the tile bookkeeping in `tile_plan`) sit beside `reference` (dense and cache-chunked
+attention: the ground truth in the kernel tests and the path where the kernel cannot run).
+`dflash_jax.attention` dispatches between them; nothing in this package imports it.
+"""
 from dflash_jax.kernels.block_attention import (
+    KEY_TILE,
+    BlockSizes,
     block_attention,
     block_attention_with_lse,
     unsupported_reason,
 )
+from dflash_jax.kernels.reference import (
+    check_gqa,
+    chunked_cache_attention_with_lse,
+    reference_attention,
+    reference_attention_with_lse,
+)
+from dflash_jax.kernels.tile_plan import round_up
 
-__all__ = ["block_attention", "block_attention_with_lse", "unsupported_reason"]
+__all__ = [
+    "KEY_TILE", "BlockSizes", "block_attention", "block_attention_with_lse", "unsupported_reason",
+    "check_gqa", "chunked_cache_attention_with_lse", "reference_attention",
+    "reference_attention_with_lse", "round_up",
+]

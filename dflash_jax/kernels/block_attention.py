@@ -9,12 +9,17 @@ head ``h * G + g``), i.e. ``q`` becomes ``[B, Hkv, Tq * G, D]``. One program own
 ``block_q`` such rows and reads each K/V tile once for all ``G`` heads; K and V stay in their
 ``[B, Tk, Hkv, D]`` layout and are read in place (strided by ``Hkv * D``).
 
-Tiles to visit. Outside the kernel, for every row tile, the smallest start and largest end of each
-of the two ranges over the tile's non-empty rows are turned into key-TILE intervals ``[lo0, hi0)``
-and ``[lo1, hi1)`` (merged into one when they intersect, so no tile is visited twice). The kernel
-loops over ``hi0 - lo0`` tiles of range 0 and then ``hi1 - lo1`` tiles of range 1, nothing else;
-inside a tile the exact per-row, per-key mask is applied. The dK/dV kernel goes the other way: for
-every key tile, a compacted list of the row tiles whose intervals contain it.
+Tile sizes. `BlockSizes` (frozen) holds the forward and backward tiles and the Triton launch
+parameters; `KEY_TILE` is its default forward key tile (caches sized in multiples of it are read in
+place, without a padding copy).
+
+Tiles to visit (`dflash_jax.kernels.tile_plan`, plain jnp outside the kernels). For every row tile,
+the smallest start and largest end of each of the two ranges over the tile's non-empty rows are
+turned into key-TILE intervals ``[lo0, hi0)`` and ``[lo1, hi1)`` (merged into one when they
+intersect, so no tile is visited twice). The kernel loops over ``hi0 - lo0`` tiles of range 0 and
+then ``hi1 - lo1`` tiles of range 1, nothing else; inside a tile the exact per-row, per-key mask is
+applied. The dK/dV kernel goes the other way: for every key tile, a compacted list of the row tiles
+whose intervals contain it.
 
 Forward: online softmax in base 2 with float32 statistics and accumulation; writes the
 log-sum-exp (the backward's residual). When there are few row tiles and many key tiles (drafting a
@@ -24,7 +29,7 @@ block against a long context, decoding), the visited tiles of each row tile are 
 Backward: dQ (row-tile programs over the same two intervals) and dK/dV (key-tile programs over
 their row-tile lists; the folded rows sum the G heads of a group for free), recomputing the
 probabilities from the saved log-sum-exp, under `jax.custom_vjp`. ``backward="reference"`` uses
-the VJP of the dense reference instead (debugging).
+the VJP of the dense reference (`dflash_jax.kernels.reference`) instead (debugging).
 
 Fully masked rows (padding blocks) produce zeros and zero gradients. Lengths that are not
 multiples of the tile sizes are padded in the wrapper (zeros; padded keys lie outside every range
@@ -43,6 +48,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dflash_jax.kernels.reference import check_gqa, reference_attention
+from dflash_jax.kernels.tile_plan import (
+    clip_ranges,
+    key_tile_lists,
+    round_up,
+    row_bounds,
+    row_tile_plan,
+)
 from dflash_jax.masks import KeyRanges
 
 # A finite stand-in for -inf: masked scores and the running max of a row that has seen nothing.
@@ -55,6 +68,41 @@ _SEEN = NEG / 2  # a base-2 log-sum-exp above this means the row saw at least on
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256
 BACKWARDS = ("pallas", "reference")
+# The default forward key tile (`BlockSizes.block_k`): key lengths in multiples of it need no padding.
+KEY_TILE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles and Triton launch parameters of the block-attention kernels.
+
+    block_q x block_k: folded rows (query x head-in-group) by keys per forward program;
+    block_q_bwd x block_k_bwd: the same in both backward kernels. Powers of two >= 16, shrunk for
+    small inputs and capped for head dims above 128 (shared memory). num_splits: programs that
+    share one row tile's key tiles in the forward (flash-decoding; None: chosen from the shape).
+    num_warps (None: chosen from the tile) and num_stages go to Triton.
+    """
+
+    block_q: int = 128
+    block_k: int = KEY_TILE
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):  # 16: Triton's minimum dot size
+                raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"BlockSizes.num_splits must be None or >= 1, got {self.num_splits}")
+        warps = self.num_warps
+        if warps is not None and (warps < 1 or warps & (warps - 1)):
+            raise ValueError(f"BlockSizes.num_warps must be None or a power of two, got {warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages must be >= 1, got {self.num_stages}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,14 +120,8 @@ def _next_pow2(n: int) -> int:
 
 
 def _fit_block(block: int, n: int) -> int:
-    """A power-of-two tile of at most ``block`` (>= 16, Triton's minimum dot size), shrunk to n."""
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"tile sizes must be powers of two >= 16, got {block}")
+    """The power-of-two tile ``block`` (a `BlockSizes` field) shrunk to n, at least 16."""
     return max(16, min(block, _next_pow2(n)))
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _padded_head_dim(d: int) -> int:
@@ -116,7 +158,7 @@ def _tile_mask(kpos, s0, e0, s1, e1):
 
 
 # ----------------------------------------------------------------------------------------------
-# Layout and bookkeeping (plain jnp, outside the kernels)
+# Layout (plain jnp, outside the kernels)
 
 
 def _fold_rows(x, num_kv_heads: int, rows_padded: int, dim_padded: int | None):
@@ -144,64 +186,6 @@ def _unfold_rows(x, tq: int, num_q_heads: int, dim: int | None):
 
 def _pad_kv(x, keys_padded: int, dim_padded: int):
     return jnp.pad(x, [(0, 0), (0, keys_padded - x.shape[1]), (0, 0), (0, dim_padded - x.shape[3])])
-
-
-def _row_bounds(start, end, group: int, rows_padded: int):
-    """Per folded row bounds, int32 [B, 4, R_pad] = (start0, end0, start1, end1); padding rows empty."""
-    bounds = jnp.stack([start[..., 0], end[..., 0], start[..., 1], end[..., 1]], axis=1)  # [B,4,Tq]
-    bounds = jnp.repeat(bounds, group, axis=2)
-    return jnp.pad(bounds, [(0, 0), (0, 0), (0, rows_padded - bounds.shape[2])])
-
-
-def _row_tile_plan(bounds, block_q: int, block_k: int):
-    """Key-tile intervals per row tile: int32 [B, nRt, 4] = (lo0, hi0, lo1, hi1), disjoint.
-
-    Over the tile's rows whose range r is non-empty: lo_r = min start // block_k and
-    hi_r = ceil(max end / block_k). Intersecting intervals are merged into the first.
-    """
-    b, _, r_pad = bounds.shape
-    n_rt = r_pad // block_q
-    t = bounds.reshape(b, 2, 2, n_rt, block_q)  # [B, range, (start,end), nRt, rows]
-    s, e = t[:, :, 0], t[:, :, 1]  # [B, 2, nRt, rows]
-    nonempty = e > s
-    big = jnp.iinfo(jnp.int32).max
-    lo = jnp.min(jnp.where(nonempty, s, big), axis=-1)
-    hi = jnp.max(jnp.where(nonempty, e, 0), axis=-1)
-    has = nonempty.any(axis=-1)
-    lo_t = jnp.where(has, lo // block_k, 0)
-    hi_t = jnp.where(has, -(-hi // block_k), 0)
-    a0, a1 = lo_t[:, 0], lo_t[:, 1]
-    b0, b1 = hi_t[:, 0], hi_t[:, 1]
-    overlap = (b0 > a0) & (b1 > a1) & (a1 < b0) & (a0 < b1)
-    plan = jnp.stack(
-        [
-            jnp.where(overlap, jnp.minimum(a0, a1), a0),
-            jnp.where(overlap, jnp.maximum(b0, b1), b0),
-            jnp.where(overlap, 0, a1),
-            jnp.where(overlap, 0, b1),
-        ],
-        axis=-1,
-    )
-    return plan.astype(jnp.int32)
-
-
-def _key_tile_lists(plan, num_key_tiles: int):
-    """For every key tile, the row tiles that visit it: int32 [B, nKt, 1 + nRt].
-
-    Column 0 is the count; columns 1.. are the visiting row tiles in increasing order (then junk).
-    """
-    kt = jnp.arange(num_key_tiles, dtype=jnp.int32)[None, None, :]
-    lo0, hi0, lo1, hi1 = (plan[..., i : i + 1] for i in range(4))
-    visits = ((kt >= lo0) & (kt < hi0)) | ((kt >= lo1) & (kt < hi1))  # [B, nRt, nKt]
-    count = visits.sum(axis=1, dtype=jnp.int32)  # [B, nKt]
-    order = jnp.argsort(jnp.logical_not(visits), axis=1, stable=True).astype(jnp.int32)
-    return jnp.concatenate([count[..., None], jnp.swapaxes(order, 1, 2)], axis=-1)
-
-
-def _clip_ranges(ranges: KeyRanges, batch: int, tq: int, tk: int):
-    start = jnp.broadcast_to(ranges.start, (batch, tq, 2)).astype(jnp.int32)
-    end = jnp.broadcast_to(ranges.end, (batch, tq, 2)).astype(jnp.int32)
-    return jnp.clip(start, 0, tk), jnp.clip(end, 0, tk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,20 +329,6 @@ def _dkdv_kernel(
 # pallas_call wrappers
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    scale: float
-    block_q: int
-    block_k: int
-    block_q_bwd: int
-    block_k_bwd: int
-    num_splits: int | None
-    num_warps: int | None
-    num_stages: int
-    interpret: bool
-    backward: str
-
-
 def _precision(dtype):
     # float32 inputs: exact fp32 products (Triton would use TF32 by default); 16-bit: native MMA.
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
@@ -373,23 +343,23 @@ def _tiling(q, k, block_q: int, block_k: int, wide_block_q: int):
     dp = _padded_head_dim(d)
     bq = _fit_block(block_q if dp <= 128 else min(block_q, wide_block_q), tq * g)
     bk = _fit_block(block_k if dp <= 128 else min(block_k, 32), tk)
-    return g, dp, bq, bk, _round_up(tq * g, bq), _round_up(tk, bk)
+    return g, dp, bq, bk, round_up(tq * g, bq), round_up(tk, bk)
 
 
-def _forward(q, k, v, start, end, cfg: _Config):
+def _forward(q, k, v, start, end, scale: float, blocks: BlockSizes, interpret: bool):
     """Returns (out [B, Tq, Hq, D] in q.dtype, lse2 [B, Tq, Hq] float32 base-2, NEG if empty)."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
-    g, dp, bq, bk, r_pad, tk_pad = _tiling(q, k, cfg.block_q, cfg.block_k, wide_block_q=64)
+    g, dp, bq, bk, r_pad, tk_pad = _tiling(q, k, blocks.block_q, blocks.block_k, wide_block_q=64)
     n_rt, n_kt = r_pad // bq, tk_pad // bk
 
     qf = _fold_rows(q, hkv, r_pad, dp)
     kp = _pad_kv(k, tk_pad, dp)
     vp = _pad_kv(v, tk_pad, dp)
-    bounds = _row_bounds(start, end, g, r_pad)
-    plan = _row_tile_plan(bounds, bq, bk)
+    bounds = row_bounds(start, end, g, r_pad)
+    plan = row_tile_plan(bounds, bq, bk)
 
-    splits = cfg.num_splits
+    splits = blocks.num_splits
     if splits is None:
         programs = n_rt * b * hkv
         target = 2 * _num_sms()
@@ -397,11 +367,11 @@ def _forward(q, k, v, start, end, cfg: _Config):
             splits = 1
         else:
             splits = int(min(16, -(-target // programs), n_kt // 4))
-    splits = max(1, min(int(splits), n_kt))
-    num_warps = cfg.num_warps or (8 if bq * dp >= 128 * 128 else 4)
+    splits = min(splits, n_kt)
+    num_warps = blocks.num_warps or (8 if bq * dp >= 128 * 128 else 4)
 
     kernel = functools.partial(
-        _fwd_kernel, scale=cfg.scale, block_k=bk, num_splits=splits, precision=_precision(q.dtype)
+        _fwd_kernel, scale=scale, block_k=bk, num_splits=splits, precision=_precision(q.dtype)
     )
     out_dtype = q.dtype if splits == 1 else jnp.float32
     # Row tiles run in reverse (x-major launch order): with causal-like masks the last row tiles
@@ -430,8 +400,8 @@ def _forward(q, k, v, start, end, cfg: _Config):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(num_warps, cfg.num_stages),
-        interpret=cfg.interpret,
+        compiler_params=_compiler_params(num_warps, blocks.num_stages),
+        interpret=interpret,
         name="block_attention_fwd",
     )(plan, bounds, qf, kp, vp)
 
@@ -448,14 +418,15 @@ def _forward(q, k, v, start, end, cfg: _Config):
     return out, lse
 
 
-def _backward_pallas(q, k, v, start, end, out, lse2, do, cfg: _Config):
+def _backward_pallas(q, k, v, start, end, out, lse2, do, scale: float, blocks: BlockSizes,
+                     interpret: bool):
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
-    g, dp, bq, bk, r_pad, tk_pad = _tiling(q, k, cfg.block_q_bwd, cfg.block_k_bwd, wide_block_q=32)
+    g, dp, bq, bk, r_pad, tk_pad = _tiling(q, k, blocks.block_q_bwd, blocks.block_k_bwd, wide_block_q=32)
     n_rt, n_kt = r_pad // bq, tk_pad // bk
     precision = _precision(q.dtype)
-    num_warps = cfg.num_warps or (8 if dp >= 128 else 4)
-    params = _compiler_params(num_warps, cfg.num_stages)
+    num_warps = blocks.num_warps or (8 if dp >= 128 else 4)
+    params = _compiler_params(num_warps, blocks.num_stages)
 
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Tq, Hq]
     # Rows that saw nothing: lse 0 makes every (masked, NEG) probability exactly 0.
@@ -466,9 +437,9 @@ def _backward_pallas(q, k, v, start, end, out, lse2, do, cfg: _Config):
     deltaf = _fold_rows(delta, hkv, r_pad, None)
     kp = _pad_kv(k, tk_pad, dp)
     vp = _pad_kv(v, tk_pad, dp)
-    bounds = _row_bounds(start, end, g, r_pad)
-    plan = _row_tile_plan(bounds, bq, bk)
-    lists = _key_tile_lists(plan, n_kt)
+    bounds = row_bounds(start, end, g, r_pad)
+    plan = row_tile_plan(bounds, bq, bk)
+    lists = key_tile_lists(plan, n_kt)
 
     def rt(i):  # row tiles in reverse, as in the forward
         return n_rt - 1 - i
@@ -477,7 +448,7 @@ def _backward_pallas(q, k, v, start, end, out, lse2, do, cfg: _Config):
     row_vec = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, rt(i)))
     all_keys = pl.BlockSpec((None, tk_pad, None, dp), lambda i, bb, h: (bb, 0, h, 0))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=cfg.scale, block_k=bk, precision=precision),
+        functools.partial(_dq_kernel, scale=scale, block_k=bk, precision=precision),
         grid=(n_rt, b, hkv),
         in_specs=[
             pl.BlockSpec((None, None, 4), lambda i, bb, h: (bb, rt(i), 0)),
@@ -487,7 +458,7 @@ def _backward_pallas(q, k, v, start, end, out, lse2, do, cfg: _Config):
         out_specs=row_tile,
         out_shape=jax.ShapeDtypeStruct((b, hkv, r_pad, dp), q.dtype),
         compiler_params=params,
-        interpret=cfg.interpret,
+        interpret=interpret,
         name="block_attention_dq",
     )(plan, bounds, qf, dof, lsef, deltaf, kp, vp)
 
@@ -495,7 +466,7 @@ def _backward_pallas(q, k, v, start, end, out, lse2, do, cfg: _Config):
     all_rows_vec = pl.BlockSpec((None, None, r_pad), lambda j, bb, h: (bb, h, 0))
     key_tile = pl.BlockSpec((None, bk, None, dp), lambda j, bb, h: (bb, j, h, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, scale=cfg.scale, block_q=bq, block_k=bk, precision=precision),
+        functools.partial(_dkdv_kernel, scale=scale, block_q=bq, block_k=bk, precision=precision),
         grid=(n_kt, b, hkv),
         in_specs=[
             pl.BlockSpec((None, None, 1 + n_rt), lambda j, bb, h: (bb, j, 0)),
@@ -508,7 +479,7 @@ def _backward_pallas(q, k, v, start, end, out, lse2, do, cfg: _Config):
             jax.ShapeDtypeStruct((b, tk_pad, hkv, dp), v.dtype),
         ],
         compiler_params=params,
-        interpret=cfg.interpret,
+        interpret=interpret,
         name="block_attention_dkdv",
     )(lists, bounds, qf, dof, lsef, deltaf, kp, vp)
 
@@ -516,27 +487,26 @@ def _backward_pallas(q, k, v, start, end, out, lse2, do, cfg: _Config):
     return dq, dk[:, :tk, :, :d], dv[:, :tk, :, :d]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _block_attention(q, k, v, start, end, cfg: _Config):
-    return _forward(q, k, v, start, end, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _block_attention(q, k, v, start, end, scale: float, blocks: BlockSizes, interpret: bool,
+                     backward: str):
+    return _forward(q, k, v, start, end, scale, blocks, interpret)[0]
 
 
-def _block_attention_fwd(q, k, v, start, end, cfg: _Config):
-    out, lse2 = _forward(q, k, v, start, end, cfg)
+def _block_attention_fwd(q, k, v, start, end, scale, blocks, interpret, backward):
+    out, lse2 = _forward(q, k, v, start, end, scale, blocks, interpret)
     return out, (q, k, v, start, end, out, lse2)
 
 
-def _block_attention_bwd(cfg: _Config, res, do):
+def _block_attention_bwd(scale, blocks, interpret, backward, res, do):
     q, k, v, start, end, out, lse2 = res
-    if cfg.backward == "reference":
-        from dflash_jax.attention import reference_attention  # lazy: attention imports this module
-
+    if backward == "reference":
         def ref(q_, k_, v_):
-            return reference_attention(q_, k_, v_, KeyRanges(start, end), scale=cfg.scale)
+            return reference_attention(q_, k_, v_, KeyRanges(start, end), scale=scale)
 
         dq, dk, dv = jax.vjp(ref, q, k, v)[1](do)
     else:
-        dq, dk, dv = _backward_pallas(q, k, v, start, end, out, lse2, do, cfg)
+        dq, dk, dv = _backward_pallas(q, k, v, start, end, out, lse2, do, scale, blocks, interpret)
     return dq, dk, dv, None, None
 
 
@@ -556,8 +526,10 @@ def unsupported_reason(q, k, v, ranges: KeyRanges, scale=None) -> str | None:
         return f"k {k.shape} and v {v.shape} differ in shape"
     if k.shape[0] != b or k.shape[3] != d:
         return f"k {k.shape} does not match q {q.shape} in batch or head_dim"
-    if hq % k.shape[2]:
-        return f"query heads ({hq}) not a multiple of kv heads ({k.shape[2]})"
+    try:
+        check_gqa(hq, k.shape[2])
+    except ValueError as e:
+        return str(e)
     if tq == 0 or k.shape[1] == 0:
         return "empty query or key axis"
     if d > MAX_HEAD_DIM:
@@ -578,6 +550,16 @@ def unsupported_reason(q, k, v, ranges: KeyRanges, scale=None) -> str | None:
     return None
 
 
+def _static_scale_and_bounds(q, k, v, ranges: KeyRanges, scale):
+    """Validates the inputs -> (scale as a Python float, start, end [B, Tq, 2] clipped to [0, Tk))."""
+    reason = unsupported_reason(q, k, v, ranges, scale)
+    if reason is not None:
+        raise ValueError(f"block_attention cannot take these inputs: {reason}")
+    b, tq, _, d = q.shape
+    start, end = clip_ranges(ranges, b, tq, k.shape[1])
+    return float(d**-0.5 if scale is None else scale), start, end
+
+
 def block_attention(
     q: jax.Array,
     k: jax.Array,
@@ -585,73 +567,31 @@ def block_attention(
     ranges: KeyRanges,
     *,
     scale: float | None = None,
-    block_q: int = 128,
-    block_k: int = 64,
-    block_q_bwd: int = 64,
-    block_k_bwd: int = 64,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 2,
+    block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     backward: str = "pallas",
 ) -> jax.Array:
     """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D] where each query sees its `ranges`.
 
-    Same semantics as `dflash_jax.attention.reference_attention`: scale defaults to D**-0.5,
-    float32 softmax and accumulation, output in q's dtype, zeros for queries that see no key.
-    Differentiable (dq, dk, dv) with Pallas backward kernels, or the reference's VJP when
-    ``backward="reference"``.
-
-    Tiles: ``block_q`` folded rows (query x head-in-group) by ``block_k`` keys in the forward,
-    ``block_q_bwd`` x ``block_k_bwd`` in both backward kernels (powers of two >= 16; shrunk for
-    small inputs, and capped for head dims above 128). ``num_splits`` spreads each row tile's key
-    tiles over that many programs in the forward (None: chosen from the shape), ``num_warps`` and
-    ``num_stages`` go to Triton. ``interpret=True`` runs the kernels in Pallas interpret mode
-    (CPU tests).
+    Same semantics as `dflash_jax.kernels.reference.reference_attention`: scale defaults to
+    D**-0.5, float32 softmax and accumulation, output in q's dtype, zeros for queries that see no
+    key. Differentiable (dq, dk, dv) with Pallas backward kernels, or the reference's VJP when
+    ``backward="reference"``. ``block_sizes``: tiles and launch parameters (None: `BlockSizes()`).
+    ``interpret=True`` runs the kernels in Pallas interpret mode (CPU tests).
     """
-    reason = unsupported_reason(q, k, v, ranges, scale)
-    if reason is not None:
-        raise ValueError(f"block_attention cannot take these inputs: {reason}")
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    for blk in (block_q, block_k, block_q_bwd, block_k_bwd):
-        _fit_block(blk, 1)
-    b, tq, _, d = q.shape
-    cfg = _Config(
-        scale=float(d**-0.5 if scale is None else scale),
-        block_q=block_q,
-        block_k=block_k,
-        block_q_bwd=block_q_bwd,
-        block_k_bwd=block_k_bwd,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=bool(interpret),
-        backward=backward,
-    )
-    start, end = _clip_ranges(ranges, b, tq, k.shape[1])
-    return _block_attention(q, k, v, start, end, cfg)
+    scale, start, end = _static_scale_and_bounds(q, k, v, ranges, scale)
+    blocks = BlockSizes() if block_sizes is None else block_sizes
+    return _block_attention(q, k, v, start, end, scale, blocks, bool(interpret), backward)
 
 
-def block_attention_with_lse(q, k, v, ranges: KeyRanges, *, scale=None, block_q=128, block_k=64,
-                             num_splits=None, num_warps=None, num_stages=2, interpret=False):
-    """Forward only: (out, lse) with lse [B, Tq, Hq] float32 natural log-sum-exp, -inf if empty."""
-    reason = unsupported_reason(q, k, v, ranges, scale)
-    if reason is not None:
-        raise ValueError(f"block_attention cannot take these inputs: {reason}")
-    b, tq, _, d = q.shape
-    cfg = _Config(
-        scale=float(d**-0.5 if scale is None else scale),
-        block_q=block_q,
-        block_k=block_k,
-        block_q_bwd=64,
-        block_k_bwd=64,
-        num_splits=num_splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=bool(interpret),
-        backward="pallas",
-    )
-    start, end = _clip_ranges(ranges, b, tq, k.shape[1])
-    out, lse2 = _forward(q, k, v, start, end, cfg)
+def block_attention_with_lse(q, k, v, ranges: KeyRanges, *, scale: float | None = None,
+                             block_sizes: BlockSizes | None = None, interpret: bool = False):
+    """Forward only: (out [B, Tq, Hq, D] in q's dtype, lse [B, Tq, Hq] float32 natural
+    log-sum-exp, -inf where the query sees no key); arguments as in `block_attention` (only the
+    forward fields of ``block_sizes`` matter)."""
+    scale, start, end = _static_scale_and_bounds(q, k, v, ranges, scale)
+    blocks = BlockSizes() if block_sizes is None else block_sizes
+    out, lse2 = _forward(q, k, v, start, end, scale, blocks, bool(interpret))
     return out, jnp.where(lse2 > _SEEN, lse2 * _LN2, -jnp.inf)

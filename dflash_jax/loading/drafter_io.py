@@ -8,16 +8,22 @@ import shutil
 import uuid
 from pathlib import Path
 
+import jax
+import numpy as np
+
 from dflash_jax.config import read_config_json, write_config_json
+from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter import Drafter, drafter_param_shapes
 from dflash_jax.drafter_config import DrafterConfig, resolve_mask_token_id, validate_pair
-from dflash_jax.errors import DrafterMismatchError
-from dflash_jax.loading.checkpoint_files import open_checkpoint
+from dflash_jax.errors import CheckpointError, DrafterMismatchError
+from dflash_jax.loading.checkpoint_files import checkpoint_file, open_checkpoint
 from dflash_jax.loading.dtypes import dtype_name, resolve_dtype
 from dflash_jax.loading.names import drafter_rules, hf_to_params, params_to_hf
 from dflash_jax.loading.safetensors_io import save_safetensors
 
 __all__ = ["DrafterMismatchError", "load_drafter", "save_drafter", "validate_pair"]
+
+DRAFT_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")  # read only when config.json has draft_vocab_size
 
 
 def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: str = "auto") -> Drafter:
@@ -39,9 +45,38 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
             config = dataclasses.replace(config, num_target_layers=target.config.num_layers)
         validate_pair(config, target)
     shapes = drafter_param_shapes(config, dtype)
-    params = hf_to_params(drafter_rules(config.attention_bias), open_checkpoint(path), shapes,
-                          config.num_layers, dtype, source=str(path))
-    return Drafter(config, params, hf, dtype, attn_impl)
+    tensors = open_checkpoint(path)
+    reduced = config.draft_vocab_size is not None
+    params = hf_to_params(drafter_rules(config.attention_bias), tensors, shapes, config.num_layers, dtype,
+                          allow_extra=lambda name: reduced and name in DRAFT_VOCAB_TENSORS, source=str(path))
+    drafter = Drafter(dataclasses.replace(config, draft_vocab_size=None), params, hf, dtype, attn_impl)
+    if reduced:
+        kernel, vocab = _read_draft_vocab(tensors, config, checkpoint_file(path))
+        drafter = drafter.with_draft_vocab(kernel, vocab)
+    return drafter
+
+
+def _read_draft_vocab(tensors, config: DrafterConfig, source: Path) -> tuple[np.ndarray, DraftVocab]:
+    """The reduced vocabulary's head kernel [D, Vd] and map from lm_head.weight [Vd, D], d2t int [Vd]
+    and t2d bool [V] (EAGLE-3's layout); CheckpointError naming `source` when they are missing or
+    do not fit."""
+    missing = [name for name in DRAFT_VOCAB_TENSORS if name not in tensors]
+    if missing:
+        raise CheckpointError(f"{source}: config.json sets draft_vocab_size={config.draft_vocab_size} but "
+                              f"the tensors {missing} are missing")
+    head, d2t, t2d = (np.asarray(tensors[name]) for name in DRAFT_VOCAB_TENSORS)
+    size, d = config.draft_vocab_size, config.hidden_size
+    for name, value, shape, ok, kind in (("lm_head.weight", head, (size, d), True, ""),
+                                         ("d2t", d2t, (size,), d2t.dtype.kind in "iu", "integer "),
+                                         ("t2d", t2d, (config.vocab_size,), t2d.dtype == bool, "bool ")):
+        if value.shape != shape or not ok:
+            raise CheckpointError(f"{source}: tensor {name} is {value.dtype} {list(value.shape)}, expected "
+                                  f"{kind}{list(shape)} (draft_vocab_size {size}, vocab_size {config.vocab_size})")
+    try:
+        vocab = DraftVocab.from_eagle3(d2t, t2d)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    return head.T, vocab
 
 
 def _sibling(path: Path, tag: str) -> Path:
@@ -77,11 +112,16 @@ def replace_directory(out_dir: Path, overwrite: bool):
 
 
 def save_drafter(drafter: Drafter, out_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the official layout: config.json + model.safetensors (the params' dtype), atomically.
+    """Write the official layout: config.json + model.safetensors (the params' dtype), atomically;
+    a reduced draft vocabulary adds `draft_vocab_size` to config.json and `lm_head.weight` [Vd, D],
+    `d2t` int64 [Vd], `t2d` bool [V] to the weights (EAGLE-3's layout, as vLLM reads it).
     An existing non-empty `out_dir` is refused (FileExistsError) unless overwrite=True."""
     out_dir = Path(out_dir)
     tensors = params_to_hf(drafter_rules(drafter.config.attention_bias), drafter.params,
                            drafter.config.num_layers)
+    if drafter.draft_head is not None:
+        tensors.update(drafter.draft_vocab.to_eagle3())
+        tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(drafter.draft_head["kernel"])).T)
     with replace_directory(out_dir, overwrite) as tmp:
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         write_config_json(tmp, drafter.config.to_hf_config(drafter.hf_config, dtype_name(drafter.dtype)))

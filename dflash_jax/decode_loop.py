@@ -1,0 +1,203 @@
+"""The device side of generation: decode state, prefill, one speculative cycle, the decode loop.
+
+Pure functions of (models, static config, params, state); the host side (prompt checks, buckets,
+compiled executables, timing, results, streaming) is `dflash_jax.speculative`.
+
+One cycle per row (DESIGN.md §2): draft a block [anchor, MASK x (G-1)] against the row's draft
+context cache, verify it in one target pass, accept a prefix, emit the correction/bonus token,
+roll the target cache back by length and append the accepted tokens' features to the draft cache.
+`drafter=None` runs plain autoregressive decoding through the same cycle with a block of 1.
+
+Invariants at the start of every cycle, for row b with L = lengths[b] committed tokens:
+tokens[b, :L] are committed; the target cache and the draft context cache hold positions
+0 .. L-2; the anchor is tokens[b, L-1] at position L-1.
+
+The whole decode is one `lax.while_loop` over `DecodeState` (no host round trip).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax import sampling
+from dflash_jax.cache import KVCache, write_rows
+from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
+
+ACCEPTANCE_RULES = ("exact", "match")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """Everything that fixes the compiled program (values that don't are passed as arrays)."""
+
+    max_new_tokens: int = 256
+    block_size: int = 1  # 1 = autoregressive
+    sampling: bool = False  # False = greedy
+    top_k: int = 0
+    use_top_p: bool = False
+    acceptance: str = "exact"  # sampling rule: "exact" (speculative sampling) or "match" (official)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@struct.dataclass
+class SamplingParams:
+    temperature: jax.Array  # [] float32 (unused when greedy)
+    top_p: jax.Array  # [] float32
+    stop_token_ids: jax.Array  # [S] int32, padded with -1
+
+
+@struct.dataclass
+class DecodeState:
+    tokens: jax.Array  # [B, capacity] int32: prompt then generated tokens
+    lengths: jax.Array  # [B] committed tokens (prompt + generated)
+    prompt_lengths: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    target_cache: KVCache
+    draft_cache: KVCache | None
+    rng: jax.Array
+    cycles: jax.Array  # [B] verify cycles run by each row
+    # [B, max_new_tokens]: tokens emitted by each cycle (accepted drafts + 1, the tau samples);
+    # entries at and past cycles[b] are 0.
+    emitted_per_cycle: jax.Array
+
+
+def _target_probs(cfg: GenerationConfig, params: SamplingParams, logits):
+    """The filtered distribution [..., V] of logits [..., V] (the target's, or the drafter's over its
+    own vocabulary: top_k beyond a reduced draft vocabulary keeps all of it)."""
+    return sampling.filtered_probs(logits, params.temperature, min(cfg.top_k, logits.shape[-1]),
+                                   params.top_p if cfg.use_top_p else None)
+
+
+def _finished(cfg: GenerationConfig, params: SamplingParams, emitted, num_emitted, lengths, prompt_lengths):
+    """A row is done when it emitted a stop token or reached max_new_tokens."""
+    valid = jnp.arange(emitted.shape[1])[None, :] < num_emitted[:, None]
+    is_stop = (emitted[..., None] == params.stop_token_ids[None, None, :]).any(-1)
+    return (is_stop & valid).any(-1) | (lengths - prompt_lengths >= cfg.max_new_tokens)
+
+
+def prefill(target, drafter, cfg: GenerationConfig, target_params, drafter_params, prompt_tokens,
+            prompt_lengths, rng, params: SamplingParams) -> DecodeState:
+    """Run the prompts [B, P] (right-padded) through the target; the first token becomes the anchor."""
+    b, p = prompt_tokens.shape
+    capacity = p + cfg.max_new_tokens + cfg.block_size
+    # Cache lengths that are multiples of the kernel's key tile spare it a padding copy per call
+    # (the XLA path reads only the filled slots and needs no rounding). The drafter's block
+    # attends to its context cache and its own keys separately, so both caches have one size.
+    cache_capacity = round_up(capacity, KEY_TILE)
+    capture = drafter.config.target_layer_ids if drafter is not None else ()
+    # Chunked prefill (Target.prefill): attention cost follows the filled length, memory one chunk.
+    hidden, features, cache = target.prefill(target_params, prompt_tokens, target.init_cache(b, cache_capacity),
+                                             capture=capture, num_new=prompt_lengths)
+    logits = target.logits(target_params, sampling.gather_rows(hidden, prompt_lengths - 1))
+    rng, key = jax.random.split(rng)
+    if cfg.sampling:
+        first = sampling.sample(key, _target_probs(cfg, params, logits))
+    else:
+        first = sampling.greedy(logits)
+    tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
+    tokens = write_rows(tokens, first[:, None], prompt_lengths)
+    draft_cache = None
+    if drafter is not None:
+        draft_cache = drafter.init_cache(b, cache_capacity)
+        draft_cache = drafter.append_context(drafter_params, draft_cache, features, num_new=prompt_lengths)
+    lengths = prompt_lengths + 1
+    done = _finished(cfg, params, first[:, None], jnp.ones_like(lengths), lengths, prompt_lengths)
+    return DecodeState(tokens=tokens, lengths=lengths, prompt_lengths=prompt_lengths, done=done,
+                       target_cache=cache, draft_cache=draft_cache, rng=rng,
+                       cycles=jnp.zeros((b,), jnp.int32),
+                       emitted_per_cycle=jnp.zeros((b, cfg.max_new_tokens), jnp.int32))
+
+
+def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft_cache, key, params):
+    """Draft tokens [B, G-1] (target ids) and their distributions over the target vocabulary
+    [B, G-1, V] (None unless exact sampling).
+
+    A reduced draft vocabulary (drafter_params = {"drafter", "draft_head"}, see `Drafter`) drafts
+    with its own head over Vd ids and maps the draft back through draft_to_target. Its distribution
+    over the full vocabulary is the filtered draft distribution at the kept target ids and zero
+    elsewhere, so the exact rule (min(1, p_t/p_d), residual max(0, p_t - p_d)) stays lossless.
+    """
+    mask = jnp.full((anchors.shape[0], cfg.block_size - 1), drafter.config.mask_token_id, jnp.int32)
+    block = jnp.concatenate([anchors[:, None], mask], axis=1)
+    hidden = drafter.draft_hidden(drafter_params, target.embed(target_params, block), draft_cache)[:, 1:]
+    exact = cfg.sampling and cfg.acceptance == "exact"
+    if drafter.config.draft_vocab_size is None:
+        logits = target.logits(target_params, hidden)
+        if exact:
+            probs = _target_probs(cfg, params, logits)
+            return sampling.sample(key, probs), probs
+        return sampling.greedy(logits), None
+    head = drafter_params["draft_head"]
+    to_target = head["draft_to_target"]  # [Vd]
+    logits = jnp.einsum("bgd,dv->bgv", hidden.astype(jnp.float32), head["kernel"].astype(jnp.float32))
+    if not exact:
+        return to_target[sampling.greedy(logits)], None
+    probs = _target_probs(cfg, params, logits)  # [B, G-1, Vd]
+    full = jnp.zeros((*probs.shape[:-1], drafter.config.vocab_size), probs.dtype).at[..., to_target].set(probs)
+    return to_target[sampling.sample(key, probs)], full
+
+
+def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params, state: DecodeState,
+          params: SamplingParams) -> DecodeState:
+    """One draft-verify-accept cycle for every row; finished rows do not change."""
+    rows = jnp.arange(state.tokens.shape[0])
+    rng, draft_key, accept_key = jax.random.split(state.rng, 3)
+    anchors = sampling.gather_rows(state.tokens, state.lengths - 1)
+    if drafter is not None:
+        drafts, draft_probs = _propose(target, drafter, cfg, target_params, drafter_params, anchors,
+                                       state.draft_cache, draft_key, params)
+    else:
+        drafts, draft_probs = jnp.zeros((anchors.shape[0], 0), jnp.int32), None
+    block = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [B, G]
+    capture = drafter.config.target_layer_ids if drafter is not None else ()
+    hidden, features, target_cache = target.forward(target_params, block, state.target_cache,
+                                                    capture=capture)
+    logits = target.logits(target_params, hidden)  # [B, G, V]
+    if not cfg.sampling:
+        num_accepted, next_token = sampling.accept_greedy(drafts, logits)
+    elif cfg.acceptance == "match" or drafter is None:
+        num_accepted, next_token = sampling.accept_match(accept_key, drafts,
+                                                         _target_probs(cfg, params, logits))
+    else:
+        num_accepted, next_token = sampling.accept_exact(accept_key, drafts, draft_probs,
+                                                         _target_probs(cfg, params, logits))
+    live = ~state.done
+    num_emitted = jnp.where(live, num_accepted + 1, 0)
+    slot = jnp.arange(cfg.block_size)[None, :]
+    shifted = jnp.concatenate([drafts, jnp.zeros_like(anchors[:, None])], axis=1)  # drafts[i] at slot i
+    emitted = jnp.where(slot < num_accepted[:, None], shifted, next_token[:, None])
+    tokens = write_rows(state.tokens, emitted, state.lengths)
+    tokens = jnp.where(live[:, None], tokens, state.tokens)
+    lengths = state.lengths + num_emitted
+    # The target cache keeps anchor + accepted drafts; the draft cache gains their features.
+    target_cache = target_cache.with_lengths(state.target_cache.lengths + num_emitted)
+    draft_cache = state.draft_cache
+    if drafter is not None:
+        draft_cache = drafter.append_context(drafter_params, draft_cache, features, num_new=num_emitted)
+    done = state.done | _finished(cfg, params, emitted, num_emitted, lengths, state.prompt_lengths)
+    index = jnp.minimum(state.cycles, cfg.max_new_tokens - 1)
+    emitted_per_cycle = state.emitted_per_cycle.at[rows, index].set(
+        jnp.where(live, num_emitted, state.emitted_per_cycle[rows, index]))
+    return state.replace(tokens=tokens, lengths=lengths, done=done, target_cache=target_cache,
+                         draft_cache=draft_cache, rng=rng, cycles=state.cycles + live,
+                         emitted_per_cycle=emitted_per_cycle)
+
+
+def decode(target, drafter, cfg, target_params, drafter_params, state, params) -> DecodeState:
+    """Cycles until every row is done, in one while_loop."""
+    return jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done),
+        lambda s: cycle(target, drafter, cfg, target_params, drafter_params, s, params),
+        state)

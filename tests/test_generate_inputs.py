@@ -1,0 +1,135 @@
+"""Bad arguments to generate / generate_stream: each raises at the call with the exception type
+stated here and a message that names the argument; and the result helpers (decode speed apart from
+the prefill's token, the answer text without its stop token), prompt buckets, the compile cache."""
+import warnings
+
+import jax
+import pytest
+
+from dflash_jax import speculative
+from dflash_jax.config import ModelConfig
+from dflash_jax.drafter import Drafter, init_drafter_params
+from dflash_jax.drafter_config import DrafterConfig
+from dflash_jax.speculative import GenerationResult, generate, generate_stream
+from dflash_jax.target import Target, init_target_params
+
+VOCAB = 16
+TARGET = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2,
+                     num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=128)
+DRAFTER = DrafterConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                        head_dim=8, vocab_size=VOCAB, num_target_layers=2, target_layer_ids=(0, 1),
+                        block_size=4, mask_token_id=VOCAB - 1)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
+    return target, Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)))
+
+
+BAD_CALLS = [
+    # (keyword arguments, exception type, words the message must contain)
+    (dict(prompts=[1, 2, 3]), ValueError, ["prompts", "[[1, 2, 3]]"]),
+    (dict(prompts="hello"), TypeError, ["prompts", "tokenizer"]),
+    (dict(prompts=[[1, 2.5]]), TypeError, ["prompts[0]", "integer"]),
+    (dict(prompts=[[1, 2], [VOCAB]]), ValueError, ["prompts[1]", str(VOCAB)]),
+    (dict(temperature=float("nan")), ValueError, ["temperature", "nan"]),
+    (dict(temperature=float("inf")), ValueError, ["temperature", "inf"]),
+    (dict(temperature="0.5"), TypeError, ["temperature"]),
+    (dict(top_p=0.0), ValueError, ["top_p"]),
+    (dict(top_p=float("nan")), ValueError, ["top_p"]),
+    (dict(top_k=VOCAB + 1), ValueError, ["top_k", "vocabulary", str(VOCAB)]),
+    (dict(top_k=-1), ValueError, ["top_k"]),
+    (dict(top_k=2.0), TypeError, ["top_k"]),
+    (dict(stop_token_ids=[-1]), ValueError, ["stop_token_ids", "-1"]),
+    (dict(stop_token_ids=[3, VOCAB]), ValueError, ["stop_token_ids", str(VOCAB)]),
+    (dict(stop_token_ids="</s>"), TypeError, ["stop_token_ids"]),
+    (dict(max_new_tokens=0), ValueError, ["max_new_tokens"]),
+    (dict(max_new_tokens=2.0), TypeError, ["max_new_tokens"]),
+    (dict(block_size=1), ValueError, ["block_size"]),
+    (dict(seed=0.5), TypeError, ["seed"]),
+    (dict(acceptance="greedy"), ValueError, ["acceptance"]),
+]
+
+
+@pytest.mark.parametrize("entry", ["generate", "generate_stream"])
+@pytest.mark.parametrize("kwargs, error, words", BAD_CALLS, ids=[
+    "-".join(f"{k}={v!r}" for k, v in kw.items()) for kw, _, _ in BAD_CALLS])
+def test_bad_argument_raises_at_the_call_and_names_it(pair, entry, kwargs, error, words):
+    target, drafter = pair
+    kwargs = {"max_new_tokens": 4, **kwargs}
+    prompts = kwargs.pop("prompts", [[1, 2, 3]])
+    run = {"generate": generate, "generate_stream": generate_stream}[entry]
+    with pytest.raises(error) as caught:
+        run(target, drafter, prompts, **kwargs)  # the stream is never iterated: it raises eagerly
+    assert type(caught.value) is error
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+def test_an_int_stop_id_is_one_stop_id(pair):
+    target, drafter = pair
+    free = generate(target, drafter, [[1, 2, 3]], max_new_tokens=6, stop_token_ids=())
+    stop = free.tokens[0][2]
+    first = free.tokens[0].index(stop)
+    as_int = generate(target, drafter, [[1, 2, 3]], max_new_tokens=6, stop_token_ids=stop)
+    assert as_int.tokens == generate(target, drafter, [[1, 2, 3]], max_new_tokens=6,
+                                     stop_token_ids=[stop]).tokens
+    assert as_int.tokens[0] == free.tokens[0][: first + 1]
+
+
+def test_block_size_beyond_training_warns_naming_both(pair):
+    target, drafter = pair
+    options = dict(max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=(), seed=0,
+                   acceptance="exact")
+    with pytest.warns(UserWarning, match=r"block_size 6 .*trained for \(4\)"):
+        cfg, _, _ = speculative._prepare(target, drafter, [[1, 2]], block_size=6, **options)
+    assert cfg.block_size == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        speculative._prepare(target, drafter, [[1, 2]], block_size=4, **options)
+
+
+class _Tokenizer:
+    """decode() that shows which ids and which skip_special_tokens it was given."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return f"{list(ids)}/{skip_special_tokens}"
+
+
+def test_result_text_and_decode_speed():
+    result = GenerationResult(tokens=[[5, 6, 2], [7, 8]], acceptance_lengths=[[1, 1], [1]],
+                              prefill_seconds=1.0, decode_seconds=2.0, compile_seconds=0.0, block_size=1,
+                              stop_token_ids=(2,))
+    assert result.text(_Tokenizer()) == "[5, 6]/True"  # the closing stop token is dropped
+    assert result.text(_Tokenizer(), row=1) == "[7, 8]/True"
+    assert result.num_generated == 5 and result.num_decoded == 3  # each row's first token is the prefill's
+    assert result.decode_tokens_per_second == pytest.approx(3 / 2.0)
+    assert result.tokens_per_second == pytest.approx(5 / 3.0)
+
+
+def test_stream_reports_compile_time_and_matches_generate(pair):
+    target, drafter = pair
+    stream = generate_stream(target, drafter, [[3, 4], [5]], max_new_tokens=7, stop_token_ids=(), seed=1)
+    assert stream.compile_seconds > 0.0  # a shape no test compiled before
+    chunks = list(stream)
+    full = generate(target, drafter, [[3, 4], [5]], max_new_tokens=7, stop_token_ids=(), seed=1)
+    assert [sum((c[b] for c in chunks), []) for b in range(2)] == full.tokens
+    assert generate_stream(target, drafter, [[3, 4], [5]], max_new_tokens=7, stop_token_ids=(),
+                           seed=1).compile_seconds == 0.0
+
+
+def test_prompt_buckets_are_powers_of_two_then_multiples_of_1024():
+    assert [speculative.prompt_bucket(n) for n in (1, 16, 17, 300, 1024)] == [16, 16, 32, 512, 1024]
+    assert [speculative.prompt_bucket(n) for n in (1025, 2048, 3035, 4097)] == [2048, 2048, 3072, 5120]
+    assert len({speculative.prompt_bucket(n) for n in range(1, 8193)}) == 7 + 7
+
+
+def test_compiled_executables_are_bounded(pair, monkeypatch):
+    target, _ = pair
+    monkeypatch.setattr(speculative, "MAX_COMPILED", 2)
+    for new in (2, 3):  # each max_new_tokens is a new program: prefill + loop
+        generate(target, None, [[1]], max_new_tokens=new, stop_token_ids=())
+        assert speculative.compile_cache_size() == 2
+    assert generate(target, None, [[1]], max_new_tokens=3, stop_token_ids=()).compile_seconds == 0.0
+    assert generate(target, None, [[1]], max_new_tokens=2, stop_token_ids=()).compile_seconds > 0.0

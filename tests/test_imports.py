@@ -1,0 +1,117 @@
+"""Imports point down: the `dflash_jax` modules import each other without a cycle, and no library
+module imports a CLI or training entry point (the `infer` and `train` packages).
+
+Every `import` / `from ... import` statement counts, at module level or inside a function (a lazy
+import hides a cycle from Python, not from this test). ``from package import name`` is an edge to
+``package.name`` when that is a module, else to ``package`` (its ``__init__``).
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pkgutil
+from pathlib import Path
+
+import dflash_jax
+
+ROOT = "dflash_jax"
+ENTRY_POINTS = ("infer", "train")  # CLI / training packages beside the library
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package: dotted name -> source file."""
+    names = [ROOT] + [info.name for info in pkgutil.walk_packages(dflash_jax.__path__, ROOT + ".")]
+    return {name: Path(importlib.util.find_spec(name).origin) for name in names}
+
+
+def _imports(module: str, is_package: bool, source: str) -> list[tuple[str, tuple[str, ...], int]]:
+    """(base, names, line) of every import statement in `source`: ``import a.b`` -> ("a.b", ()),
+    ``from X import a, b`` -> ("X", ("a", "b")), relative bases resolved against `module`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, (), node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module
+            if node.level:  # relative to the importing module's package
+                package = (module if is_package else module.rpartition(".")[0]).split(".")
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            found.append((base, tuple(alias.name for alias in node.names), node.lineno))
+    return found
+
+
+def _graph(modules: dict[str, Path]):
+    """-> (edges {module: {imported module: line}}, entry-point imports [(module, name, line)])."""
+    edges, entry_imports = {}, []
+    for module, path in modules.items():
+        out = edges.setdefault(module, {})
+        for base, names, line in _imports(module, path.name == "__init__.py", path.read_text()):
+            if base.split(".")[0] in ENTRY_POINTS:
+                entry_imports.append((module, base, line))
+            # `from X import a` imports the module X.a when there is one, else X's attribute a.
+            targets = [f"{base}.{name}" if f"{base}.{name}" in modules else base for name in names]
+            for target in targets or [base]:
+                if target in modules:
+                    out.setdefault(target, line)
+    return edges, entry_imports
+
+
+def find_cycle(edges: dict[str, dict[str, int]]) -> list[str] | None:
+    """A cycle [m0, m1, ..., m0] in the graph, or None (depth-first search)."""
+    state = {}  # module -> 1 on the current path, 2 done
+    path = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, {})):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state:
+            cycle = visit(start)
+            if cycle:
+                return cycle
+    return None
+
+
+def _describe(cycle, edges, modules) -> str:
+    return "\n".join(f"  {modules[a].relative_to(Path(dflash_jax.__file__).parents[1])}:{edges[a][b]} "
+                     f"{a} imports {b}" for a, b in zip(cycle, cycle[1:]))
+
+
+def test_find_cycle_finds_and_clears():
+    assert find_cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {}}) is None
+    assert find_cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"b": 1}}) == ["b", "c", "b"]
+    assert find_cycle({"a": {"a": 1}}) == ["a", "a"]
+
+
+def test_imports_resolve_submodules_relative_and_lazy():
+    source = "import os\nfrom . import sibling\nfrom ..pkg import name\ndef f():\n    import dflash_jax.x\n"
+    assert _imports("dflash_jax.sub.mod", False, source) == [
+        ("os", (), 1), ("dflash_jax.sub", ("sibling",), 2), ("dflash_jax.pkg", ("name",), 3),
+        ("dflash_jax.x", (), 5)]
+    assert _imports("dflash_jax.sub", True, "from .mod import f\n") == [("dflash_jax.sub.mod", ("f",), 1)]
+
+
+def test_package_imports_have_no_cycle():
+    modules = _modules()
+    assert "dflash_jax.attention" in modules and "dflash_jax.kernels.block_attention" in modules
+    edges, _ = _graph(modules)
+    assert "dflash_jax.masks" in edges["dflash_jax.attention"]  # the parse sees the imports
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle:\n" + _describe(cycle, edges, modules)
+
+
+def test_library_imports_no_entry_point():
+    _, entry_imports = _graph(_modules())
+    assert not entry_imports, "library modules import CLI/training entry points:\n" + "\n".join(
+        f"  {module} imports {name} (line {line})" for module, name, line in entry_imports)

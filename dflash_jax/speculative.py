@@ -29,6 +29,7 @@ from dflash_jax.config import default_stop_token_ids
 from dflash_jax.decode_loop import (ACCEPTANCE_RULES, GenerationConfig, SamplingParams, cycle, decode,
                                     prefill, round_up)
 from dflash_jax.drafter_config import validate_pair
+from dflash_jax.target import unstack_layers
 
 MAX_COMPILED = 16  # compiled executables kept (least recently used dropped first)
 _SMALLEST_BUCKET, _LARGEST_POWER_BUCKET = 16, 1024
@@ -100,6 +101,25 @@ _COMPILED: collections.OrderedDict = collections.OrderedDict()
 def compile_cache_size() -> int:
     """Number of compiled executables held (at most MAX_COMPILED)."""
     return len(_COMPILED)
+
+
+_DECODE_PARAMS: collections.OrderedDict = collections.OrderedDict()  # id(params) -> (params, unstacked)
+
+
+def decode_params(target):
+    """The target params the decode loop runs on. On a CPU: the layers unstacked (one array per layer
+    and weight, see `target.UnrolledTargetModel`), made once per params object and kept for the last
+    two (a copy of the layer weights each); elsewhere the stacked params as they are."""
+    params = target.params
+    if jax.default_backend() != "cpu":
+        return params
+    key = id(params)
+    if key not in _DECODE_PARAMS or _DECODE_PARAMS[key][0] is not params:
+        _DECODE_PARAMS[key] = (params, unstack_layers(params))
+        while len(_DECODE_PARAMS) > 2:
+            _DECODE_PARAMS.popitem(last=False)
+    _DECODE_PARAMS.move_to_end(key)
+    return _DECODE_PARAMS[key][1]
 
 
 def _strip(model):
@@ -281,7 +301,7 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, to
     params = SamplingParams(temperature=jnp.float32(max(temperature, 1e-6)), top_p=jnp.float32(top_p),
                             stop_token_ids=jnp.asarray(padded_stops))
     drafter_params = drafter.loop_params if drafter is not None else None
-    args = (target.params, drafter_params, jnp.asarray(tokens), jnp.asarray(lengths),
+    args = (decode_params(target), drafter_params, jnp.asarray(tokens), jnp.asarray(lengths),
             jax.random.PRNGKey(seed), params)
     return cfg, args, stops
 

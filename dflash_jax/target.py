@@ -9,6 +9,7 @@ and the NEW cache. Layers run under `nn.scan` over stacked per-layer params.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -77,13 +78,7 @@ class TargetModel(nn.Module):
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
-        self.layers = nn.scan(
-            TargetLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-        )(cfg, self.dtype, self.attn_impl)
+        self._make_layers()
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
@@ -117,7 +112,7 @@ class TargetModel(nn.Module):
         buffer = jnp.zeros((b, t, len(inner), cfg.hidden_size), self.dtype) if inner else None
         layer_xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32),
                     jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(slots))
-        (hidden, buffer), new_kv = self.layers((hidden, buffer), layer_xs, positions, cos, sin, cache)
+        (hidden, buffer), new_kv = self._run_layers((hidden, buffer), layer_xs, positions, cos, sin, cache)
         hidden = self.norm(hidden)
         features = None
         if capture:
@@ -127,6 +122,19 @@ class TargetModel(nn.Module):
             cache = cache.append(*new_kv, t if num_new is None else num_new)
         return hidden, features, cache
 
+    def _make_layers(self):
+        """All layers as one scanned module: params stacked [L, ...] under "layers"."""
+        self.layers = nn.scan(
+            TargetLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=self.config.num_layers,
+        )(self.config, self.dtype, self.attn_impl)
+
+    def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
+        return self.layers(carry, layer_xs, positions, cos, sin, cache)
+
     def embed(self, tokens):
         return self.embed_tokens(tokens)
 
@@ -135,6 +143,44 @@ class TargetModel(nn.Module):
         if self.config.tie_word_embeddings:
             return self.embed_tokens.attend(hidden).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
+
+
+class UnrolledTargetModel(TargetModel):
+    """TargetModel over per-layer params "layer_0" .. "layer_{L-1}" (see `unstack_layers`): a
+    Python loop over the layers instead of a scan. Same results. On a CPU the scan slices every
+    layer's weights out of the stacked arrays with a copy in every step (XLA CPU's dot reads a
+    materialised operand), which more than doubles the memory traffic of a decode step
+    (SmolLM2-135M, one token, no cache: 42 ms scanned, 25 ms unrolled). Compiles more slowly."""
+
+    def _make_layers(self):
+        # Flax names the list's modules layer_0, layer_1, ...
+        self.layer = [TargetLayer(self.config, self.dtype, self.attn_impl) for _ in range(self.config.num_layers)]
+
+    def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
+        new_kv = []
+        for i, layer in enumerate(self.layer):
+            carry, kv = layer(carry, tuple(x[i] for x in layer_xs), positions, cos, sin, cache)
+            new_kv.append(kv)
+        if cache is None:
+            return carry, None
+        return carry, tuple(jnp.stack(parts) for parts in zip(*new_kv))
+
+
+def unstack_layers(params) -> dict:
+    """Stacked target params ("layers" [L, ...]) -> UnrolledTargetModel params (one separate array
+    per layer and weight). Run it outside jit: inside, the slices would be copies again."""
+    if "layers" not in params:
+        return params
+    layers = params["layers"]
+    num_layers = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layer_{i}"] = jax.tree_util.tree_map(lambda x: x[i], layers)
+    return out
+
+
+def is_unstacked(params) -> bool:
+    return "layer_0" in params
 
 
 @dataclasses.dataclass
@@ -151,17 +197,23 @@ class Target:
     def module(self) -> TargetModel:
         return TargetModel(self.config, self.dtype, self.attn_impl)
 
+    def module_for(self, params) -> TargetModel:
+        """The module that reads `params`: scanned (stacked layers) or unrolled (`unstack_layers`)."""
+        cls = UnrolledTargetModel if is_unstacked(params) else TargetModel
+        return cls(self.config, self.dtype, self.attn_impl)
+
     def forward(self, params, tokens, cache=None, *, positions=None, capture: Sequence[int] = (),
                 num_new=None):
         """See `TargetModel.__call__`. With a cache, more than PREFILL_CHUNK tokens go through
         `prefill` (same results, chunk by chunk)."""
         if cache is None:
-            return self.module.apply({"params": params}, tokens, positions=positions, capture=capture)
+            return self.module_for(params).apply({"params": params}, tokens, positions=positions,
+                                                 capture=capture)
         check_fits(cache, tokens.shape[1])
         if positions is None and tokens.shape[1] > PREFILL_CHUNK:
             return self.prefill(params, tokens, cache, capture=capture, num_new=num_new)
-        return self.module.apply({"params": params}, tokens, cache, positions=positions,
-                                 capture=capture, num_new=num_new)
+        return self.module_for(params).apply({"params": params}, tokens, cache, positions=positions,
+                                             capture=capture, num_new=num_new)
 
     def prefill(self, params, tokens, cache: KVCache, *, capture: Sequence[int] = (), num_new=None,
                 chunk_size: int = PREFILL_CHUNK):
@@ -173,7 +225,8 @@ class Target:
         size = min(chunk_size, t)
         whole, rest = divmod(t, size)
         start = cache.lengths
-        apply = lambda c, chunk: self.module.apply({"params": params}, chunk, c, capture=capture)
+        module = self.module_for(params)
+        apply = lambda c, chunk: module.apply({"params": params}, chunk, c, capture=capture)
 
         def step(c, chunk):  # chunk [B, size]
             hidden, features, c = apply(c, chunk)
@@ -191,10 +244,10 @@ class Target:
         return hidden, features, cache.with_lengths(start + jnp.asarray(t if num_new is None else num_new))
 
     def embed(self, params, tokens):
-        return self.module.apply({"params": params}, tokens, method=TargetModel.embed)
+        return self.module_for(params).apply({"params": params}, tokens, method=TargetModel.embed)
 
     def logits(self, params, hidden):
-        return self.module.apply({"params": params}, hidden, method=TargetModel.logits)
+        return self.module_for(params).apply({"params": params}, hidden, method=TargetModel.logits)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache.for_model(self.config, batch, capacity, self.dtype)
@@ -214,8 +267,10 @@ def check_fits(cache: KVCache, num_tokens: int) -> None:
                          f"capacity {cache.capacity}")
 
 
+@functools.partial(jax.jit, static_argnames=("config", "dtype"))
 def init_target_params(config: ModelConfig, rng, dtype=jnp.float32):
-    """Random params (for tests and shape templates)."""
+    """Random params (for tests and shape templates). Jitted: an eager `init` dispatches every op of
+    the forward pass one at a time, several times slower even for a tiny model."""
     def forward_and_logits(module, tokens):
         hidden, _, _ = module(tokens)
         return module.logits(hidden)

@@ -196,6 +196,13 @@ def decoder_fields(fields: ConfigFields, default_max_positions: int) -> dict:
     )
 
 
+def check_gqa(num_heads: int, num_kv_heads: int) -> int:
+    """The query heads per kv head; ValueError unless num_heads is a multiple of num_kv_heads."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    return num_heads // num_kv_heads
+
+
 class LayerLayout:
     """Shared by model and drafter configs: size checks, per-layer attention windows and RoPE settings.
     Expects the fields num_layers, num_heads, num_kv_heads, layer_types, sliding_window, rope_scaling."""
@@ -204,9 +211,7 @@ class LayerLayout:
         for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        check_gqa(self.num_heads, self.num_kv_heads)
 
     def _validate_layer_types(self) -> None:
         if not self.layer_types:

@@ -99,7 +99,7 @@ def test_sharded_and_torch_bin_load_the_same(qwen_dir, tmp_path):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    with pytest.raises(ValueError, match="multiple of kv heads"):
         ModelConfig(arch="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                     num_heads=3, num_kv_heads=2, head_dim=4)
     with pytest.raises(ValueError, match="unsupported rope type"):

@@ -88,6 +88,16 @@ def test_a_short_run_raises_tau_through_generate(tiny, tmp_path):
     with pytest.raises(FileExistsError, match="--force"):
         export(tmp_path / "run", tmp_path / "drafter")
 
+    # A later run continues from the exported drafter (model.init_from), here with another block size.
+    again = config_from_dict(settings(tiny, tmp_path / "again", steps=1),
+                             [f"model.init_from={exported}", "model.block_size=4", "optim.learning_rate=1e-9"])
+    train(again, target=target)
+    _, continued = checkpointing.restore_params(tmp_path / "again")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), continued["drafter"], params["drafter"])
+    with pytest.raises(ConfigError, match=r"does not fit the configured drafter .*num_layers"):
+        train(config_from_dict(settings(tiny, tmp_path / "misfit"),
+                               [f"model.init_from={exported}", "model.num_layers=2"]), target=target)
+
 
 def _launch(config_file: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
@@ -153,6 +163,7 @@ def test_bad_input_fails_with_one_clear_error(tiny, tmp_path):
         config_from_dict(settings(tiny, tmp_path / "d"), ["run.stepz=3"])
     with pytest.raises(ConfigError, match="optim.learning_rate: expected a number"):
         config_from_dict(settings(tiny, tmp_path / "d"), ["optim.learning_rate=fast"])
+    assert config_from_dict(settings(tiny, tmp_path / "d"), ["optim.learning_rate=2e-3"]).optim.learning_rate == 2e-3
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

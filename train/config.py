@@ -43,6 +43,7 @@ class ModelSettings:
     warm_start: bool = False  # drafter layers <- the target's top num_layers layers
     fc_init: str = "random"  # "last_feature": fc passes the deepest captured feature through
     draft_vocab_size: int = 0  # 0 = full target vocabulary
+    sliding_window: int = 0  # > 0: every drafter layer sees only this many context positions back
     draft_vocab_path: str | None = None  # saved DraftVocab (.npz); built from data counts when absent
     init_from: str | None = None  # an exported drafter directory: its weights (and draft vocabulary)
                                   # start the run instead of warm_start/fc_init; block_size may differ
@@ -55,6 +56,7 @@ class ModelSettings:
                "model.intermediate_size must be positive")
         _check(self.fc_init in FC_INITS, f"model.fc_init must be one of {FC_INITS}")
         _check(self.draft_vocab_size >= 0, "model.draft_vocab_size must be >= 0")
+        _check(self.sliding_window >= 0, "model.sliding_window must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

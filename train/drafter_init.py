@@ -21,9 +21,11 @@ class DrafterFitError(ValueError):
 
 
 def build_drafter_config(target, *, num_layers: int, block_size: int, intermediate_size: int | None = None,
-                         target_layer_ids=None, mask_token_id: int | None = None) -> DrafterConfig:
+                         target_layer_ids=None, mask_token_id: int | None = None,
+                         sliding_window: int = 0) -> DrafterConfig:
     """A drafter shaped like the target's layers (hidden size, heads, RoPE), the official
-    target-layer rule unless ids are given, and the mask token resolved from the tokenizer."""
+    target-layer rule unless ids are given, and the mask token resolved from the tokenizer.
+    sliding_window > 0 makes every layer a sliding-window layer (Qwen3's "sliding_attention")."""
     tc = target.config
     layer_ids = tuple(target_layer_ids) if target_layer_ids is not None else \
         default_target_layer_ids(tc.num_layers, num_layers)
@@ -35,7 +37,9 @@ def build_drafter_config(target, *, num_layers: int, block_size: int, intermedia
             head_dim=tc.head_dim, vocab_size=tc.vocab_size, num_target_layers=tc.num_layers,
             target_layer_ids=layer_ids, block_size=block_size, mask_token_id=mask,
             rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling,
-            max_position_embeddings=tc.max_position_embeddings)
+            max_position_embeddings=tc.max_position_embeddings,
+            layer_types=("sliding_attention",) * num_layers if sliding_window else (),
+            sliding_window=sliding_window)
         validate_pair(config, target)
     except ValueError as e:
         raise DrafterFitError(f"the configured drafter does not fit the target "

@@ -48,7 +48,8 @@ def drafter_config_for(cfg: TrainConfig, target):
     m = cfg.model
     return drafter_init.build_drafter_config(target, num_layers=m.num_layers, block_size=m.block_size,
                                              intermediate_size=m.intermediate_size,
-                                             target_layer_ids=m.target_layer_ids, mask_token_id=m.mask_token_id)
+                                             target_layer_ids=m.target_layer_ids, mask_token_id=m.mask_token_id,
+                                             sliding_window=m.sliding_window)
 
 
 def check_feature_cache(cfg: TrainConfig, drafter_config) -> None:

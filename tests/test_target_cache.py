@@ -127,3 +127,36 @@ def test_write_rows_writes_each_row_at_its_offset(batch):
         expected[:, b, o:o + 4] = new[:, b]
     got = jax.jit(lambda *a: write_rows(*a, axis=1))(buffer, new, offsets)
     np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_unrolled_layers_equal_the_scan_and_copy_no_weights(target):
+    """`unstack_layers` + UnrolledTargetModel (what generate decodes with on a CPU) give the scanned
+    model's results, and the compiled one-token step produces no layer-weight-shaped value (the
+    scan slices every layer's weights out of the stack with a copy: checked as the counter-case)."""
+    import re
+
+    from dflash_jax.target import is_unstacked, unstack_layers
+
+    unrolled = unstack_layers(target.params)
+    assert is_unstacked(unrolled) and not is_unstacked(target.params)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, size=(2, 9)), jnp.int32)
+    want = target.forward(target.params, tokens, capture=(0, 2))
+    got = target.forward(unrolled, tokens, capture=(0, 2))
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    caches = [target.forward(p, tokens, target.init_cache(2, 16))[2] for p in (target.params, unrolled)]
+    np.testing.assert_allclose(np.asarray(caches[1].k), np.asarray(caches[0].k), rtol=1e-5, atol=1e-5)
+
+    weight_shapes = {"f32[" + ",".join(map(str, x.shape[1:])) + "]"
+                     for x in jax.tree_util.tree_leaves(target.params["layers"]) if x.ndim == 3}
+
+    def weight_copies(params):
+        step = jax.jit(lambda p, tok, c: target.forward(p, tok, c)[0])
+        text = step.lower(params, tokens[:, :1], target.init_cache(2, 16)).compile().as_text()
+        made = [m.group(1) for m in re.finditer(r"= (f32\[[0-9,]*\])\{[0-9,]*\} (?!parameter)\S+\(", text)]
+        return [shape for shape in made if shape in weight_shapes]
+
+    scanned = weight_copies(target.params)
+    print("weight-shaped values made by the scanned step:", scanned)
+    assert scanned, "the counter-case: the scan copies layer weights"
+    assert weight_copies(unrolled) == []

@@ -4,7 +4,9 @@
 offset (`cache.lengths`), returns the final-normed hidden states, the features of the captured
 layers concatenated on the last axis (layer id i = Hugging Face `hidden_states[i + 1]`: the output
 of decoder layer i, except that the last layer's entry is after the final norm, as in HF),
-and the NEW cache. Layers run under `nn.scan` over stacked per-layer params.
+and the NEW cache. Layers run under `nn.scan` over stacked per-layer params; `UnrolledTargetModel`
+runs the same layers in a Python loop over per-layer params (`unstack_layers`), which is what
+`generate` decodes with on a CPU. `Target` picks the module from the params' layout.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the command-line programs share: path checks, model loading, prompt encoding, incremental
-detokenization, streaming an answer to stdout, result statistics, the output comparison and the CLI runner (`run_cli`: a CLIError
-becomes one `error:` line and exit code 2)."""
+detokenization, streaming an answer to stdout, result statistics, the output comparison and the
+CLI runner (`run_cli`: a CLIError becomes one `error:` line and exit code 2)."""
 from __future__ import annotations
 
 import dataclasses

@@ -113,8 +113,8 @@ def decode_params(target):
     params = target.params
     if jax.default_backend() != "cpu":
         return params
-    key = id(params)
-    if key not in _DECODE_PARAMS or _DECODE_PARAMS[key][0] is not params:
+    key = id(params)  # unique while the entry holds `params` alive
+    if key not in _DECODE_PARAMS:
         _DECODE_PARAMS[key] = (params, unstack_layers(params))
         while len(_DECODE_PARAMS) > 2:
             _DECODE_PARAMS.popitem(last=False)

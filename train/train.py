@@ -198,19 +198,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     frozen_shardings = mesh_lib.tree_shardings(mesh, frozen, shard=cfg.run.shard_target)
     frozen = jax.device_put(frozen, frozen_shardings)
 
-    def fresh_state(target_params):
-        if init is not None:
-            params = {"drafter": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), init.params)}
-            if vocab is not None:
-                params["draft_head"] = jnp.asarray(init.draft_head["kernel"], jnp.float32)
-        else:
-            params = drafter_init.initial_params(
-                drafter_config, target, target_params, jax.random.PRNGKey(cfg.run.seed),
-                warm=cfg.model.warm_start, fc_init=cfg.model.fc_init,
-                draft_to_target=None if vocab is None else vocab.draft_to_target)
+    start = None  # model.init_from's weights: an argument of fresh_state, never a compiled-in constant
+    if init is not None:
+        start = {"drafter": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), init.params)}
+        if vocab is not None:
+            start["draft_head"] = jnp.asarray(init.draft_head["kernel"], jnp.float32)
+
+    def fresh_state(target_params, start):
+        params = start if start is not None else drafter_init.initial_params(
+            drafter_config, target, target_params, jax.random.PRNGKey(cfg.run.seed),
+            warm=cfg.model.warm_start, fc_init=cfg.model.fc_init,
+            draft_to_target=None if vocab is None else vocab.draft_to_target)
         return step_lib.init_state(params, optimizer, cfg.run.seed)
 
-    abstract = jax.eval_shape(fresh_state, frozen["target"])
+    abstract = jax.eval_shape(fresh_state, frozen["target"], start)
     state_shardings = mesh_lib.tree_shardings(mesh, abstract)
     iterator = data_lib.make_iterator(cfg.data, target.tokenizer, records=records)
     manager = checkpointing.make_manager(run_dir, cfg.run.keep_checkpoints, cfg.run.async_checkpointing)
@@ -219,7 +220,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
                                 abstract, state_shardings)
         state, iterator = checkpointing.restore(manager, abstract, iterator)
     else:
-        state = jax.jit(fresh_state, out_shardings=state_shardings)(frozen["target"])
+        state = jax.jit(fresh_state, out_shardings=state_shardings)(frozen["target"], start)
 
     train_step = jax.jit(step_lib.make_train_step(target, drafter_config, spec, optimizer, schedule),
                          in_shardings=(state_shardings, frozen_shardings, mesh_lib.batch_sharding(mesh)),

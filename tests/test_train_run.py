@@ -164,6 +164,8 @@ def test_bad_input_fails_with_one_clear_error(tiny, tmp_path):
     with pytest.raises(ConfigError, match="optim.learning_rate: expected a number"):
         config_from_dict(settings(tiny, tmp_path / "d"), ["optim.learning_rate=fast"])
     assert config_from_dict(settings(tiny, tmp_path / "d"), ["optim.learning_rate=2e-3"]).optim.learning_rate == 2e-3
+    with pytest.raises(ConfigError, match="warm_start_layers needs model.warm_start"):
+        config_from_dict(settings(tiny, tmp_path / "d"), ["model.warm_start_layers=[0]"])
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

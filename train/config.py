@@ -40,7 +40,8 @@ class ModelSettings:
     block_size: int = 16
     target_layer_ids: tuple[int, ...] | None = None  # None = the official selection rule
     mask_token_id: int | None = None  # None = resolve_mask_token_id(tokenizer)
-    warm_start: bool = False  # drafter layers <- the target's top num_layers layers
+    warm_start: bool = False  # drafter layers <- target layers (warm_start_layers, default the top ones)
+    warm_start_layers: tuple[int, ...] | None = None  # target layer copied into each drafter layer
     fc_init: str = "random"  # "last_feature": fc passes the deepest captured feature through
     draft_vocab_size: int = 0  # 0 = full target vocabulary
     sliding_window: int = 0  # > 0: every drafter layer sees only this many context positions back
@@ -57,6 +58,9 @@ class ModelSettings:
         _check(self.fc_init in FC_INITS, f"model.fc_init must be one of {FC_INITS}")
         _check(self.draft_vocab_size >= 0, "model.draft_vocab_size must be >= 0")
         _check(self.sliding_window >= 0, "model.sliding_window must be >= 0")
+        _check(self.warm_start_layers is None or (self.warm_start and len(self.warm_start_layers) == self.num_layers),
+               "model.warm_start_layers needs model.warm_start: true and one target layer per drafter layer "
+               "(model.num_layers)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,18 +54,23 @@ def target_head_kernel(target, target_params):
     return target_params["lm_head"]["kernel"]
 
 
-def warm_start(drafter_params, target_params, num_target_layers: int):
-    """Drafter layer i <- target layer (L - n + i) for attention projections, norms and MLP; the
-    final norm <- the target's. q_norm/k_norm stay as initialised (ones) when the target has none."""
+def warm_start(drafter_params, target_params, num_target_layers: int, layer_ids=None):
+    """Drafter layer i <- target layer layer_ids[i] (default: the top n, L - n + i) for attention
+    projections, norms and MLP; the final norm <- the target's. q_norm/k_norm stay as initialised
+    (ones) when the target has none."""
     n = jax.tree.leaves(drafter_params["layers"])[0].shape[0]
-    top = slice(num_target_layers - n, num_target_layers)
+    layer_ids = tuple(range(num_target_layers - n, num_target_layers)) if layer_ids is None else tuple(layer_ids)
+    if len(layer_ids) != n or not all(0 <= i < num_target_layers for i in layer_ids):
+        raise DrafterFitError(f"warm start: {n} drafter layers cannot copy target layers {list(layer_ids)} "
+                              f"(the target has {num_target_layers})")
+    picked = np.asarray(layer_ids)
     source = target_params["layers"]
 
     def copy(dst, src, where):
-        if dst.shape != src[top].shape:
+        if dst.shape != src[picked].shape:
             raise DrafterFitError(f"warm start: drafter {where} has shape {dst.shape[1:]}, target layers "
                                   f"have {src.shape[1:]} (set model.intermediate_size to the target's)")
-        return jnp.asarray(src[top], dst.dtype)
+        return jnp.asarray(src[picked], dst.dtype)
 
     def merge(dst, src, where):
         return {k: (merge(v, src[k], f"{where}.{k}") if isinstance(v, dict) else copy(v, src[k], f"{where}.{k}"))
@@ -85,11 +90,12 @@ def last_feature_fc(drafter_params, num_features: int):
 
 
 def initial_params(config: DrafterConfig, target, target_params, rng, *, warm: bool = False,
-                   fc_init: str = "random", draft_to_target: np.ndarray | None = None) -> dict:
-    """{"drafter": params} (+ {"draft_head": target LM head columns [D, Vd]} for a draft vocabulary)."""
+                   warm_layers=None, fc_init: str = "random", draft_to_target: np.ndarray | None = None) -> dict:
+    """{"drafter": params} (+ {"draft_head": target LM head columns [D, Vd]} for a draft vocabulary).
+    warm: copy target layers `warm_layers` (default the top ones) into the drafter layers."""
     drafter = init_drafter_params(config, rng, jnp.float32)
     if warm:
-        drafter = warm_start(drafter, target_params, target.config.num_layers)
+        drafter = warm_start(drafter, target_params, target.config.num_layers, warm_layers)
     if fc_init == "last_feature":
         drafter = last_feature_fc(drafter, config.num_features)
     params = {"drafter": drafter}

@@ -207,7 +207,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     def fresh_state(target_params, start):
         params = start if start is not None else drafter_init.initial_params(
             drafter_config, target, target_params, jax.random.PRNGKey(cfg.run.seed),
-            warm=cfg.model.warm_start, fc_init=cfg.model.fc_init,
+            warm=cfg.model.warm_start, warm_layers=cfg.model.warm_start_layers, fc_init=cfg.model.fc_init,
             draft_to_target=None if vocab is None else vocab.draft_to_target)
         return step_lib.init_state(params, optimizer, cfg.run.seed)
 

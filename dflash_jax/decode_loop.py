@@ -1,7 +1,9 @@
 """The device side of generation: decode state, prefill, one speculative cycle, the decode loop.
 
-Pure functions of (models, static config, params, state); the host side (prompt checks, buckets,
-compiled executables, timing, results, streaming) is `dflash_jax.speculative`.
+Pure functions of (model specs, static config, params, state): `target` is a `TargetSpec`, `drafter`
+a `DrafterSpec` or None (static and hashable; the weights come in as `target_params` and
+`drafter_params`, never closed over). The host side (prompt checks, buckets, compiled executables,
+timing, results, streaming) is `dflash_jax.speculative`.
 
 One cycle per row (DESIGN.md §2): draft a block [anchor, MASK x (G-1)] against the row's draft
 context cache, verify it in one target pass, accept a prefix, emit the correction/bonus token,

@@ -31,6 +31,7 @@ from dflash_jax.cache import KVCache
 from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter_config import DrafterConfig
 from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_jax.model_spec import on_spec
 
 
 def _select_ranges(windowed: bool, windowed_ranges, full_ranges):
@@ -148,59 +149,19 @@ class DrafterModel(nn.Module):
         return self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
 
 
-@dataclasses.dataclass
-class Drafter:
-    """A loaded drafter: config, params, the config.json it came from, and pure functions.
-
-    With a reduced draft vocabulary (config.draft_vocab_size = Vd) the drafter has its own head,
-    `draft_head` = {"kernel": [D, Vd], "draft_to_target": int32 [Vd] (ascending target ids)}, kept
-    apart from the Flax module's params. `loop_params` is what generation passes into its jitted
-    loop as `drafter_params` (never closed over): the module params alone, or {"drafter": module
-    params, "draft_head": draft_head}. `append_context` and `draft_hidden` take that layout.
-    """
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+    """What a drafter computes, without its weights: config, compute dtype and attention
+    implementation. Static and hashable (a jit static argument and a compile-cache key). `params`
+    below is `Drafter.loop_params`: the module params, or {"drafter": module params, "draft_head":
+    ...} with a reduced draft vocabulary."""
 
     config: DrafterConfig
-    params: Any
-    hf_config: dict = dataclasses.field(default_factory=dict)
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
-    draft_head: Any = None
 
     def __post_init__(self):
-        size = self.config.draft_vocab_size
-        if self.draft_head is None:
-            if size is not None and self.params is not None:
-                raise ValueError(f"the drafter config has draft_vocab_size={size} but no draft_head was given")
-            return
-        if size is None:
-            raise ValueError("a draft_head needs config.draft_vocab_size (use Drafter.with_draft_vocab)")
-        kernel, ids = self.draft_head["kernel"], self.draft_head["draft_to_target"]
-        if kernel.shape != (self.config.hidden_size, size) or ids.shape != (size,):
-            raise ValueError(f"draft_head: kernel {kernel.shape} and draft_to_target {ids.shape} must be "
-                             f"[{self.config.hidden_size}, {size}] and [{size}]")
-
-    def with_draft_vocab(self, kernel, vocab: DraftVocab) -> "Drafter":
-        """This drafter drafting over `vocab` with head kernel [D, Vd] (stored in self.dtype)."""
-        if vocab.target_vocab_size != self.config.vocab_size:
-            raise ValueError(f"the draft vocabulary maps into {vocab.target_vocab_size} target ids, the "
-                             f"drafter's vocabulary has {self.config.vocab_size}")
-        head = {"kernel": jnp.asarray(kernel, self.dtype),
-                "draft_to_target": jnp.asarray(vocab.draft_to_target, jnp.int32)}
-        config = dataclasses.replace(self.config, draft_vocab_size=vocab.size)
-        return dataclasses.replace(self, config=config, draft_head=head)
-
-    @property
-    def draft_vocab(self) -> DraftVocab | None:
-        if self.draft_head is None:
-            return None
-        return DraftVocab(np.asarray(jax.device_get(self.draft_head["draft_to_target"])), self.config.vocab_size)
-
-    @property
-    def loop_params(self):
-        """The params generation passes into its jitted loop (see the class docstring)."""
-        if self.config.draft_vocab_size is None:
-            return self.params
-        return {"drafter": self.params, "draft_head": self.draft_head}
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
     def _module_params(self, loop_params):
         return loop_params if self.config.draft_vocab_size is None else loop_params["drafter"]
@@ -256,6 +217,73 @@ class Drafter:
         windowed = masks.drafter_training(anchors, block_valid, c, g, self.config.sliding_window)
         return self.module.apply({"params": params}, features, positions, block_embeds, block_positions,
                                  full, windowed)
+
+
+@dataclasses.dataclass
+class Drafter:
+    """A loaded drafter: its weights (and draft head) and the config.json it came from, beside the
+    static description (`spec`, whose pure functions are reachable from here too).
+
+    With a reduced draft vocabulary (config.draft_vocab_size = Vd) the drafter has its own head,
+    `draft_head` = {"kernel": [D, Vd], "draft_to_target": int32 [Vd] (ascending target ids)}, kept
+    apart from the Flax module's params. `loop_params` is what generation passes into its jitted
+    loop as `drafter_params` (never closed over): the module params alone, or {"drafter": module
+    params, "draft_head": draft_head}. `append_context` and `draft_hidden` take that layout.
+    """
+
+    config: DrafterConfig
+    params: Any
+    hf_config: dict = dataclasses.field(default_factory=dict)
+    dtype: Any = jnp.float32
+    attn_impl: str = "auto"
+    draft_head: Any = None
+
+    def __post_init__(self):
+        size = self.config.draft_vocab_size
+        if self.draft_head is None:
+            if size is not None and self.params is not None:
+                raise ValueError(f"the drafter config has draft_vocab_size={size} but no draft_head was given")
+            return
+        if size is None:
+            raise ValueError("a draft_head needs config.draft_vocab_size (use Drafter.with_draft_vocab)")
+        kernel, ids = self.draft_head["kernel"], self.draft_head["draft_to_target"]
+        if kernel.shape != (self.config.hidden_size, size) or ids.shape != (size,):
+            raise ValueError(f"draft_head: kernel {kernel.shape} and draft_to_target {ids.shape} must be "
+                             f"[{self.config.hidden_size}, {size}] and [{size}]")
+
+    def with_draft_vocab(self, kernel, vocab: DraftVocab) -> "Drafter":
+        """This drafter drafting over `vocab` with head kernel [D, Vd] (stored in self.dtype)."""
+        if vocab.target_vocab_size != self.config.vocab_size:
+            raise ValueError(f"the draft vocabulary maps into {vocab.target_vocab_size} target ids, the "
+                             f"drafter's vocabulary has {self.config.vocab_size}")
+        head = {"kernel": jnp.asarray(kernel, self.dtype),
+                "draft_to_target": jnp.asarray(vocab.draft_to_target, jnp.int32)}
+        config = dataclasses.replace(self.config, draft_vocab_size=vocab.size)
+        return dataclasses.replace(self, config=config, draft_head=head)
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        if self.draft_head is None:
+            return None
+        return DraftVocab(np.asarray(jax.device_get(self.draft_head["draft_to_target"])), self.config.vocab_size)
+
+    @property
+    def loop_params(self):
+        """The params generation passes into its jitted loop (see the class docstring)."""
+        if self.config.draft_vocab_size is None:
+            return self.params
+        return {"drafter": self.params, "draft_head": self.draft_head}
+
+    @property
+    def spec(self) -> DrafterSpec:
+        return DrafterSpec(self.config, self.dtype, self.attn_impl)
+
+    module = property(lambda self: self.spec.module, doc="The Flax module (`DrafterSpec.module`).")
+    block_size = property(lambda self: self.config.block_size)
+    init_cache = on_spec("init_cache")
+    append_context = on_spec("append_context")
+    draft_hidden = on_spec("draft_hidden")
+    train_hidden = on_spec("train_hidden")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype"))

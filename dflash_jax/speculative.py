@@ -122,17 +122,10 @@ def decode_params(target):
     return _DECODE_PARAMS[key][1]
 
 
-def _strip(model):
-    """The model without its arrays (params; a drafter's draft head): the traced functions take them
-    as arguments and must not close over them (that would embed them as constants in the program)."""
-    if model is None:
-        return None
-    arrays = {f.name: None for f in dataclasses.fields(model) if f.name in ("params", "draft_head")}
-    return dataclasses.replace(model, **arrays)
-
-
-def _model_key(model):
-    return None if model is None else (model.config, jnp.dtype(model.dtype).name, model.attn_impl)
+def _spec(model):
+    """The model's static, hashable description (None for no drafter): what the jitted functions
+    close over and what keys their executables. Params always enter as arguments."""
+    return None if model is None else model.spec
 
 
 def _compiled(key, build):
@@ -153,12 +146,11 @@ def _executables(target, drafter, cfg: GenerationConfig, args, step: str):
     drafter_params, prompt_tokens, prompt_lengths, rng, sampling_params)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     signature = (treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves))
-    key = (_model_key(target), _model_key(drafter), cfg, signature)
-    run_prefill = functools.partial(prefill, _strip(target), _strip(drafter), cfg)
+    key = (_spec(target), _spec(drafter), cfg, signature)
+    run_prefill = functools.partial(prefill, *key[:3])
     prefill_fn, prefill_seconds = _compiled(("prefill", key),
                                             lambda: jax.jit(run_prefill).lower(*args).compile())
-    run_step = functools.partial({"decode": decode, "cycle": cycle}[step], _strip(target), _strip(drafter),
-                                 cfg)
+    run_step = functools.partial({"decode": decode, "cycle": cycle}[step], *key[:3])
 
     def build_step():
         state = jax.eval_shape(run_prefill, *args)

@@ -6,7 +6,8 @@ layers concatenated on the last axis (layer id i = Hugging Face `hidden_states[i
 of decoder layer i, except that the last layer's entry is after the final norm, as in HF),
 and the NEW cache. Layers run under `nn.scan` over stacked per-layer params; `UnrolledTargetModel`
 runs the same layers in a Python loop over per-layer params (`unstack_layers`), which is what
-`generate` decodes with on a CPU. `Target` picks the module from the params' layout.
+`generate` decodes with on a CPU. `TargetSpec` (static, hashable) picks the module from the params'
+layout; `Target` is a loaded target: spec, params and tokenizer.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
 from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_jax.model_spec import on_spec
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
 
@@ -185,15 +187,18 @@ def is_unstacked(params) -> bool:
     return "layer_0" in params
 
 
-@dataclasses.dataclass
-class Target:
-    """A loaded target: config, params, tokenizer, and pure functions over (params, ...)."""
+@dataclasses.dataclass(frozen=True)
+class TargetSpec:
+    """What a target computes, without its weights: config, compute dtype and attention
+    implementation. Static and hashable (a jit static argument and a compile-cache key); every
+    function takes the params explicitly."""
 
     config: ModelConfig
-    params: Any
-    tokenizer: Any = None
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))  # float32, np.float32, "float32": one key
 
     @property
     def module(self) -> TargetModel:
@@ -253,6 +258,33 @@ class Target:
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache.for_model(self.config, batch, capacity, self.dtype)
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded target: its weights and tokenizer beside the static description (`spec`).
+
+    The pure functions (`forward`, `prefill`, `embed`, `logits`, `init_cache`, `module_for`) are the
+    spec's, reachable from here for convenience; jitted code takes `spec` and the params apart.
+    """
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any = None
+    dtype: Any = jnp.float32
+    attn_impl: str = "auto"
+
+    @property
+    def spec(self) -> TargetSpec:
+        return TargetSpec(self.config, self.dtype, self.attn_impl)
+
+    module = property(lambda self: self.spec.module, doc="The scanned module (`TargetSpec.module`).")
+    module_for = on_spec("module_for")
+    forward = on_spec("forward")
+    prefill = on_spec("prefill")
+    embed = on_spec("embed")
+    logits = on_spec("logits")
+    init_cache = on_spec("init_cache")
 
 
 def check_fits(cache: KVCache, num_tokens: int) -> None:

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import Drafter, init_drafter_params
+from dflash_jax.drafter import DrafterSpec, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids
-from dflash_jax.target import Target, init_target_params, unstack_layers
+from dflash_jax.target import TargetSpec, init_target_params, unstack_layers
 
 RANDOM_TARGETS = {
     "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -89,7 +89,7 @@ def build_models(args):
     if args.layers:
         config = _replace(config, num_layers=args.layers, layer_types=())
         name += f" ({args.layers} layers)"
-    target = Target(config, None, dtype=dtype, attn_impl=args.attn)
+    target = TargetSpec(config, dtype, args.attn)
     if args.random_target or args.layers:
         shapes = jax.eval_shape(lambda: init_target_params(config, jax.random.PRNGKey(0), dtype))
         target_params = random_params(shapes, 0)
@@ -102,7 +102,7 @@ def build_models(args):
         target_layer_ids=default_target_layer_ids(config.num_layers, 3), block_size=max(args.block),
         mask_token_id=0, rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling, max_position_embeddings=config.max_position_embeddings)
-    drafter = Drafter(drafter_config, None, dtype=dtype, attn_impl=args.attn)
+    drafter = DrafterSpec(drafter_config, dtype, args.attn)
     drafter_params = random_params(jax.eval_shape(
         lambda: init_drafter_params(drafter_config, jax.random.PRNGKey(0), dtype)), 1)
     if jax.default_backend() == "cpu":  # the layout generate decodes with here (speculative.decode_params)

@@ -6,6 +6,8 @@ Data: arithmetic progressions x_t = (start + step * t) mod 40 over a 48-token vo
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,8 +68,7 @@ def fit_target(steps: int = 300, seed: int = 0) -> Target:
     rng = np.random.default_rng(seed)
     batches = (jnp.asarray(pattern_batch(rng, 32, 33)) for _ in range(steps))
     params, loss = _fit(loss_fn, target.params, batches, 3e-3)
-    target.params = params
-    return target
+    return dataclasses.replace(target, params=params)
 
 
 def fit_drafter(target: Target, steps: int = 300, block_size: int = 8, seed: int = 0) -> Drafter:
@@ -85,5 +86,4 @@ def fit_drafter(target: Target, steps: int = 300, block_size: int = 8, seed: int
     rng = np.random.default_rng(seed + 7)
     batches = (jnp.asarray(pattern_batch(rng, 16, 40)) for _ in range(steps))
     params, loss = _fit(loss_fn, drafter.params, batches, 3e-3)
-    drafter.params = params
-    return drafter
+    return dataclasses.replace(drafter, params=params)

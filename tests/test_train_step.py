@@ -10,7 +10,7 @@ import pytest
 import fitted_models
 from dflash_jax import objective
 from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import Drafter
+from dflash_jax.drafter import DrafterSpec
 from dflash_jax.target import Target, init_target_params
 from train import drafter_init, step as step_lib
 
@@ -82,7 +82,7 @@ def test_reduced_vocabulary_loss_equals_a_hand_computed_reference(setup):
     frozen = {"target": target.params, "target_to_draft": jnp.asarray(target_to_draft)}
     loss, slots = step_lib.batch_loss(target, config, spec, params, frozen, micro)
 
-    hidden = objective.drafter_block_hidden(Drafter(config, None), target, params["drafter"], target.params,
+    hidden = objective.drafter_block_hidden(DrafterSpec(config), target, params["drafter"], target.params,
                                             features, tokens, anchors, valid)
     logits = np.asarray(hidden, np.float64) @ head.astype(np.float64)  # [B, N*G, Vd]
     tokens, mask, anchors, valid = map(np.asarray, (tokens, mask, anchors, valid))
@@ -131,6 +131,12 @@ def test_warm_start_copies_the_targets_top_layers():
     narrow = dataclasses.replace(config, intermediate_size=32)
     with pytest.raises(drafter_init.DrafterFitError, match="intermediate_size"):
         drafter_init.initial_params(narrow, target, target.params, jax.random.PRNGKey(1), warm=True)
+    bottom = drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1), warm=True,
+                                         warm_layers=(0, 3))["drafter"]["layers"]
+    np.testing.assert_array_equal(bottom["mlp"]["up_proj"]["kernel"], np.asarray(src["mlp"]["up_proj"]["kernel"])[[0, 3]])
+    with pytest.raises(drafter_init.DrafterFitError, match="cannot copy target layers"):
+        drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1), warm=True,
+                                    warm_layers=(0, 4))
 
 
 def test_attending_in_anchor_groups_gives_the_same_hidden_states(setup):
@@ -139,7 +145,7 @@ def test_attending_in_anchor_groups_gives_the_same_hidden_states(setup):
     anchors, valid = objective.sample_anchors(jax.random.PRNGKey(7), mask, NUM_ANCHORS)
     features = step_lib.target_features(target, target.params, tokens, config.target_layer_ids)
     run = jax.jit(lambda chunk: objective.drafter_block_hidden(
-        Drafter(config, None), target, params["drafter"], target.params, features, tokens, anchors, valid, chunk),
+        DrafterSpec(config), target, params["drafter"], target.params, features, tokens, anchors, valid, chunk),
         static_argnums=0)
     np.testing.assert_allclose(run(2), run(0), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of anchor_chunk"):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from dflash_jax import objective
-from dflash_jax.drafter import Drafter
+from dflash_jax.drafter import DrafterSpec
 from dflash_jax.drafter_config import DrafterConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -85,7 +85,7 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     else:
         features = target_features(target, target_params, tokens, config.target_layer_ids)
     anchors, valid = batch["anchors"], batch["valid"]
-    drafter = Drafter(config, None, dtype=dtype)
+    drafter = DrafterSpec(config, dtype)
     drafter_params = jax.tree.map(lambda p: p.astype(dtype), params["drafter"])
     hidden = objective.drafter_block_hidden(drafter, target, drafter_params, target_params,
                                             features.astype(dtype), tokens, anchors, valid, spec.anchor_chunk)

@@ -5,8 +5,10 @@ shipping (tau above a quality floor; the benchmark, not this test, measures the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash_jax.cli.common import SHIPPED_DRAFTER_DIR, encode_prompt
 from dflash_jax.speculative import generate
@@ -19,8 +21,8 @@ PROMPTS = (
 )
 MAX_NEW_TOKENS = 48
 
-# Issue #12: no drafter ships yet (the CPU runs so far reached tau ~1.05; see README). These tests
-# are the acceptance checks for the one that will; they run as soon as the directory exists.
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2_dflash.yaml"
+
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTER_DIR / "config.json").is_file(),
                                 reason="no drafter ships in checkpoints/smollm2-dflash yet (issue #12)")
 
@@ -37,7 +39,7 @@ def models():
 def test_ships_in_the_official_layout():
     config = json.loads((SHIPPED_DRAFTER_DIR / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
-    assert config["block_size"] == 16
+    assert config["block_size"] == yaml.safe_load(RECIPE.read_text())["model"]["block_size"]  # its recipe
     weights = SHIPPED_DRAFTER_DIR / "model.safetensors"
     assert weights.is_file() and weights.stat().st_size < 64 * 2**20  # a few tens of MB (bf16)
 

@@ -1,0 +1,54 @@
+"""Time one jitted matrix product x [M, D] @ W [D, V] for a few row counts M (not a test).
+
+    python -m infer.benchmark_matmul                         # SmolLM2's LM head: 576 x 49152, f32
+    python -m infer.benchmark_matmul --shape 576 1536 --rows 1 4 16
+
+A decode step multiplies one row per weight matrix, a verify of G tokens G rows. When the weights
+stream from memory, G rows should cost about what one row costs; the printed bandwidth (bytes of W
+over the median time) shows how far from that the compiled product is on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m infer.benchmark_matmul", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", type=int, nargs=2, default=(576, 49152), metavar=("D", "V"),
+                   help="weight shape (default: %(default)s, SmolLM2's LM head)")
+    p.add_argument("--rows", type=int, nargs="+", default=(1, 2, 4, 8, 16), help="row counts M")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--repeats", type=int, default=15, help="timed calls per case (default: %(default)s)")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    d, v = args.shape
+    dtype = jnp.dtype(args.dtype)
+    w = jax.random.normal(jax.random.PRNGKey(0), (d, v), dtype)
+    product = jax.jit(lambda x, w: x @ w)
+    print(f"W [{d}, {v}] {dtype.name} ({w.nbytes / 1e6:.0f} MB), device {jax.devices()[0].platform}, "
+          f"median of {args.repeats}")
+    print(f"| rows M | ms | x M={args.rows[0]} | GB/s of W |\n|---|---|---|---|")
+    one = None
+    for m in args.rows:
+        x = jax.random.normal(jax.random.PRNGKey(m), (m, d), dtype)
+        product(x, w).block_until_ready()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            product(x, w).block_until_ready()
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times) * 1e3
+        one = ms if one is None else one
+        print(f"| {m} | {ms:.2f} | {ms / one:.2f} | {w.nbytes / ms / 1e6:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,6 @@
 """Training runs end to end on the tiny fitted target: tau rises, kill-and-resume reproduces an
 uninterrupted run, bad input fails with one clear error and leaves nothing half-written."""
+import dataclasses
 import json
 import os
 import signal
@@ -87,6 +88,10 @@ def test_a_short_run_raises_tau_through_generate(tiny, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, loaded.params, params["drafter"])
     with pytest.raises(FileExistsError, match="--force"):
         export(tmp_path / "run", tmp_path / "drafter")
+    smaller = load_drafter(export(tmp_path / "run", tmp_path / "block4", dtype="float32", block_size=4), target=target)
+    assert smaller.config == dataclasses.replace(dcfg, block_size=4)
+    with pytest.raises(ValueError, match="block-size must be >= 2"):
+        export(tmp_path / "run", tmp_path / "block1", block_size=1)
 
     # A later run continues from the exported drafter (model.init_from), here with another block size.
     again = config_from_dict(settings(tiny, tmp_path / "again", steps=1),

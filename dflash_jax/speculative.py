@@ -146,11 +146,12 @@ def _executables(target, drafter, cfg: GenerationConfig, args, step: str):
     drafter_params, prompt_tokens, prompt_lengths, rng, sampling_params)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     signature = (treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves))
-    key = (_spec(target), _spec(drafter), cfg, signature)
-    run_prefill = functools.partial(prefill, *key[:3])
+    static = (_spec(target), _spec(drafter), cfg)  # closed over by the traced functions
+    key = (*static, signature)
+    run_prefill = functools.partial(prefill, *static)
     prefill_fn, prefill_seconds = _compiled(("prefill", key),
                                             lambda: jax.jit(run_prefill).lower(*args).compile())
-    run_step = functools.partial({"decode": decode, "cycle": cycle}[step], *key[:3])
+    run_step = functools.partial({"decode": decode, "cycle": cycle}[step], *static)
 
     def build_step():
         state = jax.eval_shape(run_prefill, *args)

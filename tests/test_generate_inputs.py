@@ -133,3 +133,30 @@ def test_compiled_executables_are_bounded(pair, monkeypatch):
         assert speculative.compile_cache_size() == 2
     assert generate(target, None, [[1]], max_new_tokens=3, stop_token_ids=()).compile_seconds == 0.0
     assert generate(target, None, [[1]], max_new_tokens=2, stop_token_ids=()).compile_seconds > 0.0
+
+
+def test_models_with_one_spec_share_executables_and_weights_are_arguments(pair):
+    """The executables are keyed by the static spec; the weights enter as arguments, so another
+    target of the same spec reuses them (no compile) and still decodes with its own weights."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from dflash_jax.target import TargetSpec
+
+    target, _ = pair
+    assert target.spec == TargetSpec(TARGET, "float32") and hash(target.spec) == hash(TargetSpec(TARGET, jnp.float32))
+    assert target.spec != TargetSpec(TARGET, jnp.bfloat16)
+    prompts = [[1, 2, 3]]
+    first = generate(target, None, prompts, max_new_tokens=6, stop_token_ids=())
+    other = dataclasses.replace(target, params=init_target_params(TARGET, jax.random.PRNGKey(9)))
+    again = generate(other, None, prompts, max_new_tokens=6, stop_token_ids=())
+    assert again.compile_seconds == 0.0
+    assert again.tokens != first.tokens  # different weights decode differently here
+
+    def greedy_under(model, tokens):  # each token is the model's argmax given the prompt and the ones before
+        hidden, _, _ = model.forward(model.params, jnp.asarray([prompts[0] + tokens[:-1]]))
+        return [int(t) for t in jnp.argmax(model.logits(model.params, hidden)[0, len(prompts[0]) - 1:], -1)]
+
+    assert greedy_under(other, again.tokens[0]) == again.tokens[0]
+    assert greedy_under(target, first.tokens[0]) == first.tokens[0]

@@ -95,11 +95,13 @@ def build_models(args):
         target_params = random_params(shapes, 0)
     else:
         target_params = loaded.params
+    # the official rule, clamped into range for a target cut to a few layers (--layers 2)
+    feature_layers = tuple(min(max(i, 0), config.num_layers - 1) for i in default_target_layer_ids(config.num_layers, 3))
     drafter_config = DrafterConfig(
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_layers=args.draft_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim, vocab_size=config.vocab_size, num_target_layers=config.num_layers,
-        target_layer_ids=default_target_layer_ids(config.num_layers, 3), block_size=max(args.block),
+        target_layer_ids=feature_layers, block_size=max(args.block),
         mask_token_id=0, rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling, max_position_embeddings=config.max_position_embeddings)
     drafter = DrafterSpec(drafter_config, dtype, args.attn)

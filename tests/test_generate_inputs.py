@@ -1,9 +1,11 @@
 """Bad arguments to generate / generate_stream: each raises at the call with the exception type
 stated here and a message that names the argument; and the result helpers (decode speed apart from
 the prefill's token, the answer text without its stop token), prompt buckets, the compile cache."""
+import dataclasses
 import warnings
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from dflash_jax import speculative
@@ -11,7 +13,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import Drafter, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig
 from dflash_jax.speculative import GenerationResult, generate, generate_stream
-from dflash_jax.target import Target, init_target_params
+from dflash_jax.target import Target, TargetSpec, init_target_params
 
 VOCAB = 16
 TARGET = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -138,14 +140,9 @@ def test_compiled_executables_are_bounded(pair, monkeypatch):
 def test_models_with_one_spec_share_executables_and_weights_are_arguments(pair):
     """The executables are keyed by the static spec; the weights enter as arguments, so another
     target of the same spec reuses them (no compile) and still decodes with its own weights."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from dflash_jax.target import TargetSpec
-
     target, _ = pair
-    assert target.spec == TargetSpec(TARGET, "float32") and hash(target.spec) == hash(TargetSpec(TARGET, jnp.float32))
+    assert target.spec == TargetSpec(TARGET, "float32")
+    assert hash(target.spec) == hash(TargetSpec(TARGET, jnp.float32))
     assert target.spec != TargetSpec(TARGET, jnp.bfloat16)
     prompts = [[1, 2, 3]]
     first = generate(target, None, prompts, max_new_tokens=6, stop_token_ids=())

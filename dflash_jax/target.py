@@ -154,25 +154,64 @@ class UnrolledTargetModel(TargetModel):
     Python loop over the layers instead of a scan. Same results. On a CPU the scan slices every
     layer's weights out of the stacked arrays with a copy in every step (XLA CPU's dot reads a
     materialised operand), which more than doubles the memory traffic of a decode step
-    (SmolLM2-135M, one token, no cache: 42 ms scanned, 25 ms unrolled). Compiles more slowly."""
+    (SmolLM2-135M, one token, no cache: 42 ms scanned, 25 ms unrolled). Compiles more slowly.
+
+    A tied LM head also has its [D, V] copy here ("head_by_column", made by `unstack_layers`):
+    XLA CPU turns one row against the [V, D] embedding into a loop fusion that transposes it
+    (SmolLM2: 7.2 ms of a 50 ms decode step), while a row against [D, V] is a plain matrix-vector
+    product (2.4-3 ms). More rows keep the [V, D] embedding, which their products read faster."""
 
     def _make_layers(self):
         # Flax names the list's modules layer_0, layer_1, ...
         self.layer = [TargetLayer(self.config, self.dtype, self.attn_impl) for _ in range(self.config.num_layers)]
 
+    def setup(self):
+        super().setup()
+        cfg = self.config
+        if cfg.tie_word_embeddings:
+            self.head_by_column = self.param("head_by_column", nn.initializers.zeros,
+                                             (cfg.hidden_size, cfg.vocab_size), self.dtype)
+
+    def logits(self, hidden):
+        if not (self.config.tie_word_embeddings and int(np.prod(hidden.shape[:-1])) == 1):
+            return super().logits(hidden)
+        # the barrier keeps the final norm out of the product, which would make it a loop fusion again
+        hidden = jax.lax.optimization_barrier(hidden.astype(self.dtype))
+        return jnp.dot(hidden, self.head_by_column).astype(jnp.float32)
+
     def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
-        new_kv = []
-        for i, layer in enumerate(self.layer):
-            carry, kv = layer(carry, tuple(x[i] for x in layer_xs), positions, cos, sin, cache)
-            new_kv.append(kv)
+        def run(module, carry):
+            new_kv = []
+            for i, layer in enumerate(module.layer):
+                carry, kv = layer(carry, tuple(x[i] for x in layer_xs), positions, cos, sin, cache)
+                new_kv.append(kv)
+            return carry, (None if cache is None else tuple(jnp.stack(parts) for parts in zip(*new_kv)))
+
         if cache is None:
-            return carry, None
-        return carry, tuple(jnp.stack(parts) for parts in zip(*new_kv))
+            return run(self, carry)
+        # With a cache, the layers run as the body of a while loop that makes one trip. Unrolled at
+        # the top level, every layer's attention loop is a while that reads the cache, the rows
+        # are written after them, and XLA's copy insertion copies the whole cache (twice, K and V)
+        # in every step rather than order those reads before the write (SmolLM2, 4096 slots: 20 ms
+        # of a 110 ms step). Inside one loop body, as in the scanned model, it does not.
+        kv_shape = (self.config.num_layers, *positions.shape, self.config.num_kv_heads, self.config.head_dim)
+        zeros = jnp.zeros(kv_shape, cache.k.dtype)
+        one_trip = jax.lax.optimization_barrier(jnp.int32(1))  # opaque: XLA would inline a constant trip count
+
+        def body(module, state):
+            trips, carry, _ = state
+            carry, new_kv = run(module, carry)
+            return trips + 1, carry, new_kv
+
+        _, carry, new_kv = nn.while_loop(lambda module, state: state[0] < one_trip, body, self,
+                                         (jnp.int32(0), carry, (zeros, zeros)))
+        return carry, new_kv
 
 
 def unstack_layers(params) -> dict:
     """Stacked target params ("layers" [L, ...]) -> UnrolledTargetModel params (one separate array
-    per layer and weight). Run it outside jit: inside, the slices would be copies again."""
+    per layer and weight, and a tied LM head's [D, V] copy "head_by_column"). Run it outside jit:
+    inside, the slices would be copies again."""
     if "layers" not in params:
         return params
     layers = params["layers"]
@@ -180,6 +219,8 @@ def unstack_layers(params) -> dict:
     out = {k: v for k, v in params.items() if k != "layers"}
     for i in range(num_layers):
         out[f"layer_{i}"] = jax.tree_util.tree_map(lambda x: x[i], layers)
+    if "lm_head" not in params:  # tied: the embedding is the LM head
+        out["head_by_column"] = jnp.asarray(params["embed_tokens"]["embedding"].T)
     return out
 
 
@@ -251,10 +292,10 @@ class TargetSpec:
         return hidden, features, cache.with_lengths(start + jnp.asarray(t if num_new is None else num_new))
 
     def embed(self, params, tokens):
-        return self.module_for(params).apply({"params": params}, tokens, method=TargetModel.embed)
+        return self.module_for(params).apply({"params": params}, tokens, method="embed")
 
     def logits(self, params, hidden):
-        return self.module_for(params).apply({"params": params}, hidden, method=TargetModel.logits)
+        return self.module_for(params).apply({"params": params}, hidden, method="logits")
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache.for_model(self.config, batch, capacity, self.dtype)

@@ -16,7 +16,7 @@ from dflash_jax.cache import UNROLLED_ROWS, write_rows
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import Drafter, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.target import Target, init_target_params
+from dflash_jax.target import Target, init_target_params, unstack_layers
 
 CAPACITY = 1000
 TARGET = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -71,15 +71,19 @@ def drafter():
     return Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)))
 
 
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
 @pytest.mark.parametrize("num_tokens", [1, 4])
-def test_target_decode_step_touches_only_new_rows(target, num_tokens):
+def test_target_decode_step_touches_only_new_rows(target, num_tokens, layout):
+    """Both layouts: stacked layers (a scan) and the unrolled ones generate decodes with on a CPU
+    (where several attention loops read the cache before the rows are written)."""
     def step(params, tokens, cache):
         hidden, features, cache = target.forward(params, tokens, cache, capture=(0, 2))
         return target.logits(params, hidden), features, cache
 
+    params = target.params if layout == "stacked" else unstack_layers(target.params)
     cache = target.init_cache(2, CAPACITY)
     tokens = jnp.zeros((2, num_tokens), jnp.int32)
-    assert whole_buffer_ops(compiled_text(step, target.params, tokens, cache, donate=(2,))) == []
+    assert whole_buffer_ops(compiled_text(step, params, tokens, cache, donate=(2,))) == []
 
 
 def test_drafter_block_and_append_touch_only_new_rows(drafter):
@@ -122,3 +126,20 @@ def test_check_flags_a_whole_buffer_writer(writer, batch, flagged):
     offsets = jnp.arange(batch, dtype=jnp.int32) * 7 % (CAPACITY - 4)
     hlo = compiled_text(step, buffer, new, offsets, donate=(0,))
     assert bool(whole_buffer_ops(hlo)) == flagged
+
+
+@pytest.mark.parametrize("draft,temperature", [(False, 0.0), (True, 0.0), (True, 1.0)])
+def test_generate_loop_touches_only_new_rows(target, drafter, draft, temperature):
+    """The whole compiled decode loop of `generate` (on a CPU: the unrolled target layout) copies
+    no cache: its step cost does not follow the capacity (3 + 1000 + block, rounded up to 1024)."""
+    from dflash_jax import speculative
+    from dflash_jax.kernels import KEY_TILE, round_up
+
+    model = drafter if draft else None
+    cfg, args, _ = speculative._prepare(target, model, [[1, 2, 3]], max_new_tokens=1000,
+                                        temperature=temperature, top_k=0, top_p=1.0, stop_token_ids=(),
+                                        block_size=None, seed=0, acceptance="exact")
+    capacity = round_up(speculative.prompt_bucket(3) + 1000 + cfg.block_size, KEY_TILE)
+    assert capacity == 1024  # a number no other dimension of these models has
+    _, loop, _ = speculative._executables(target, model, cfg, args, "decode")
+    assert whole_buffer_ops(loop.as_text(), capacity) == []

@@ -86,6 +86,21 @@ def test_target_decode_step_touches_only_new_rows(target, num_tokens, layout):
     assert whole_buffer_ops(compiled_text(step, params, tokens, cache, donate=(2,))) == []
 
 
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_chunked_prefill_touches_only_new_rows(target, layout):
+    """A prompt longer than one prefill chunk: a scan over chunks, each writing its rows."""
+    from dflash_jax.target import PREFILL_CHUNK
+
+    def prefill(params, tokens, cache):
+        hidden, features, cache = target.prefill(params, tokens, cache, capture=(0, 2))
+        return target.logits(params, hidden[:, -1]), features, cache
+
+    params = target.params if layout == "stacked" else unstack_layers(target.params)
+    tokens = jnp.zeros((2, PREFILL_CHUNK + 44), jnp.int32)
+    hlo = compiled_text(prefill, params, tokens, target.init_cache(2, CAPACITY), donate=(2,))
+    assert whole_buffer_ops(hlo) == []
+
+
 def test_drafter_block_and_append_touch_only_new_rows(drafter):
     def step(params, block, cache):
         hidden = drafter.draft_hidden(params, block, cache)

@@ -49,7 +49,13 @@ def test_logits_match_transformers_gguf(target, hf_model, chat_ids):  # noqa: F8
     err = rel_err(logits, want)
     print(f"relative error of the logits: {err:.2e}")
     assert err <= 1e-4
-    assert (logits.argmax(-1) == want.argmax(-1)).all()
+    # The argmax must agree wherever transformers' top two logits are further apart than the
+    # error allowed above: a near-tie may flip under a different summation order (this assert
+    # failed once in a parallel run with a relative error of ~4e-6).
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    decisive = top2[..., 1] - top2[..., 0] > 1e-4 * np.abs(want).max()
+    assert decisive.mean() > 0.9, f"only {decisive.mean():.0%} of positions have a clear top token"
+    assert (logits.argmax(-1) == want.argmax(-1))[decisive].all()
 
 
 def test_greedy_answer_is_sensible(target, hf_model, chat_ids):  # noqa: F811

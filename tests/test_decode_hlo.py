@@ -146,7 +146,8 @@ def test_check_flags_a_whole_buffer_writer(writer, batch, flagged):
 @pytest.mark.parametrize("draft,temperature", [(False, 0.0), (True, 0.0), (True, 1.0)])
 def test_generate_loop_touches_only_new_rows(target, drafter, draft, temperature):
     """The whole compiled decode loop of `generate` (on a CPU: the unrolled target layout) copies
-    no cache: its step cost does not follow the capacity (3 + 1000 + block, rounded up to 1024)."""
+    no cache: its step cost does not follow the capacity (prompt bucket + 1000 + block, rounded up
+    to 1024)."""
     from dflash_jax import speculative
     from dflash_jax.kernels import KEY_TILE, round_up
 

@@ -163,3 +163,27 @@ def test_unrolled_layers_equal_the_scan_and_copy_no_weights(target):
     print("weight-shaped values made by the scanned step:", scanned)
     assert scanned, "the counter-case: the scan copies layer weights"
     assert weight_copies(unrolled) == []
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_unrolled_tied_lm_head_equals_the_embedding(rows):
+    """A tied target's unrolled params carry a [D, V] copy of the embedding for one-row logits
+    (`UnrolledTargetModel.logits`); one row and several give the scanned model's logits."""
+    import dataclasses
+
+    from dflash_jax.target import unstack_layers
+
+    config = dataclasses.replace(CFG, tie_word_embeddings=True)
+    tied = Target(config, init_target_params(config, jax.random.PRNGKey(4)))
+    unrolled = unstack_layers(tied.params)
+    embedding = tied.params["embed_tokens"]["embedding"]
+    np.testing.assert_array_equal(np.asarray(unrolled["head_by_column"]), np.asarray(embedding).T)
+    hidden = jax.random.normal(jax.random.PRNGKey(5), (1, rows, config.hidden_size))
+    want = np.asarray(tied.logits(tied.params, hidden))
+    got = np.asarray(jax.jit(tied.logits)(unrolled, hidden))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # which matrix each case reads: with the embedding zeroed, one row still gets the logits
+    # (from the copy), several rows get zeros
+    probe = {**unrolled, "embed_tokens": {"embedding": jnp.zeros_like(embedding)}}
+    read = np.asarray(jax.jit(tied.logits)(probe, hidden))
+    np.testing.assert_allclose(read, want if rows == 1 else np.zeros_like(want), rtol=1e-5, atol=1e-5)

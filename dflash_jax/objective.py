@@ -44,15 +44,32 @@ def block_inputs(tokens, anchors, block_size: int, mask_token_id: int):
     return jnp.concatenate([first, mask], axis=-1).reshape(b, n * block_size)
 
 
-def block_targets(tokens, loss_mask, anchors, valid, block_size: int, decay: float):
-    """labels [B, N, G] (slot k -> token at anchor + k) and weights [B, N, G] (slot 0 weight 0)."""
+def block_targets(tokens, loss_mask, anchors, valid, block_size: int, decay: float, next_tokens=None):
+    """labels [B, N, G] and weights [B, N, G] (slot 0 weight 0).
+
+    Without next_tokens, slot k's label is the token at anchor + k. With next_tokens [B, T] (the
+    target's greedy next token after each position, `train.cache_features`), slot k's label is
+    what the target itself would emit there: next_tokens[anchor + k - 1], counted only while the
+    text followed the target's greedy choice at the block's earlier slots (tokens[anchor + j] ==
+    next_tokens[anchor + j - 1] for 1 <= j < k), so that the label is the target's greedy
+    continuation of the anchor and any text (not only the target's own answers) teaches the
+    drafter what verification accepts.
+    """
     t = tokens.shape[1]
     k = jnp.arange(block_size)
     where = anchors[..., None] + k  # [B, N, G]
     inside = where < t
     where = jnp.minimum(where, t - 1)
-    labels = jnp.take_along_axis(tokens[:, None, :], where, axis=2)
+    text = jnp.take_along_axis(tokens[:, None, :], where, axis=2)
     label_mask = jnp.take_along_axis(loss_mask[:, None, :], where, axis=2) & inside
+    if next_tokens is None:
+        labels = text
+    else:
+        before = jnp.maximum(where - 1, 0)  # slot k's label sits at position anchor + k - 1
+        labels = jnp.take_along_axis(next_tokens[:, None, :], before, axis=2)
+        followed = (text == labels) | (k == 0)  # slot j's text token is the target's choice
+        earlier = jnp.cumprod(followed, axis=2)  # all of slots 0..k agree
+        label_mask &= jnp.concatenate([jnp.ones_like(earlier[..., :1]), earlier[..., :-1]], axis=2).astype(bool)
     slot_weight = jnp.where(k >= 1, jnp.exp(-(k - 1) / decay), 0.0)
     weights = slot_weight * label_mask * valid[..., None]
     return labels, weights.astype(jnp.float32)
@@ -83,6 +100,17 @@ def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024):
     ce = jnp.moveaxis(ce, 0, 1).reshape(b, -1)[:, :m]
     correct = jnp.moveaxis(correct, 0, 1).reshape(b, -1)[:, :m]
     return ce, correct
+
+
+def greedy_tokens(head, hidden, chunk: int = 1024):
+    """argmax of head(hidden) [B, T, V] -> int32 [B, T], `chunk` positions at a time (peak memory
+    B x chunk x V logits)."""
+    b, t, d = hidden.shape
+    chunk = max(1, min(chunk, t))
+    pad = -t % chunk
+    parts = jnp.moveaxis(jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d), 1, 0)
+    ids = jax.lax.map(lambda h: jnp.argmax(head(h), axis=-1).astype(jnp.int32), parts)
+    return jnp.moveaxis(ids, 0, 1).reshape(b, -1)[:, :t]
 
 
 def draft_labels(labels, weights, target_to_draft):

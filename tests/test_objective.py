@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax.objective import block_inputs, block_targets, chunked_cross_entropy, default_decay, sample_anchors
+from dflash_jax.objective import (block_inputs, block_targets, chunked_cross_entropy, default_decay, greedy_tokens,
+                                  sample_anchors)
 
 
 def test_anchor_candidates_are_distinct_sorted_and_inside_the_mask():
@@ -38,6 +39,35 @@ def test_block_targets_labels_weights_and_padding():
     np.testing.assert_allclose(w[2], 0)  # padding block
     assert np.asarray(block_inputs(tokens, anchors, 4, 7))[0, :4].tolist() == [102, 7, 7, 7]
     assert default_decay(16) == 7 and default_decay(10) == 5 and default_decay(8) == 4
+
+
+def test_target_labels_follow_the_targets_greedy_chain():
+    # text 100..109; the target would emit text[p + 1] after p, except after 4 (it says 7) and 7 (says 3).
+    tokens = jnp.arange(10)[None] + 100
+    next_tokens = np.append(np.arange(101, 110), 0)[None].copy()
+    next_tokens[0, 4], next_tokens[0, 7] = 7, 3
+    loss_mask = jnp.ones((1, 10), bool)
+    anchors, valid = jnp.asarray([[2, 4, 6]]), jnp.asarray([[True, True, True]])
+    labels, weights = block_targets(tokens, loss_mask, anchors, valid, 4, 2.0, jnp.asarray(next_tokens))
+    labels, w = np.asarray(labels)[0], np.asarray(weights)[0] > 0
+    # anchor 2: the text follows the target at 3, 4 but not at 5: slots 1, 2 count, slot 3's label
+    # (the target after text 104) is 7, and it counts since slots 1, 2 agreed with the text.
+    assert labels[0, 1:].tolist() == [103, 104, 7] and w[0].tolist() == [False, True, True, True]
+    # anchor 4: slot 1's label is the target's 7 (the text says 105): slot 2 onward is a different
+    # context from the target's chain, so it does not count.
+    assert labels[1, 1].item() == 7 and w[1].tolist() == [False, True, False, False]
+    # anchor 6: slot 1 (text 107 agrees), slot 2's label is the target's 3, slot 3 does not count.
+    assert labels[2, 1:3].tolist() == [107, 3] and w[2].tolist() == [False, True, True, False]
+    # Without next tokens, the labels are the text's.
+    text_labels, _ = block_targets(tokens, loss_mask, anchors, valid, 4, 2.0)
+    assert np.asarray(text_labels)[0, 1, 1:].tolist() == [105, 106, 107]
+
+
+def test_greedy_tokens_in_chunks_equal_the_dense_argmax():
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.normal(size=(8, 50)).astype(np.float32))
+    hidden = jnp.asarray(rng.normal(size=(2, 13, 8)).astype(np.float32))
+    np.testing.assert_array_equal(greedy_tokens(lambda h: h @ w, hidden, chunk=4), jnp.argmax(hidden @ w, -1))
 
 
 def test_chunked_cross_entropy_equals_dense_with_gradients():

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -248,10 +249,16 @@ def test_feature_cache_round_trip(tmp_path, tiny_target):
     batches = list(make_iterator(cfg, process_index=0, process_count=1))
     assert len(batches) == 2
     forward = jax.jit(lambda params, tokens: tiny_target.forward(params, tokens, capture=layers))
+    assert meta["next_tokens"]
     for b in batches:
         assert b["features"].shape == (3, 16, 128) and b["features"].dtype.name == "bfloat16"
-        _, want, _ = forward(tiny_target.params, b["tokens"])
+        assert b["next_tokens"].shape == (3, 16) and b["next_tokens"].dtype == np.int32
+        hidden, want, _ = forward(tiny_target.params, b["tokens"])
+        greedy = np.asarray(jnp.argmax(tiny_target.logits(tiny_target.params, hidden), axis=-1))
         for row, n in enumerate(b["lengths"]):
             got = b["features"][row, :n].astype(np.float32)
             np.testing.assert_allclose(got, np.asarray(want[row, :n]), rtol=1e-2, atol=1e-2)
             assert not b["features"][row, n:].astype(np.float32).any()
+            # the target's greedy next token after each real position (padding stays 0)
+            np.testing.assert_array_equal(b["next_tokens"][row, :n], greedy[row, :n])
+            assert not b["next_tokens"][row, n:].any()

@@ -23,6 +23,8 @@ from dflash_jax.loading.names import params_to_hf, target_rules
 from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors
 from train import checkpointing, drafter_init
 from train.config import ConfigError, config_from_dict
+from train.cache_features import cache_features
+from train.data import load_token_records
 from train.export import export
 from train.train import drafter_config_for, train
 
@@ -171,6 +173,19 @@ def test_bad_input_fails_with_one_clear_error(tiny, tmp_path):
     assert config_from_dict(settings(tiny, tmp_path / "d"), ["optim.learning_rate=2e-3"]).optim.learning_rate == 2e-3
     with pytest.raises(ConfigError, match="warm_start_layers needs model.warm_start"):
         config_from_dict(settings(tiny, tmp_path / "d"), ["model.warm_start_layers=[0]"])
+    with pytest.raises(ConfigError, match=r"run.labels must be one of \('tokens', 'target'\)"):
+        config_from_dict(settings(tiny, tmp_path / "d"), ["run.labels=gold"])
+
+    # run.labels=target reads the target's next tokens from a feature cache; an older cache has none.
+    cache = tmp_path / "cache"
+    cache_features(target, load_token_records(tiny[2], None, 32), cache, (0, 2), batch_size=8, buckets=(32,),
+                   progress=False)
+    meta = json.loads((cache / "meta.json").read_text())
+    (cache / "meta.json").write_text(json.dumps({**meta, "next_tokens": False}))
+    with pytest.raises(ConfigError, match="lacks"):
+        train(config_from_dict(settings(tiny, tmp_path / "e"), [f"data.path={cache}", "run.labels=target"]),
+              target=target)
+    assert not (tmp_path / "e").exists()
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

@@ -55,6 +55,25 @@ def test_online_and_offline_features_give_the_same_step(setup):
     assert int(online_state.step) == 1
 
 
+def test_target_labels_online_equal_cached_next_tokens(setup):
+    target, config, params, batch = setup
+    tokens = jnp.asarray(batch["tokens"])
+    features, next_tokens = step_lib.target_features(target, target.params, tokens, config.target_layer_ids,
+                                                     next_tokens=True, logits_chunk=5)
+    hidden, _, _ = target.forward(target.params, tokens)
+    np.testing.assert_array_equal(next_tokens, jnp.argmax(target.logits(target.params, hidden), -1))
+    online_state, online = run_step(target, config, params, batch, target_labels=True)
+    offline_state, offline = run_step(target, config, params, {**batch, "features": np.asarray(features),
+                                                               "next_tokens": np.asarray(next_tokens)},
+                                      target_labels=True)
+    np.testing.assert_allclose(online["loss"], offline["loss"], rtol=1e-6)
+    # A random target's greedy choices are not the text: the labels (and so the loss) differ.
+    _, text = run_step(target, config, params, batch)
+    assert abs(float(online["loss"]) - float(text["loss"])) > 1e-3
+    with pytest.raises(ValueError, match="next_tokens"):
+        run_step(target, config, params, {**batch, "features": np.asarray(features)}, target_labels=True)
+
+
 def test_gradient_accumulation_equals_one_big_batch(setup):
     target, config, params, batch = setup
     full = {**batch, "loss_mask": np.ones_like(batch["loss_mask"])}  # equal weight sums per micro-batch

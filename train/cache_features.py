@@ -9,6 +9,8 @@ Layout of OUT (read by `train.data` when DataConfig.path points at it):
     shard-00000/tokens.npy    int32 [N_tok]        the shard's records concatenated
     shard-00000/loss_mask.npy bool  [N_tok]
     shard-00000/features.npy  bfloat16 bits as uint16 [N_tok, len(layers) * D]
+    shard-00000/next_tokens.npy int32 [N_tok]      the target's greedy (argmax) next token after each
+                                                   position: labels for `run.labels: target`
     shard-00000/offsets.npy   int64 [N + 1]        record i = [offsets[i], offsets[i + 1])
 Each shard directory appears complete or not at all (written under a temporary name, then renamed);
 a rerun skips the shards meta.json lists.
@@ -47,8 +49,11 @@ class CacheStats:
 
 
 def _feature_fn(target, layer_ids: tuple[int, ...]):
+    """tokens [B, T] -> (features bfloat16 [B, T, n*D], greedy next tokens int32 [B, T])."""
     def features(params, tokens):
-        return target.forward(params, tokens, capture=layer_ids)[1].astype(jnp.bfloat16)
+        hidden, feats, _ = target.forward(params, tokens, capture=layer_ids)
+        next_tokens = jnp.argmax(target.logits(params, hidden), axis=-1).astype(jnp.int32)
+        return feats.astype(jnp.bfloat16), next_tokens
     return jax.jit(features)
 
 
@@ -65,6 +70,7 @@ def _write_shard(directory: Path, records: TokenRecords, lo: int, hi: int, run, 
     np.save(tmp / "offsets.npy", offsets)
     feats = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.uint16,
                                       shape=(int(offsets[-1]), width))
+    next_tokens = np.zeros(int(offsets[-1]), np.int32)
     lengths = np.diff(offsets)
     order = np.argsort(lengths, kind="stable")
     for start in range(0, len(order), batch_size):
@@ -73,12 +79,15 @@ def _write_shard(directory: Path, records: TokenRecords, lo: int, hi: int, run, 
         tokens = np.zeros((batch_size, t), np.int32)   # a static batch: the last one is padded with rows of 0
         for b, r in enumerate(rows):
             tokens[b, : lengths[r]] = records.tokens[span][offsets[r]:offsets[r + 1]]
-        out = np.asarray(jax.device_get(run(tokens))).view(np.uint16)
+        out, predicted = jax.device_get(run(tokens))
+        out = np.asarray(out).view(np.uint16)
         for b, r in enumerate(rows):
             feats[offsets[r]:offsets[r + 1]] = out[b, : lengths[r]]
+            next_tokens[offsets[r]:offsets[r + 1]] = predicted[b, : lengths[r]]
         bar.update(int(lengths[rows].sum()))
     feats.flush()
     del feats
+    np.save(tmp / "next_tokens.npy", next_tokens)
     size = sum(f.stat().st_size for f in tmp.iterdir())
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
@@ -97,8 +106,8 @@ def cache_features(target, records: TokenRecords, out_dir, layer_ids, *, batch_s
         raise ValueError(f"records up to {int(records.lengths.max())} tokens do not fit the largest "
                          f"bucket {buckets[-1]}")
     settings = {"target_layer_ids": list(layer_ids), "hidden_size": target.config.hidden_size,
-                "feature_dtype": "bfloat16", "num_records": len(records), "num_tokens": int(records.offsets[-1]),
-                "shard_records": shard_records, "source": source}
+                "feature_dtype": "bfloat16", "next_tokens": True, "num_records": len(records),
+                "num_tokens": int(records.offsets[-1]), "shard_records": shard_records, "source": source}
     meta_file = out_dir / META
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {**settings, "shards": []}
     if {k: meta.get(k) for k in settings} != settings:

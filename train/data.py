@@ -155,6 +155,7 @@ class FeatureRecords:
     shards: tuple[TokenRecords, ...]
     features: tuple[np.ndarray, ...]   # bfloat16 [N_tok, n * D] per shard (memory-mapped)
     meta: dict
+    next_tokens: tuple[np.ndarray, ...] = ()   # int32 [N_tok] per shard: the target's greedy next token
 
     @functools.cached_property
     def _index(self) -> np.ndarray:   # [N, 2]: (shard, record within shard)
@@ -174,6 +175,8 @@ class FeatureRecords:
         out = shard.row(j, max_length)
         lo = shard.offsets[j]
         out["features"] = self.features[k][lo:lo + len(out["tokens"])]
+        if self.next_tokens:
+            out["next_tokens"] = self.next_tokens[k][lo:lo + len(out["tokens"])]
         return out
 
 
@@ -188,15 +191,17 @@ def load_feature_cache(path) -> FeatureRecords:
     meta = json.loads((path / META).read_text())
     if not meta.get("complete"):
         raise ValueError(f"feature cache {path} is incomplete (rerun `python -m train.cache_features` to finish it)")
-    shards, features = [], []
+    shards, features, next_tokens = [], [], []
     for name in meta["shards"]:
         d = path / name
         load = lambda f: np.load(d / f, mmap_mode="r")
         shards.append(TokenRecords(load("tokens.npy"), load("loss_mask.npy"), np.load(d / "offsets.npy")))
         features.append(load("features.npy").view(ml_dtypes.bfloat16))
+        if meta.get("next_tokens"):  # caches written before next tokens were stored have none
+            next_tokens.append(load("next_tokens.npy"))
     if sum(len(s) for s in shards) == 0:
         raise ValueError(f"feature cache {path} holds no records")
-    return FeatureRecords(tuple(shards), tuple(features), meta)
+    return FeatureRecords(tuple(shards), tuple(features), meta, tuple(next_tokens))
 
 
 def load_records(cfg: DataConfig, tokenizer=None):
@@ -267,6 +272,8 @@ def _assemble(records, plan: EpochPlan, max_length: int, first_row: int, per_pro
            "lengths": np.asarray([len(p["tokens"]) for p in parts], np.int32)}
     if "features" in parts[0]:
         out["features"] = np.zeros((per_process, t, parts[0]["features"].shape[-1]), parts[0]["features"].dtype)
+    if "next_tokens" in parts[0]:
+        out["next_tokens"] = np.zeros((per_process, t), np.int32)
     for b, part in enumerate(parts):
         for key, value in part.items():
             out[key][b, : len(value)] = value
@@ -280,6 +287,8 @@ def make_iterator(cfg: DataConfig, tokenizer=None, *, process_index=None, proces
        loss_mask bool  [B, T]  (True on assistant tokens; False on padding)
        lengths   int32 [B]     (real tokens per row)
        features  bfloat16 [B, T, n*D]  only when cfg.path is a feature cache (offline mode)
+       next_tokens int32 [B, T]  the target's greedy next token after each position (a feature
+                 cache that stores them; `run.labels: target`)
     B = cfg.batch_size // process_count; T in cfg.buckets. tokenizer is needed only for chat
     records; `records` (from `load_records`) skips loading them again.
     """

@@ -5,7 +5,12 @@ reduced draft vocabulary; the target (embedding, LM head, and in online mode its
 Master params are float32; `compute_dtype` casts them for the forward pass only.
 
 batch (the dict train.data.make_iterator yields, as global arrays):
-    tokens [B, T] int32, loss_mask [B, T] bool, lengths [B] int32, features [B, T, n*D] (offline only)
+    tokens [B, T] int32, loss_mask [B, T] bool, lengths [B] int32, features [B, T, n*D] and
+    next_tokens [B, T] int32 (offline only; the target's greedy next token after each position)
+
+Labels: the text's own next tokens (`StepSpec.target_labels=False`), or the target's greedy
+choices (`target_labels=True`, `objective.block_targets`): what verification accepts, from any
+text, without regenerating answers.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class StepSpec:
     compute_dtype: str = "float32"
     grad_accum: int = 1
     anchor_chunk: int = 0  # > 0: blocks attend in groups of this many anchors (objective.drafter_block_hidden)
+    target_labels: bool = False  # label slots with the target's greedy next tokens, not the text's
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -64,10 +70,17 @@ def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> Tr
                       rng=jax.random.PRNGKey(seed))
 
 
-def target_features(target, target_params, tokens, layer_ids):
-    """Online mode: the frozen target's captured features [B, T, n*D] (no gradient)."""
-    _, features, _ = target.forward(jax.lax.stop_gradient(target_params), tokens, capture=layer_ids)
-    return jax.lax.stop_gradient(features)
+def target_features(target, target_params, tokens, layer_ids, *, next_tokens: bool = False,
+                    logits_chunk: int = 1024):
+    """Online mode: the frozen target's captured features [B, T, n*D] (no gradient); with
+    next_tokens, also its greedy next token after each position [B, T] int32."""
+    target_params = jax.lax.stop_gradient(target_params)
+    hidden, features, _ = target.forward(target_params, tokens, capture=layer_ids)
+    features = jax.lax.stop_gradient(features)
+    if not next_tokens:
+        return features
+    return features, objective.greedy_tokens(lambda h: target.logits(target_params, h),
+                                             jax.lax.stop_gradient(hidden), logits_chunk)
 
 
 def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch):
@@ -80,8 +93,14 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     dtype = DTYPES[spec.compute_dtype]
     target_params = jax.lax.stop_gradient(frozen["target"])
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+    next_tokens = batch.get("next_tokens") if spec.target_labels else None
     if "features" in batch:
         features = batch["features"]
+        if spec.target_labels and next_tokens is None:
+            raise ValueError("target labels need the feature cache's next_tokens (rerun train.cache_features)")
+    elif spec.target_labels:
+        features, next_tokens = target_features(target, target_params, tokens, config.target_layer_ids,
+                                                next_tokens=True, logits_chunk=spec.logits_chunk)
     else:
         features = target_features(target, target_params, tokens, config.target_layer_ids)
     anchors, valid = batch["anchors"], batch["valid"]
@@ -89,7 +108,8 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     drafter_params = jax.tree.map(lambda p: p.astype(dtype), params["drafter"])
     hidden = objective.drafter_block_hidden(drafter, target, drafter_params, target_params,
                                             features.astype(dtype), tokens, anchors, valid, spec.anchor_chunk)
-    labels, weights = objective.block_targets(tokens, loss_mask, anchors, valid, config.block_size, spec.decay)
+    labels, weights = objective.block_targets(tokens, loss_mask, anchors, valid, config.block_size, spec.decay,
+                                              next_tokens)
     counted = weights > 0
     if "draft_head" in params:
         labels, weights = objective.draft_labels(labels, weights, frozen["target_to_draft"])

@@ -61,6 +61,10 @@ def check_feature_cache(cfg: TrainConfig, drafter_config) -> None:
                           f"{meta['hidden_size']}; the drafter needs layers {list(drafter_config.target_layer_ids)} "
                           f"of width {drafter_config.hidden_size} (rerun train.cache_features or set "
                           f"model.target_layer_ids)")
+    if cfg.run.labels == "target" and not meta.get("next_tokens"):
+        raise ConfigError(f"{cfg.data.path}: run.labels=target needs the target's next tokens, which this "
+                          f"feature cache (written before they were stored) lacks; rerun train.cache_features "
+                          f"into a new directory, or use run.labels=tokens")
 
 
 def draft_vocabulary(cfg: TrainConfig, run_dir: Path, target, records, init=None) -> DraftVocab | None:
@@ -190,7 +194,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     spec = step_lib.StepSpec(num_anchors=cfg.run.num_anchors,
                              decay=cfg.run.decay or default_decay(drafter_config.block_size),
                              logits_chunk=cfg.run.logits_chunk, compute_dtype=cfg.run.compute_dtype,
-                             grad_accum=cfg.optim.grad_accum, anchor_chunk=cfg.run.anchor_chunk)
+                             grad_accum=cfg.optim.grad_accum, anchor_chunk=cfg.run.anchor_chunk,
+                             target_labels=cfg.run.labels == "target")
 
     frozen = {"target": target.params}
     if vocab is not None:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from dflash_jax.objective import greedy_tokens
 from train.data import META, TokenRecords, bucket_of, load_token_records
 from train.regenerate import write_atomic
 
@@ -48,11 +49,12 @@ class CacheStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _feature_fn(target, layer_ids: tuple[int, ...]):
-    """tokens [B, T] -> (features bfloat16 [B, T, n*D], greedy next tokens int32 [B, T])."""
+def _feature_fn(target, layer_ids: tuple[int, ...], logits_chunk: int = 512):
+    """tokens [B, T] -> (features bfloat16 [B, T, n*D], greedy next tokens int32 [B, T]); the
+    logits are formed logits_chunk positions at a time (B x chunk x V, not B x T x V)."""
     def features(params, tokens):
         hidden, feats, _ = target.forward(params, tokens, capture=layer_ids)
-        next_tokens = jnp.argmax(target.logits(params, hidden), axis=-1).astype(jnp.int32)
+        next_tokens = greedy_tokens(lambda h: target.logits(params, h), hidden, logits_chunk)
         return feats.astype(jnp.bfloat16), next_tokens
     return jax.jit(features)
 

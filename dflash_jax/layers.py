@@ -1,4 +1,5 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Building blocks shared by the target and the drafter: RMSNorm, rotary embedding, SwiGLU MLP,
+attention projections, and the by-row dense layer a CPU decode multiplies with."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dflash_jax.kernels.cpu_matmul import rows_matmul
 
 Dtype = Any
 
@@ -26,17 +29,44 @@ class RMSNorm(nn.Module):
         return scale * normed.astype(x.dtype)
 
 
+class DenseByRow(nn.Module):
+    """`nn.Dense` with its kernel stored transposed, [out, in] ("kernel", same name and bias):
+    products of a few rows go through `kernels.cpu_matmul.rows_matmul`, which reads every weight
+    row once on a CPU. The unrolled target that a CPU decodes with uses it (`unstack_layers`
+    writes the transposed kernels); nothing else does."""
+
+    features: int
+    use_bias: bool = False
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
+                            (self.features, x.shape[-1]), self.dtype)
+        y = rows_matmul(x.astype(self.dtype), kernel)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+def make_dense(features: int, use_bias: bool, dtype: Dtype, by_row: bool = False, name: str | None = None):
+    """`nn.Dense` (kernel [in, out]) or, with by_row, `DenseByRow` (kernel [out, in])."""
+    if by_row:
+        return DenseByRow(features, use_bias, dtype, name=name)
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     intermediate_size: int
     use_bias: bool = False
     dtype: Dtype = jnp.float32
+    weights_by_row: bool = False  # kernels [out, in] (`DenseByRow`)
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype,
-                                         param_dtype=self.dtype, name=name)
+        dense = lambda n, name: make_dense(n, self.use_bias, self.dtype, self.weights_by_row, name=name)
         h = nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
         return dense(x.shape[-1], "down_proj")(h)
 
@@ -138,9 +168,10 @@ class AttentionProjections(nn.Module):
     use_bias: bool = False
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
+    weights_by_row: bool = False  # kernels [out, in] (`DenseByRow`)
 
     def setup(self):
-        dense = lambda n: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.dtype)
+        dense = lambda n: make_dense(n, self.use_bias, self.dtype, self.weights_by_row)
         self.q_proj = dense(self.num_heads * self.head_dim)
         self.k_proj = dense(self.num_kv_heads * self.head_dim)
         self.v_proj = dense(self.num_kv_heads * self.head_dim)

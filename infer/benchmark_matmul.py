@@ -5,7 +5,10 @@
 
 A decode step multiplies one row per weight matrix, a verify of G tokens G rows. When the weights
 stream from memory, G rows should cost about what one row costs; the printed bandwidth (bytes of W
-over the median time) shows how far from that the compiled product is on this machine.
+over the median time) shows how far from that the compiled product is on this machine. The last
+column is the same product through `kernels.cpu_matmul.rows_matmul` with W stored [V, D] (what the
+unrolled CPU decode multiplies with; "-" where it does not run: more than 16 rows, not float32,
+no kernel on this machine).
 """
 from __future__ import annotations
 
@@ -31,23 +34,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     d, v = args.shape
     dtype = jnp.dtype(args.dtype)
     w = jax.random.normal(jax.random.PRNGKey(0), (d, v), dtype)
+    from dflash_jax.kernels.cpu_matmul import MAX_ROWS, available, rows_matmul
+
     product = jax.jit(lambda x, w: x @ w)
+    by_row = jax.jit(rows_matmul)
+    w_by_row = jnp.asarray(w.T)
+    kernel = available() and dtype == jnp.float32 and jax.default_backend() == "cpu"
     print(f"W [{d}, {v}] {dtype.name} ({w.nbytes / 1e6:.0f} MB), device {jax.devices()[0].platform}, "
           f"median of {args.repeats}")
-    print(f"| rows M | ms | x M={args.rows[0]} | GB/s of W |\n|---|---|---|---|")
+    print(f"| rows M | ms | x M={args.rows[0]} | GB/s of W | rows kernel ms |\n|---|---|---|---|---|")
     one = None
     for m in args.rows:
         x = jax.random.normal(jax.random.PRNGKey(m), (m, d), dtype)
-        product(x, w).block_until_ready()
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            product(x, w).block_until_ready()
-            times.append(time.perf_counter() - start)
-        ms = statistics.median(times) * 1e3
+        ms = _median_ms(product, x, w, args.repeats)
         one = ms if one is None else one
-        print(f"| {m} | {ms:.2f} | {ms / one:.2f} | {w.nbytes / ms / 1e6:.1f} |")
+        rows_ms = f"{_median_ms(by_row, x, w_by_row, args.repeats):.2f}" if kernel and m <= MAX_ROWS else "-"
+        print(f"| {m} | {ms:.2f} | {ms / one:.2f} | {w.nbytes / ms / 1e6:.1f} | {rows_ms} |")
     return 0
+
+
+def _median_ms(fn, x, w, repeats: int) -> float:
+    fn(x, w).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x, w).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ on a tiny model, the transformers baseline against our greedy decoding, and the 
 compilation cache (in a temporary directory; a second process compiles nothing)."""
 from __future__ import annotations
 
+import math
+
 import json
 import os
 import subprocess
@@ -170,7 +172,10 @@ def test_transformers_baseline_decodes_like_our_greedy_loop(tmp_path, monkeypatc
     rows = [[3, 5, 7, 11, 13], [2, 4, 6]]
     hf = benchmark.run_transformers(model, rows, max_new_tokens=6, stops=[], pad_id=0)
     assert hf["new_tokens"] == [6, 6] and hf["decode_tokens"] == 10
-    assert hf["prefill_seconds"] > 0 and hf["decode_tokens_per_second"] > 0
+    # decode time is the whole run less a separate 1-token run: on a loaded machine the difference
+    # can be <= 0, which the benchmark reports as nan rather than a negative rate
+    assert hf["prefill_seconds"] > 0
+    assert hf["decode_tokens_per_second"] > 0 or math.isnan(hf["decode_tokens_per_second"])
     target = load_target(gguf_file, "float32", tokenizer=False)
     ours = [generate(target, None, [r], max_new_tokens=6, stop_token_ids=()).tokens[0] for r in rows]
     assert hf["tokens"] == ours  # left padding, same weights, same greedy choices

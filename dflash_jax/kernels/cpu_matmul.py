@@ -105,7 +105,7 @@ def _xla(x, w_by_row):
 
 def rows_matmul(x: jax.Array, w_by_row: jax.Array) -> jax.Array:
     """x [..., K] @ w_by_row [N, K].T -> [..., N]. The kernel runs on a CPU for float32 inputs
-    with at most MAX_ROWS rows; everything else is XLA's `dot_general`."""
+    of at most MAX_ROWS rows; everything else is XLA's `dot_general`."""
     rows = int(np.prod(x.shape[:-1]))
     if not (x.dtype == w_by_row.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()):
         return _xla(x, w_by_row)

@@ -2,9 +2,10 @@
 // step or a short verify on a CPU, where XLA's GEMM kernels read the weights more than once for
 // 2-16 rows (SmolLM2's LM head: 1 row 5 ms, 2 rows 17 ms). Here every weight row is read from
 // memory once: four weight rows at a time are dotted with two rows of x (eight AVX2 accumulators),
-// further pairs of x rows re-read the four weight rows from L1. The output columns are split
-// between the calling thread and a few helper threads that spin briefly between calls (a decode
-// step issues hundreds of these back to back) and then sleep.
+// further pairs of x rows re-read the four weight rows from L1. The output columns of a large
+// enough product are split between the calling thread and a helper thread per further core. The
+// helpers sleep between calls: spinning for them (300 us) slowed a SmolLM2 decode step with a
+// cache from 38 to 47 ms on 2 cores, because it took a core from XLA's own threads.
 //
 // Built by dflash_jax/kernels/cpu_matmul.py with the C++ compiler of the machine (-mavx2 -mfma)
 // and called through XLA's FFI as the custom call "dflash_rows_matmul".
@@ -139,7 +140,7 @@ class Pool {
 
  private:
   static constexpr int kIdle = 0, kPosted = 1, kDone = 2;
-  static constexpr auto kSpin = std::chrono::microseconds(300);
+  static constexpr auto kSpin = std::chrono::microseconds(0);  // 256 pauses (a few us), then sleep
 
   struct Slot {
     std::atomic<int> state{kIdle};

@@ -32,6 +32,7 @@ from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter_config import DrafterConfig
 from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
 from dflash_jax.model_spec import on_spec
+from dflash_jax.target import is_unstacked, unstack_layer_params
 
 
 def _select_ranges(windowed: bool, windowed_ranges, full_ranges):
@@ -45,15 +46,16 @@ class DrafterLayer(nn.Module):
     config: DrafterConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
+    weights_by_row: bool = False  # kernels [out, in] (`layers.DenseByRow`): the unrolled CPU layout
 
     def setup(self):
         cfg = self.config
         self.self_attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                                               cfg.head_dim, True, cfg.attention_bias, cfg.rms_norm_eps,
-                                              self.dtype)
+                                              self.dtype, self.weights_by_row)
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        self.mlp = MLP(cfg.intermediate_size, False, self.dtype)
+        self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.weights_by_row)
 
     def context_kv(self, carry, _, shared):
         """shared (context [B, C, D], cos, sin) -> per-layer context keys/values [B, C, Hkv, Dh]."""
@@ -103,16 +105,20 @@ class DrafterModel(nn.Module):
         cfg = self.config
         self.fc = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
         self.hidden_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        self._make_layers()
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        self.rotary = Rotary(cfg)
+
+    def _make_layers(self):
+        """All layers as one scanned module: params stacked [L, ...] under "layers"."""
         self.layers = nn.scan(
             DrafterLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast),
-            length=cfg.num_layers,
+            length=self.config.num_layers,
             methods=["context_kv", "__call__", "decode"],
-        )(cfg, self.dtype, self.attn_impl)
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        self.rotary = Rotary(cfg)
+        )(self.config, self.dtype, self.attn_impl)
 
     def _windowed_layers(self):
         return jnp.asarray([w > 0 for w in self.config.layer_windows])
@@ -149,6 +155,43 @@ class DrafterModel(nn.Module):
         return self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
 
 
+class UnrolledDrafterModel(DrafterModel):
+    """DrafterModel over per-layer params "layer_0" .. (`unstack_layer_params`, kernels [out, in]):
+    a Python loop over the layers instead of a scan, what a CPU drafts with (as the target's
+    `UnrolledTargetModel`): the scan copies every layer's weights out of the stack in every call,
+    and the unrolled layers' products go through `kernels.cpu_matmul.rows_matmul`. Same results."""
+
+    def _make_layers(self):
+        self.layer = [DrafterLayer(self.config, self.dtype, self.attn_impl, weights_by_row=True)
+                      for _ in range(self.config.num_layers)]
+
+    def context_kv(self, features, positions):
+        if features.shape[-1] != self.config.num_features * self.config.hidden_size:
+            raise ValueError(f"features have width {features.shape[-1]}, expected "
+                             f"{self.config.num_features} x {self.config.hidden_size}")
+        context = self.hidden_norm(self.fc(features.astype(self.dtype)))
+        cos, sin = self.rotary(positions)
+        kv = [layer.context_kv(None, None, (context, cos, sin))[1] for layer in self.layer]
+        return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+
+    def blocks(self, block_embeds, positions, k_ctx, v_ctx, full_ranges, windowed_ranges):
+        cos, sin = self.rotary(positions)
+        hidden = block_embeds.astype(self.dtype)
+        windowed = self._windowed_layers()
+        for i, layer in enumerate(self.layer):
+            hidden, _ = layer(hidden, (k_ctx[i], v_ctx[i], windowed[i]), (cos, sin, full_ranges, windowed_ranges))
+        return self.norm(hidden)
+
+    def cached_blocks(self, block_embeds, positions, cache: KVCache, full_ranges, windowed_ranges):
+        cos, sin = self.rotary(positions)
+        hidden = block_embeds.astype(self.dtype)
+        windowed = self._windowed_layers()
+        for i, layer in enumerate(self.layer):
+            hidden, _ = layer.decode(hidden, (jnp.int32(i), windowed[i]),
+                                     (cos, sin, cache, full_ranges, windowed_ranges))
+        return self.norm(hidden)
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterSpec:
     """What a drafter computes, without its weights: config, compute dtype and attention
@@ -170,6 +213,23 @@ class DrafterSpec:
     def module(self) -> DrafterModel:
         return DrafterModel(self.config, self.dtype, self.attn_impl)
 
+    def module_for(self, loop_params) -> DrafterModel:
+        """The module that reads `loop_params`: scanned, or unrolled (`decode_params`)."""
+        return self._module_reading(self._module_params(loop_params))
+
+    def _module_reading(self, module_params) -> DrafterModel:
+        cls = UnrolledDrafterModel if is_unstacked(module_params) else DrafterModel
+        return cls(self.config, self.dtype, self.attn_impl)
+
+    def decode_params(self, loop_params):
+        """`loop_params` with the layers unstacked and their kernels transposed (what a CPU drafts
+        with, `UnrolledDrafterModel`). Run it outside jit."""
+        module_params = self._module_params(loop_params)
+        if is_unstacked(module_params):
+            return loop_params
+        unrolled = unstack_layer_params(module_params)
+        return unrolled if self.config.draft_vocab_size is None else {**loop_params, "drafter": unrolled}
+
     @property
     def block_size(self) -> int:
         return self.config.block_size
@@ -184,8 +244,8 @@ class DrafterSpec:
         params: `loop_params`."""
         t = features.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        k, v = self.module.apply({"params": self._module_params(params)}, features, positions,
-                                 method=DrafterModel.context_kv)
+        k, v = self.module_for(params).apply({"params": self._module_params(params)}, features, positions,
+                                             method="context_kv")
         return cache.append(k, v, t if num_new is None else num_new)
 
     def draft_hidden(self, params, block_embeds, cache: KVCache):
@@ -196,8 +256,8 @@ class DrafterSpec:
         positions = cache.lengths[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
         full = masks.drafter_inference(cache.lengths, cache.capacity, g)
         windowed = masks.drafter_inference(cache.lengths, cache.capacity, g, self.config.sliding_window)
-        return self.module.apply({"params": self._module_params(params)}, block_embeds, positions, cache,
-                                 full, windowed, method=DrafterModel.cached_blocks)
+        return self.module_for(params).apply({"params": self._module_params(params)}, block_embeds,
+                                             positions, cache, full, windowed, method="cached_blocks")
 
     def train_hidden(self, params, features, block_embeds, anchors, block_valid):
         """Packed training forward.
@@ -215,8 +275,8 @@ class DrafterSpec:
         block_positions = (anchors[:, :, None] + jnp.arange(g, dtype=jnp.int32)).reshape(b, n * g)
         full = masks.drafter_training(anchors, block_valid, c, g)
         windowed = masks.drafter_training(anchors, block_valid, c, g, self.config.sliding_window)
-        return self.module.apply({"params": params}, features, positions, block_embeds, block_positions,
-                                 full, windowed)
+        return self._module_reading(params).apply({"params": params}, features, positions, block_embeds,
+                                                  block_positions, full, windowed)
 
 
 @dataclasses.dataclass

@@ -104,6 +104,18 @@ def compile_cache_size() -> int:
 
 
 _DECODE_PARAMS: collections.OrderedDict = collections.OrderedDict()  # id(params) -> (params, unstacked)
+_DECODE_DRAFTER_PARAMS: collections.OrderedDict = collections.OrderedDict()
+
+
+def _kept(cache: collections.OrderedDict, key, owner, make, keep: int = 2):
+    """make(), remembered under key (with `owner` held alive, so the id in key stays unique) for
+    the last `keep` keys."""
+    if key not in cache:
+        cache[key] = (owner, make())
+        while len(cache) > keep:
+            cache.popitem(last=False)
+    cache.move_to_end(key)
+    return cache[key][1]
 
 
 def decode_params(target):
@@ -113,13 +125,18 @@ def decode_params(target):
     params = target.params
     if jax.default_backend() != "cpu":
         return params
-    key = id(params)  # unique while the entry holds `params` alive
-    if key not in _DECODE_PARAMS:
-        _DECODE_PARAMS[key] = (params, unstack_layers(params))
-        while len(_DECODE_PARAMS) > 2:
-            _DECODE_PARAMS.popitem(last=False)
-    _DECODE_PARAMS.move_to_end(key)
-    return _DECODE_PARAMS[key][1]
+    return _kept(_DECODE_PARAMS, id(params), params, lambda: unstack_layers(params))
+
+
+def decode_drafter_params(drafter):
+    """The drafter params the decode loop runs on (`Drafter.loop_params`): on a CPU with the layers
+    unstacked and their kernels transposed (`drafter.UnrolledDrafterModel`), made once per params
+    object and kept for the last two; elsewhere as they are."""
+    if jax.default_backend() != "cpu":
+        return drafter.loop_params
+    owner = (drafter.params, drafter.draft_head)
+    return _kept(_DECODE_DRAFTER_PARAMS, tuple(map(id, owner)), owner,
+                 lambda: drafter.spec.decode_params(drafter.loop_params))
 
 
 def _spec(model):
@@ -293,7 +310,7 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, to
     padded_stops[: len(stops)] = stops
     params = SamplingParams(temperature=jnp.float32(max(temperature, 1e-6)), top_p=jnp.float32(top_p),
                             stop_token_ids=jnp.asarray(padded_stops))
-    drafter_params = drafter.loop_params if drafter is not None else None
+    drafter_params = decode_drafter_params(drafter) if drafter is not None else None
     args = (decode_params(target), drafter_params, jnp.asarray(tokens), jnp.asarray(lengths),
             jax.random.PRNGKey(seed), params)
     return cfg, args, stops

@@ -225,6 +225,16 @@ def unstack_layers(params) -> dict:
     "head_by_column"). Run it outside jit: inside, the slices would be copies again."""
     if "layers" not in params:
         return params
+    out = unstack_layer_params(params)
+    if "lm_head" not in params:  # tied: the embedding is the LM head
+        out["head_by_column"] = jnp.asarray(params["embed_tokens"]["embedding"].T)
+    return out
+
+
+def unstack_layer_params(params) -> dict:
+    """params with stacked "layers" [L, ...] -> "layer_0" .. "layer_{L-1}", each weight its own
+    array and every dense kernel transposed to [out, in] (`layers.DenseByRow`); the other entries
+    as they are. Shared by the target and the drafter."""
     layers = params["layers"]
     num_layers = jax.tree_util.tree_leaves(layers)[0].shape[0]
     out = {k: v for k, v in params.items() if k != "layers"}
@@ -235,8 +245,6 @@ def unstack_layers(params) -> dict:
 
     for i in range(num_layers):
         out[f"layer_{i}"] = jax.tree_util.tree_map_with_path(functools.partial(layer_leaf, i), layers)
-    if "lm_head" not in params:  # tied: the embedding is the LM head
-        out["head_by_column"] = jnp.asarray(params["embed_tokens"]["embedding"].T)
     return out
 
 

@@ -107,8 +107,9 @@ def build_models(args):
     drafter = DrafterSpec(drafter_config, dtype, args.attn)
     drafter_params = random_params(jax.eval_shape(
         lambda: init_drafter_params(drafter_config, jax.random.PRNGKey(0), dtype)), 1)
-    if jax.default_backend() == "cpu":  # the layout generate decodes with here (speculative.decode_params)
+    if jax.default_backend() == "cpu":  # the layouts generate decodes with here (speculative.decode_params)
         target_params = unstack_layers(target_params)
+        drafter_params = drafter.decode_params(drafter_params)
     return target, target_params, drafter, drafter_params, name
 
 

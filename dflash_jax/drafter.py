@@ -123,14 +123,16 @@ class DrafterModel(nn.Module):
     def _windowed_layers(self):
         return jnp.asarray([w > 0 for w in self.config.layer_windows])
 
-    def context_kv(self, features, positions):
-        """features [B, C, n*D] at positions [B, C] -> keys, values [L, B, C, Hkv, Dh]."""
+    def _context(self, features, positions):
+        """features [B, C, n*D] at positions [B, C] -> (fused context [B, C, D], cos, sin)."""
         if features.shape[-1] != self.config.num_features * self.config.hidden_size:
             raise ValueError(f"features have width {features.shape[-1]}, expected "
                              f"{self.config.num_features} x {self.config.hidden_size}")
-        context = self.hidden_norm(self.fc(features.astype(self.dtype)))
-        cos, sin = self.rotary(positions)
-        _, (k, v) = self.layers.context_kv(None, None, (context, cos, sin))
+        return (self.hidden_norm(self.fc(features.astype(self.dtype))), *self.rotary(positions))
+
+    def context_kv(self, features, positions):
+        """features [B, C, n*D] at positions [B, C] -> keys, values [L, B, C, Hkv, Dh]."""
+        _, (k, v) = self.layers.context_kv(None, None, self._context(features, positions))
         return k, v
 
     def blocks(self, block_embeds, positions, k_ctx, v_ctx, full_ranges, windowed_ranges):
@@ -166,12 +168,8 @@ class UnrolledDrafterModel(DrafterModel):
                       for _ in range(self.config.num_layers)]
 
     def context_kv(self, features, positions):
-        if features.shape[-1] != self.config.num_features * self.config.hidden_size:
-            raise ValueError(f"features have width {features.shape[-1]}, expected "
-                             f"{self.config.num_features} x {self.config.hidden_size}")
-        context = self.hidden_norm(self.fc(features.astype(self.dtype)))
-        cos, sin = self.rotary(positions)
-        kv = [layer.context_kv(None, None, (context, cos, sin))[1] for layer in self.layer]
+        shared = self._context(features, positions)
+        kv = [layer.context_kv(None, None, shared)[1] for layer in self.layer]
         return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
 
     def blocks(self, block_embeds, positions, k_ctx, v_ctx, full_ranges, windowed_ranges):

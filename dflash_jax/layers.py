@@ -32,8 +32,8 @@ class RMSNorm(nn.Module):
 class DenseByRow(nn.Module):
     """`nn.Dense` with its kernel stored transposed, [out, in] ("kernel", same name and bias):
     products of a few rows go through `kernels.cpu_matmul.rows_matmul`, which reads every weight
-    row once on a CPU. The unrolled target that a CPU decodes with uses it (`unstack_layers`
-    writes the transposed kernels); nothing else does."""
+    row once on a CPU. The unrolled target and drafter that a CPU decodes with use it
+    (`target.unstack_layer_params` writes the transposed kernels); nothing else does."""
 
     features: int
     use_bias: bool = False

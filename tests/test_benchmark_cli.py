@@ -4,9 +4,8 @@ on a tiny model, the transformers baseline against our greedy decoding, and the 
 compilation cache (in a temporary directory; a second process compiles nothing)."""
 from __future__ import annotations
 
-import math
-
 import json
+import math
 import os
 import subprocess
 import sys

@@ -45,8 +45,10 @@ def test_rows_kernel_equals_numpy(lead, k, n):
 def test_concurrent_products_share_the_helper_threads_safely():
     """Independent products in one program may run at the same time on XLA's threads: the one
     that finds the helpers busy computes alone; every result must still be right."""
-    x, _ = _inputs((2,), 96, 1)
-    ws = [_inputs((1,), 96, 700 + 37 * i, seed=i + 1)[1] for i in range(12)]
+    # big enough that each product is split over the helpers (the kernel's kMinMultiplyAddsToSplit)
+    x, _ = _inputs((2,), 256, 1)
+    ws = [_inputs((1,), 256, 1500 + 37 * i, seed=i + 1)[1] for i in range(12)]
+    assert all(2 * 256 * w.shape[0] >= 1 << 18 for w in ws)
     got = jax.jit(lambda x, ws: [rows_matmul(x, w) for w in ws])(x, ws)
     for g, w in zip(got, ws):
         np.testing.assert_allclose(np.asarray(g), x @ w.T, rtol=1e-5, atol=1e-3)

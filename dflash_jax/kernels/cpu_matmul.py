@@ -1,9 +1,10 @@
 """Weight products of a few rows on a CPU: `rows_matmul(x, w_by_row)` = x @ w_by_row.T in float32.
 
 XLA:CPU's GEMM kernels read the weights several times over for 2-16 rows (the LM head of
-SmolLM2, 576 x 49,152 f32: 5 ms for one row, 17 ms for two, 33 ms for four here), which is what a
-speculative verify of a short block multiplies. `cpu_rows_matmul.cc` reads every weight row once
-and splits the columns over the cores (two rows: 8-9 ms). It is compiled on first use with the
+SmolLM2, 576 x 49,152 f32, on a 2-core AVX2 machine: 6.1 ms for one row, 16.0 for two, 26.7 for
+four; `python -m infer.benchmark_matmul`), which is what a speculative verify of a short block
+multiplies. `cpu_rows_matmul.cc` reads every weight row once and splits the columns over the
+cores (8.0 ms for two rows, 9.4 for four, same command). It is compiled on first use with the
 machine's C++ compiler into the user cache directory and called through XLA's FFI; weights are
 [N, K] ("by row", the layout of an embedding used as an LM head). Where it cannot run (not an
 x86-64 CPU with AVX2 and FMA, no compiler, a failed build, another dtype, more than `MAX_ROWS`

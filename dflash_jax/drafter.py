@@ -46,16 +46,16 @@ class DrafterLayer(nn.Module):
     config: DrafterConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
-    weights_by_row: bool = False  # kernels [out, in] (`layers.DenseByRow`): the unrolled CPU layout
+    packed_weights: bool = False  # kernels packed for the CPU rows kernel (`layers.DensePacked`)
 
     def setup(self):
         cfg = self.config
         self.self_attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                                               cfg.head_dim, True, cfg.attention_bias, cfg.rms_norm_eps,
-                                              self.dtype, self.weights_by_row)
+                                              self.dtype, self.packed_weights)
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.weights_by_row)
+        self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.packed_weights)
 
     def context_kv(self, carry, _, shared):
         """shared (context [B, C, D], cos, sin) -> per-layer context keys/values [B, C, Hkv, Dh]."""
@@ -158,13 +158,13 @@ class DrafterModel(nn.Module):
 
 
 class UnrolledDrafterModel(DrafterModel):
-    """DrafterModel over per-layer params "layer_0" .. (`unstack_layer_params`, kernels [out, in]):
+    """DrafterModel over per-layer params "layer_0" .. (`unstack_layer_params`, kernels packed):
     a Python loop over the layers instead of a scan, what a CPU drafts with (as the target's
     `UnrolledTargetModel`): the scan copies every layer's weights out of the stack in every call,
     and the unrolled layers' products go through `kernels.cpu_matmul.rows_matmul`. Same results."""
 
     def _make_layers(self):
-        self.layer = [DrafterLayer(self.config, self.dtype, self.attn_impl, weights_by_row=True)
+        self.layer = [DrafterLayer(self.config, self.dtype, self.attn_impl, packed_weights=True)
                       for _ in range(self.config.num_layers)]
 
     def context_kv(self, features, positions):
@@ -220,7 +220,7 @@ class DrafterSpec:
         return cls(self.config, self.dtype, self.attn_impl)
 
     def decode_params(self, loop_params):
-        """`loop_params` with the layers unstacked and their kernels transposed (what a CPU drafts
+        """`loop_params` with the layers unstacked and their kernels packed (what a CPU drafts
         with, `UnrolledDrafterModel`). Run it outside jit."""
         module_params = self._module_params(loop_params)
         if is_unstacked(module_params):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.kernels.cpu_matmul import rows_matmul
+from dflash_jax.kernels.cpu_matmul import pack_kernel, rows_matmul
 
 Dtype = Any
 
@@ -29,11 +29,12 @@ class RMSNorm(nn.Module):
         return scale * normed.astype(x.dtype)
 
 
-class DenseByRow(nn.Module):
-    """`nn.Dense` with its kernel stored transposed, [out, in] ("kernel", same name and bias):
-    products of a few rows go through `kernels.cpu_matmul.rows_matmul`, which reads every weight
-    row once on a CPU. The unrolled target and drafter that a CPU decodes with use it
-    (`target.unstack_layer_params` writes the transposed kernels); nothing else does."""
+class DensePacked(nn.Module):
+    """`nn.Dense` whose kernel ("kernel", same name and bias) is stored as `cpu_matmul.pack_kernel`
+    leaves it: panels [N / 16, in, 16] where the CPU rows kernel is built, else [in, out]. Products
+    of a few rows then go through `kernels.cpu_matmul.rows_matmul`, which streams every weight once
+    on a CPU. The unrolled target and drafter that a CPU decodes with use it
+    (`target.unstack_layer_params` packs the kernels); nothing else does."""
 
     features: int
     use_bias: bool = False
@@ -41,18 +42,20 @@ class DenseByRow(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        kernel = self.param("kernel", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
-                            (self.features, x.shape[-1]), self.dtype)
-        y = rows_matmul(x.astype(self.dtype), kernel)
+        def init(key, shape, dtype):
+            return pack_kernel(nn.initializers.lecun_normal()(key, shape, dtype))
+
+        kernel = self.param("kernel", init, (x.shape[-1], self.features), self.dtype)
+        y = rows_matmul(x.astype(self.dtype), kernel, self.features)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
 
 
-def make_dense(features: int, use_bias: bool, dtype: Dtype, by_row: bool = False, name: str | None = None):
-    """`nn.Dense` (kernel [in, out]) or, with by_row, `DenseByRow` (kernel [out, in])."""
-    if by_row:
-        return DenseByRow(features, use_bias, dtype, name=name)
+def make_dense(features: int, use_bias: bool, dtype: Dtype, packed: bool = False, name: str | None = None):
+    """`nn.Dense` (kernel [in, out]) or, packed, `DensePacked`."""
+    if packed:
+        return DensePacked(features, use_bias, dtype, name=name)
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
@@ -62,11 +65,11 @@ class MLP(nn.Module):
     intermediate_size: int
     use_bias: bool = False
     dtype: Dtype = jnp.float32
-    weights_by_row: bool = False  # kernels [out, in] (`DenseByRow`)
+    packed_weights: bool = False  # kernels packed for the CPU rows kernel (`DensePacked`)
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, name: make_dense(n, self.use_bias, self.dtype, self.weights_by_row, name=name)
+        dense = lambda n, name: make_dense(n, self.use_bias, self.dtype, self.packed_weights, name=name)
         h = nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
         return dense(x.shape[-1], "down_proj")(h)
 
@@ -168,10 +171,10 @@ class AttentionProjections(nn.Module):
     use_bias: bool = False
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
-    weights_by_row: bool = False  # kernels [out, in] (`DenseByRow`)
+    packed_weights: bool = False  # kernels packed for the CPU rows kernel (`DensePacked`)
 
     def setup(self):
-        dense = lambda n: make_dense(n, self.use_bias, self.dtype, self.weights_by_row)
+        dense = lambda n: make_dense(n, self.use_bias, self.dtype, self.packed_weights)
         self.q_proj = dense(self.num_heads * self.head_dim)
         self.k_proj = dense(self.num_kv_heads * self.head_dim)
         self.v_proj = dense(self.num_kv_heads * self.head_dim)

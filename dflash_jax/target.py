@@ -24,7 +24,7 @@ from dflash_jax import masks
 from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
-from dflash_jax.kernels.cpu_matmul import MAX_ROWS, rows_matmul
+from dflash_jax.kernels.cpu_matmul import MAX_ROWS, pack_kernel, rows_matmul
 from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
 from dflash_jax.model_spec import on_spec
 
@@ -44,7 +44,7 @@ class TargetLayer(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
-    weights_by_row: bool = False  # kernels [out, in] (`layers.DenseByRow`): the unrolled CPU layout
+    packed_weights: bool = False  # kernels packed for the CPU rows kernel (`layers.DensePacked`)
 
     @nn.compact
     def __call__(self, carry, layer_xs, positions, cos, sin, cache: KVCache | None):
@@ -53,7 +53,7 @@ class TargetLayer(nn.Module):
         layer, window, slot = layer_xs
         attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype,
-                                    self.weights_by_row, name="self_attn")
+                                    self.packed_weights, name="self_attn")
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
         q = attn.queries(x, cos, sin)
         k, v = attn.keys_values(x, cos, sin)
@@ -66,7 +66,7 @@ class TargetLayer(nn.Module):
                                        ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl)
         hidden = hidden + attn.output(attended)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.weights_by_row,
+        hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.packed_weights,
                               name="mlp")(x)
         if features is not None:
             index = jnp.maximum(slot, 0)
@@ -159,36 +159,31 @@ class UnrolledTargetModel(TargetModel):
     materialised operand), which more than doubles the memory traffic of a decode step
     (SmolLM2-135M, one token, no cache: 42 ms scanned, 25 ms unrolled). Compiles more slowly.
 
-    The layers' kernels are stored transposed, [out, in] (`layers.DenseByRow`): products of up to
-    16 rows (a decode step, a verify) then run through `kernels.cpu_matmul.rows_matmul`, which
-    reads each weight once where XLA's GEMM reads it several times over for a few rows.
+    The layers' kernels are packed for the CPU rows kernel (`layers.DensePacked`,
+    `kernels.cpu_matmul.pack_kernel`): products of up to 16 rows (a decode step, a verify) then
+    stream each weight once where XLA's GEMM reads it several times over for a few rows.
 
-    A tied LM head also has its [D, V] copy here ("head_by_column", made by `unstack_layers`):
-    XLA CPU turns one row against the [V, D] embedding into a loop fusion that transposes it
-    (SmolLM2: 7.2 ms of a 50 ms decode step), while a row against [D, V] is a plain matrix-vector
-    product (2.4-3 ms). More rows read the [V, D] embedding, through `rows_matmul` up to 16."""
+    The LM head has its own packed copy here ("head", made by `unstack_layers` from the tied
+    embedding or from lm_head), read by the same kernel: XLA CPU turns one row against the [V, D]
+    embedding into a loop fusion that transposes it (SmolLM2: 7.2 ms of a 50 ms decode step)."""
 
     def _make_layers(self):
         # Flax names the list's modules layer_0, layer_1, ...
-        self.layer = [TargetLayer(self.config, self.dtype, self.attn_impl, weights_by_row=True)
+        self.layer = [TargetLayer(self.config, self.dtype, self.attn_impl, packed_weights=True)
                       for _ in range(self.config.num_layers)]
 
     def setup(self):
         super().setup()
         cfg = self.config
-        if cfg.tie_word_embeddings:
-            self.head_by_column = self.param("head_by_column", nn.initializers.zeros,
-                                             (cfg.hidden_size, cfg.vocab_size), self.dtype)
+        self.head = self.param("head", lambda key: pack_kernel(jnp.zeros((cfg.hidden_size, cfg.vocab_size),
+                                                                         self.dtype)))
 
     def logits(self, hidden):
-        rows = int(np.prod(hidden.shape[:-1]))
-        if not self.config.tie_word_embeddings or rows > MAX_ROWS:
-            return super().logits(hidden)
-        # the barrier keeps the final norm out of the product, which would make it a loop fusion again
+        if int(np.prod(hidden.shape[:-1])) > MAX_ROWS and self.config.tie_word_embeddings:
+            return super().logits(hidden)  # a GEMM: XLA's, on the embedding
+        # the barrier keeps the final norm out of XLA's product, which would make it a loop fusion
         hidden = jax.lax.optimization_barrier(hidden.astype(self.dtype))
-        if rows == 1:
-            return jnp.dot(hidden, self.head_by_column).astype(jnp.float32)
-        return rows_matmul(hidden, self.embed_tokens.embedding).astype(jnp.float32)
+        return rows_matmul(hidden, self.head, self.config.vocab_size).astype(jnp.float32)
 
     def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
         def run(module, carry):
@@ -220,28 +215,29 @@ class UnrolledTargetModel(TargetModel):
 
 
 def unstack_layers(params) -> dict:
-    """Stacked target params ("layers" [L, ...]) -> UnrolledTargetModel params (one separate array
-    per layer and weight, kernels transposed to [out, in], and a tied LM head's [D, V] copy
-    "head_by_column"). Run it outside jit: inside, the slices would be copies again."""
+    """Stacked target params ("layers" [L, ...]) -> UnrolledTargetModel params: one separate array
+    per layer and weight, kernels packed (`kernels.cpu_matmul.pack_kernel`), and the LM head packed
+    as "head" (an untied lm_head moves there). Run it outside jit: inside, the slices would be
+    copies again."""
     if "layers" not in params:
         return params
     out = unstack_layer_params(params)
-    if "lm_head" not in params:  # tied: the embedding is the LM head
-        out["head_by_column"] = jnp.asarray(params["embed_tokens"]["embedding"].T)
+    head = out.pop("lm_head")["kernel"] if "lm_head" in out else params["embed_tokens"]["embedding"].T
+    out["head"] = pack_kernel(head)
     return out
 
 
 def unstack_layer_params(params) -> dict:
     """params with stacked "layers" [L, ...] -> "layer_0" .. "layer_{L-1}", each weight its own
-    array and every dense kernel transposed to [out, in] (`layers.DenseByRow`); the other entries
-    as they are. Shared by the target and the drafter."""
+    array and every dense kernel packed for the CPU rows kernel (`layers.DensePacked`); the other
+    entries as they are. Shared by the target and the drafter."""
     layers = params["layers"]
     num_layers = jax.tree_util.tree_leaves(layers)[0].shape[0]
     out = {k: v for k, v in params.items() if k != "layers"}
 
     def layer_leaf(i, path, x):
         is_kernel = getattr(path[-1], "key", None) == "kernel"
-        return jnp.asarray(x[i].T) if is_kernel else x[i]
+        return pack_kernel(x[i]) if is_kernel else x[i]
 
     for i in range(num_layers):
         out[f"layer_{i}"] = jax.tree_util.tree_map_with_path(functools.partial(layer_leaf, i), layers)

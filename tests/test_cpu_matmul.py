@@ -1,6 +1,7 @@
-"""The CPU rows kernel (`dflash_jax.kernels.cpu_matmul`): its products equal numpy's for every row
-count, odd sizes included; it is what the compiled program calls for 1-16 float32 rows; more rows,
-other dtypes and DFLASH_CPU_KERNELS=0 take XLA's product."""
+"""The CPU rows kernel (`dflash_jax.kernels.cpu_matmul`): its products over packed weights equal
+numpy's for every row count, odd sizes included, and a row's result does not depend on how many
+rows share the product; it is what the compiled program calls for 1-16 float32 rows; more rows go
+through XLA on the same packed weights, other dtypes and DFLASH_CPU_KERNELS=0 keep plain kernels."""
 from __future__ import annotations
 
 import os
@@ -13,20 +14,25 @@ import numpy as np
 import pytest
 
 from dflash_jax.kernels import cpu_matmul
-from dflash_jax.kernels.cpu_matmul import MAX_ROWS, TARGET_NAME, available, rows_matmul
+from dflash_jax.kernels.cpu_matmul import MAX_ROWS, PANEL, TARGET_NAME, available, pack_kernel, rows_matmul
 
 needs_kernel = pytest.mark.skipif(not available(), reason="the CPU rows kernel is not built here "
                                   "(no C++ compiler, no AVX2/FMA, or DFLASH_CPU_KERNELS=0)")
 
 
 def _inputs(lead, k, n, seed=0):
+    """x [*lead, K] and a dense kernel [K, N]."""
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((*lead, k)).astype(np.float32),
-            rng.standard_normal((n, k)).astype(np.float32))
+            rng.standard_normal((k, n)).astype(np.float32))
 
 
 def _calls_kernel(fn, *args) -> bool:
     return TARGET_NAME in jax.jit(fn).lower(*args).compile().as_text()
+
+
+def _product(n):
+    return lambda x, w: rows_matmul(x, w, n)
 
 
 @needs_kernel
@@ -34,11 +40,26 @@ def _calls_kernel(fn, *args) -> bool:
 @pytest.mark.parametrize("k,n", [(7, 1), (64, 5), (200, 130), (576, 333), (24, 4097)])
 def test_rows_kernel_equals_numpy(lead, k, n):
     x, w = _inputs(lead, k, n)
-    got = np.asarray(jax.jit(rows_matmul)(x, w))
-    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    packed = pack_kernel(w)
+    assert packed.shape == (-(-n // PANEL), k, PANEL)
+    got = np.asarray(jax.jit(_product(n))(x, packed))
+    want = x.astype(np.float64) @ w.astype(np.float64)
     assert got.shape == (*lead, n)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(k))
-    assert _calls_kernel(rows_matmul, x, w)
+    assert _calls_kernel(_product(n), x, packed)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, 5, 7, 11, MAX_ROWS])
+def test_a_rows_result_does_not_depend_on_the_other_rows(rows):
+    """Every output is one chain of FMAs over k, whatever tile the row falls in: a row alone and
+    the same row among others give bit-identical results (a verify and a decode step agree)."""
+    x, w = _inputs((rows,), 576, 600, seed=rows)
+    packed = pack_kernel(w)
+    together = np.asarray(jax.jit(_product(600))(x, packed))
+    for m in range(rows):
+        alone = np.asarray(jax.jit(_product(600))(x[m:m + 1], packed))
+        np.testing.assert_array_equal(alone[0], together[m])
 
 
 @needs_kernel
@@ -48,24 +69,27 @@ def test_concurrent_products_share_the_helper_threads_safely():
     # big enough that each product is split over the helpers (the kernel's kMinMultiplyAddsToSplit)
     x, _ = _inputs((2,), 256, 1)
     ws = [_inputs((1,), 256, 1500 + 37 * i, seed=i + 1)[1] for i in range(12)]
-    assert all(2 * 256 * w.shape[0] >= 1 << 18 for w in ws)
-    got = jax.jit(lambda x, ws: [rows_matmul(x, w) for w in ws])(x, ws)
+    assert all(2 * 256 * w.shape[1] >= 1 << 18 for w in ws)
+    got = jax.jit(lambda x, ws: [rows_matmul(x, pack_kernel(w), w.shape[1]) for w in ws])(x, ws)
     for g, w in zip(got, ws):
-        np.testing.assert_allclose(np.asarray(g), x @ w.T, rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(np.asarray(g), x @ w, rtol=1e-5, atol=1e-3)
 
 
 def test_more_rows_or_other_dtypes_take_xlas_product():
     x, w = _inputs((MAX_ROWS + 1,), 32, 48)
-    np.testing.assert_allclose(np.asarray(jax.jit(rows_matmul)(x, w)), x @ w.T, rtol=1e-5, atol=1e-4)
-    assert not _calls_kernel(rows_matmul, x, w)
+    packed = pack_kernel(w)
+    np.testing.assert_allclose(np.asarray(jax.jit(_product(48))(x, packed)), x @ w, rtol=1e-5, atol=1e-4)
+    assert not _calls_kernel(_product(48), x, packed)
     xb, wb = jnp.asarray(x[:2], jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    assert not _calls_kernel(rows_matmul, xb, wb)
-    assert rows_matmul(xb, wb).dtype == jnp.bfloat16
+    assert pack_kernel(wb).shape == wb.shape  # only float32 kernels are packed
+    assert not _calls_kernel(_product(48), xb, pack_kernel(wb))
+    assert rows_matmul(xb, pack_kernel(wb), 48).dtype == jnp.bfloat16
 
 
 def test_disabled_by_the_environment():
     env = {**os.environ, "DFLASH_CPU_KERNELS": "0"}
-    code = "from dflash_jax.kernels.cpu_matmul import available; assert not available()"
+    code = ("import numpy as np; from dflash_jax.kernels.cpu_matmul import available, pack_kernel; "
+            "assert not available(); assert pack_kernel(np.ones((8, 40), np.float32)).shape == (8, 40)")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
@@ -88,4 +112,4 @@ def test_available_again_after_a_cache_reset():
     cpu_matmul.available.cache_clear()
     assert cpu_matmul.available()
     x, w = _inputs((2,), 16, 40)
-    assert _calls_kernel(rows_matmul, x, w)
+    assert _calls_kernel(_product(40), x, pack_kernel(w))

@@ -109,9 +109,10 @@ def test_training_entry_equals_inference_entry(tmp_path, target):
 
 
 def test_unrolled_drafter_equals_the_scan(tmp_path, target):
-    """What a CPU drafts with (`DrafterSpec.decode_params`: layers unstacked, kernels [out, in],
+    """What a CPU drafts with (`DrafterSpec.decode_params`: layers unstacked, kernels packed,
     `UnrolledDrafterModel`) gives the scanned drafter's context cache, blocks and training blocks."""
     from dflash_jax.drafter import UnrolledDrafterModel
+    from dflash_jax.kernels.cpu_matmul import pack_kernel
 
     official(tmp_path, layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=3,
              block_size=4)
@@ -121,7 +122,7 @@ def test_unrolled_drafter_equals_the_scan(tmp_path, target):
     assert isinstance(spec.module_for(unrolled), UnrolledDrafterModel)
     assert not isinstance(spec.module_for(drafter.loop_params), UnrolledDrafterModel)
     kernel = drafter.params["layers"]["mlp"]["up_proj"]["kernel"][1]
-    np.testing.assert_array_equal(np.asarray(unrolled["layer_1"]["mlp"]["up_proj"]["kernel"]), np.asarray(kernel).T)
+    np.testing.assert_array_equal(np.asarray(unrolled["layer_1"]["mlp"]["up_proj"]["kernel"]), np.asarray(pack_kernel(kernel)))
     rng = np.random.default_rng(6)
     features = jnp.asarray(rng.normal(size=(2, 9, 128)).astype(np.float32))
     embeds = target.embed(target.params, jnp.asarray([[5, 127, 127, 127], [8, 127, 127, 127]]))

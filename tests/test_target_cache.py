@@ -149,6 +149,8 @@ def test_unrolled_layers_equal_the_scan_and_copy_no_weights(target):
 
     weight_shapes = {"f32[" + ",".join(map(str, x.shape[1:])) + "]"
                      for x in jax.tree_util.tree_leaves(target.params["layers"]) if x.ndim == 3}
+    weight_shapes |= {"f32[" + ",".join(map(str, x.shape)) + "]"  # the packed layout's shapes too
+                      for x in jax.tree_util.tree_leaves(unrolled["layer_0"]) if x.ndim >= 2}
 
     def weight_copies(params):
         step = jax.jit(lambda p, tok, c: target.forward(p, tok, c)[0])
@@ -165,25 +167,29 @@ def test_unrolled_layers_equal_the_scan_and_copy_no_weights(target):
     assert weight_copies(unrolled) == []
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_unrolled_tied_lm_head_equals_the_embedding(rows):
-    """A tied target's unrolled params carry a [D, V] copy of the embedding for one-row logits
-    (`UnrolledTargetModel.logits`); one row and several give the scanned model's logits."""
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_unrolled_lm_head_equals_the_scanned_one(rows, tied):
+    """The unrolled params carry the LM head packed for the rows kernel ("head", from the tied
+    embedding or the moved lm_head; `UnrolledTargetModel.logits`): 1-16 rows read it, more rows of
+    a tied head read the embedding; every case gives the scanned model's logits."""
     import dataclasses
 
+    from dflash_jax.kernels.cpu_matmul import MAX_ROWS, pack_kernel
     from dflash_jax.target import unstack_layers
 
-    config = dataclasses.replace(CFG, tie_word_embeddings=True)
-    tied = Target(config, init_target_params(config, jax.random.PRNGKey(4)))
-    unrolled = unstack_layers(tied.params)
-    embedding = tied.params["embed_tokens"]["embedding"]
-    np.testing.assert_array_equal(np.asarray(unrolled["head_by_column"]), np.asarray(embedding).T)
+    config = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    model = Target(config, init_target_params(config, jax.random.PRNGKey(4)))
+    unrolled = unstack_layers(model.params)
+    head = model.params["embed_tokens"]["embedding"].T if tied else model.params["lm_head"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(unrolled["head"]), np.asarray(pack_kernel(head)))
+    assert "lm_head" not in unrolled
     hidden = jax.random.normal(jax.random.PRNGKey(5), (1, rows, config.hidden_size))
-    want = np.asarray(tied.logits(tied.params, hidden))
-    got = np.asarray(jax.jit(tied.logits)(unrolled, hidden))
+    want = np.asarray(model.logits(model.params, hidden))
+    got = np.asarray(jax.jit(model.logits)(unrolled, hidden))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    # which matrix each case reads: with the embedding zeroed, one row still gets the logits
-    # (from the copy), several rows get zeros
-    probe = {**unrolled, "embed_tokens": {"embedding": jnp.zeros_like(embedding)}}
-    read = np.asarray(jax.jit(tied.logits)(probe, hidden))
-    np.testing.assert_allclose(read, want if rows == 1 else np.zeros_like(want), rtol=1e-5, atol=1e-5)
+    if tied:  # which matrix each case reads: with the embedding zeroed, only the head is left
+        embedding = model.params["embed_tokens"]["embedding"]
+        probe = {**unrolled, "embed_tokens": {"embedding": jnp.zeros_like(embedding)}}
+        read = np.asarray(jax.jit(model.logits)(probe, hidden))
+        np.testing.assert_allclose(read, want if rows <= MAX_ROWS else np.zeros_like(want), rtol=1e-5, atol=1e-5)

@@ -1,15 +1,15 @@
-"""Weight products of a few rows on a CPU: `rows_matmul(x, w_by_row)` = x @ w_by_row.T in float32.
+"""Weight products of a few rows on a CPU: `rows_matmul(x, w)` = x @ W in float32, with W packed
+by `pack_kernel` into panels of 16 columns.
 
 XLA:CPU's GEMM kernels read the weights several times over for 2-16 rows (the LM head of
 SmolLM2, 576 x 49,152 f32, on a 2-core AVX2 machine: 6.1 ms for one row, 16.0 for two, 26.7 for
-four; `python -m infer.benchmark_matmul`), which is what a speculative verify of a short block
-multiplies. `cpu_rows_matmul.cc` reads every weight row once and splits the columns over the
-cores (8.0 ms for two rows, 9.4 for four, same command). It is compiled on first use with the
-machine's C++ compiler into the user cache directory and called through XLA's FFI; weights are
-[N, K] ("by row", the layout of an embedding used as an LM head). Where it cannot run (not an
-x86-64 CPU with AVX2 and FMA, no compiler, a failed build, another dtype, more than `MAX_ROWS`
-rows, another backend, or DFLASH_CPU_KERNELS=0) the product is XLA's own `dot_general`, with the
-same result up to float rounding.
+four, 50.3 for sixteen; `python -m infer.benchmark_matmul`), which is what a speculative verify of
+a block multiplies. `cpu_rows_matmul.cc` streams each panel of W once, keeps a tile of rows x 16
+columns in registers and splits the panels over the cores. It is compiled on first use with the
+machine's C++ compiler into the user cache directory and called through XLA's FFI. Where it cannot
+run (not an x86-64 CPU with AVX2 and FMA, no compiler, a failed build, or DFLASH_CPU_KERNELS=0)
+`pack_kernel` leaves W as it is, [K, N], and the product is XLA's; packed weights of a product
+that the kernel does not take (more than `MAX_ROWS` rows, another backend) go through XLA too.
 """
 from __future__ import annotations
 
@@ -100,19 +100,43 @@ def _register(library_path: Path) -> None:
     _registered.append(library)
 
 
-def _xla(x, w_by_row):
-    return jax.lax.dot_general(x, w_by_row, (((x.ndim - 1,), (1,)), ((), ())))
+PANEL = 16  # columns per panel of a packed kernel
 
 
-def rows_matmul(x: jax.Array, w_by_row: jax.Array) -> jax.Array:
-    """x [..., K] @ w_by_row [N, K].T -> [..., N]. The kernel runs on a CPU for float32 inputs
-    of at most MAX_ROWS rows; everything else is XLA's `dot_general`."""
+def pack_kernel(kernel) -> jax.Array:
+    """A dense kernel [K, N] (`nn.Dense`'s [in, out]) as the rows kernel reads it: panels
+    [ceil(N / 16), K, 16], panel p holding columns 16p .. 16p + 15 (zeros past N). Left [K, N] where
+    the kernel is unavailable or the dtype is not float32. Run it outside jit, once per weight."""
+    kernel = jnp.asarray(kernel)
+    if kernel.dtype != jnp.float32 or kernel.ndim != 2 or not available():
+        return kernel
+    k, n = kernel.shape
+    padded = jnp.pad(kernel, ((0, 0), (0, -n % PANEL)))
+    return padded.reshape(k, -1, PANEL).transpose(1, 0, 2)
+
+
+def is_packed(w) -> bool:
+    return w.ndim == 3
+
+
+def _xla_panels(x, panels):
+    y = jax.lax.dot_general(x, panels, (((x.ndim - 1,), (1,)), ((), ())))  # [..., P, 16]
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def rows_matmul(x: jax.Array, w: jax.Array, features: int) -> jax.Array:
+    """x [..., K] @ W -> [..., features], W being a `pack_kernel` result: panels [P, K, 16] or a
+    plain [K, N]. Panels go through the kernel on a CPU for float32 inputs of at most MAX_ROWS rows,
+    through XLA otherwise; a plain kernel is XLA's product."""
+    if not is_packed(w):
+        return jnp.dot(x, w)
     rows = int(np.prod(x.shape[:-1]))
-    if not (x.dtype == w_by_row.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()):
-        return _xla(x, w_by_row)
+    if x.dtype == w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available():
+        def kernel(x, w):
+            out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0] * PANEL,), jnp.float32)
+            return jax.ffi.ffi_call(TARGET_NAME, out)(x, w)
 
-    def kernel(x, w):
-        out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), jnp.float32)
-        return jax.ffi.ffi_call(TARGET_NAME, out)(x, w)
-
-    return jax.lax.platform_dependent(x, w_by_row, cpu=kernel, default=_xla)
+        y = jax.lax.platform_dependent(x, w, cpu=kernel, default=_xla_panels)
+    else:
+        y = _xla_panels(x, w)
+    return y if y.shape[-1] == features else y[..., :features]

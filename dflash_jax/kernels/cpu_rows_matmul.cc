@@ -1,11 +1,19 @@
-// y [M, N] = x [M, K] . w [N, K]^T in float32 for a few rows M: the weight products of a decode
-// step or a short verify on a CPU, where XLA's GEMM kernels read the weights more than once for
-// 2-16 rows (SmolLM2's LM head: 1 row 5 ms, 2 rows 17 ms). Here every weight row is read from
-// memory once: four weight rows at a time are dotted with two rows of x (eight AVX2 accumulators),
-// further pairs of x rows re-read the four weight rows from L1. The output columns of a large
-// enough product are split between the calling thread and a helper thread per further core. The
-// helpers sleep between calls: spinning for them (300 us) slowed a SmolLM2 decode step with a
-// cache from 38 to 47 ms on 2 cores, because it took a core from XLA's own threads.
+// y [M, N] = x [M, K] . W [K, N] in float32 for a few rows M (1-16): the weight products of a
+// decode step or a short verify on a CPU, where XLA's GEMM kernels read the weights more than once
+// for 2-16 rows (SmolLM2's LM head: 1 row 6 ms, 2 rows 16 ms, 16 rows 50 ms).
+//
+// W is stored in panels of 16 columns, w [P, K, 16] with P = N / 16 (`cpu_matmul.pack_kernel`):
+// each panel is one contiguous stream, read from memory once. A tile of R rows of x and one to
+// four panels keeps R x 2 x panels AVX2 accumulators (8-12) and, per k, broadcasts one x value
+// per row against the panel's two vectors of 8 columns (the BLIS micro-kernel form; no horizontal
+// sums). Up to 16 rows run as 1-3 row groups over the same few panels, which are still in L2.
+// Every output is one chain of FMAs over k = 0 .. K-1 from zero, whatever the tile: a row gets
+// bit-identical results in a product of 1 row or of 16.
+//
+// The output columns of a large enough product are split, panel-wise, between the calling thread
+// and a helper thread per further core. The helpers sleep between calls: spinning for them
+// (300 us) slowed a SmolLM2 decode step with a cache from 38 to 47 ms on 2 cores, because it took
+// a core from XLA's own threads.
 //
 // Built by dflash_jax/kernels/cpu_matmul.py with the C++ compiler of the machine (-mavx2 -mfma)
 // and called through XLA's FFI as the custom call "dflash_rows_matmul".
@@ -18,6 +26,7 @@
 #include <cstdint>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -26,80 +35,87 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 shuffled = _mm_movehdup_ps(s);
-  s = _mm_add_ps(s, shuffled);
-  shuffled = _mm_movehl_ps(shuffled, s);
-  return _mm_cvtss_f32(_mm_add_ss(s, shuffled));
-}
+constexpr int64_t kPanel = 16;      // columns per panel: two AVX2 vectors
+constexpr int64_t kGroup = 4;       // panels that all row groups visit before the next ones (L2)
 
-// Output columns [n0, n1): y[m * N + n] = sum_k x[m * K + k] * w[n * K + k].
-void RowsMatmulColumns(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-                       int64_t n0, int64_t n1) {
-  const int64_t k8 = K & ~int64_t{7};
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const float* w0 = w + n * K;
-    const float* w1 = w0 + K;
-    const float* w2 = w1 + K;
-    const float* w3 = w2 + K;
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) {
-      const float* xa = x + m * K;
-      const float* xb = xa + K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-      for (int64_t k = 0; k < k8; k += 8) {
-        const __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
-        const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
-        const __m256 v2 = _mm256_loadu_ps(w2 + k), v3 = _mm256_loadu_ps(w3 + k);
-        a0 = _mm256_fmadd_ps(va, v0, a0);
-        a1 = _mm256_fmadd_ps(va, v1, a1);
-        a2 = _mm256_fmadd_ps(va, v2, a2);
-        a3 = _mm256_fmadd_ps(va, v3, a3);
-        b0 = _mm256_fmadd_ps(vb, v0, b0);
-        b1 = _mm256_fmadd_ps(vb, v1, b1);
-        b2 = _mm256_fmadd_ps(vb, v2, b2);
-        b3 = _mm256_fmadd_ps(vb, v3, b3);
-      }
-      float ra[4] = {HorizontalSum(a0), HorizontalSum(a1), HorizontalSum(a2), HorizontalSum(a3)};
-      float rb[4] = {HorizontalSum(b0), HorizontalSum(b1), HorizontalSum(b2), HorizontalSum(b3)};
-      for (int64_t k = k8; k < K; ++k) {
-        ra[0] += xa[k] * w0[k]; ra[1] += xa[k] * w1[k]; ra[2] += xa[k] * w2[k]; ra[3] += xa[k] * w3[k];
-        rb[0] += xb[k] * w0[k]; rb[1] += xb[k] * w1[k]; rb[2] += xb[k] * w2[k]; rb[3] += xb[k] * w3[k];
-      }
-      for (int j = 0; j < 4; ++j) {
-        y[m * N + n + j] = ra[j];
-        y[(m + 1) * N + n + j] = rb[j];
-      }
+// Rows [0, R) of x (row stride K) times panels [0, P) at `panels` -> y (row stride ldy). With
+// Prefetch, each k also asks for the same line of the panels kGroup further on (into L2): a row
+// group that finds its panels in L2 is compute-bound, and streams the next ones meanwhile.
+template <int R, int P, bool Prefetch>
+inline void Tile(const float* x, int64_t K, const float* panels, float* y, int64_t ldy) {
+  __m256 acc[R][P][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[P][2];
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const float* wk = panels + p * K * kPanel + k * kPanel;
+      w[p][0] = _mm256_loadu_ps(wk);
+      w[p][1] = _mm256_loadu_ps(wk + 8);
+      if (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(wk + kGroup * K * kPanel), _MM_HINT_T1);
     }
-    if (m < M) {  // an odd last row
-      const float* xa = x + m * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t k = 0; k < k8; k += 8) {
-        const __m256 va = _mm256_loadu_ps(xa + k);
-        a0 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w0 + k), a0);
-        a1 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w1 + k), a1);
-        a2 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w2 + k), a2);
-        a3 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w3 + k), a3);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        acc[r][p][0] = _mm256_fmadd_ps(xr, w[p][0], acc[r][p][0]);
+        acc[r][p][1] = _mm256_fmadd_ps(xr, w[p][1], acc[r][p][1]);
       }
-      float ra[4] = {HorizontalSum(a0), HorizontalSum(a1), HorizontalSum(a2), HorizontalSum(a3)};
-      for (int64_t k = k8; k < K; ++k) {
-        ra[0] += xa[k] * w0[k]; ra[1] += xa[k] * w1[k]; ra[2] += xa[k] * w2[k]; ra[3] += xa[k] * w3[k];
-      }
-      for (int j = 0; j < 4; ++j) y[m * N + n + j] = ra[j];
     }
   }
-  for (; n < n1; ++n) {  // the last n1 % 4 columns
-    const float* w0 = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xa = x + m * K;
-      __m256 a0 = _mm256_setzero_ps();
-      for (int64_t k = 0; k < k8; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k), _mm256_loadu_ps(w0 + k), a0);
-      float r = HorizontalSum(a0);
-      for (int64_t k = k8; k < K; ++k) r += xa[k] * w0[k];
-      y[m * N + n] = r;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      _mm256_storeu_ps(y + r * ldy + p * kPanel, acc[r][p][0]);
+      _mm256_storeu_ps(y + r * ldy + p * kPanel + 8, acc[r][p][1]);
+    }
+}
+
+// R rows against panels [p0, p1): `P` panels per tile (8-12 accumulators), single panels at the
+// end. With `prefetch`, every tile whose panels have a successor kGroup on before `end` prefetches it.
+template <int R, int P>
+void RowGroup(const float* x, const float* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1,
+              bool prefetch, int64_t end) {
+  auto tile = [&](auto panels, int64_t p) {
+    constexpr int kP = decltype(panels)::value;
+    const float* wp = w + p * K * kPanel;
+    if (prefetch && p + kP + kGroup <= end) Tile<R, kP, true>(x, K, wp, y + p * kPanel, ldy);
+    else Tile<R, kP, false>(x, K, wp, y + p * kPanel, ldy);
+  };
+  int64_t p = p0;
+  for (; p + P <= p1; p += P) tile(std::integral_constant<int, P>{}, p);
+  for (; p < p1; ++p) tile(std::integral_constant<int, 1>{}, p);
+}
+
+void Rows(int rows, const float* x, const float* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1,
+          bool prefetch, int64_t end) {
+  switch (rows) {  // panels per tile: enough accumulators to hide the FMA latency, few enough to stay in registers
+    case 1: return RowGroup<1, 4>(x, w, y, K, ldy, p0, p1, prefetch, end);
+    case 2: return RowGroup<2, 2>(x, w, y, K, ldy, p0, p1, prefetch, end);
+    case 3: return RowGroup<3, 2>(x, w, y, K, ldy, p0, p1, prefetch, end);
+    case 4: return RowGroup<4, 1>(x, w, y, K, ldy, p0, p1, prefetch, end);
+    case 5: return RowGroup<5, 1>(x, w, y, K, ldy, p0, p1, prefetch, end);
+    default: return RowGroup<6, 1>(x, w, y, K, ldy, p0, p1, prefetch, end);
+  }
+}
+
+// Panels [p0, p1) of y [M, P * 16] = x [M, K] . w [P, K, 16]. Rows go in 1-3 near-equal groups of
+// at most 6, each group over kGroup panels at a time so that the later groups find them in L2; the
+// second group (the only one when there is one) prefetches the next kGroup panels.
+void RowsMatmulPanels(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t ldy,
+                      int64_t p0, int64_t p1) {
+  const int64_t groups = (M + 5) / 6;
+  for (int64_t g0 = p0; g0 < p1; g0 += kGroup) {
+    const int64_t g1 = std::min(p1, g0 + kGroup);
+    for (int64_t g = 0, m = 0; g < groups; ++g) {
+      const int64_t rows = (M - m) / (groups - g);  // near-equal: 16 rows -> 5, 5, 6
+      Rows(static_cast<int>(rows), x + m * K, w, y + m * ldy, K, ldy, g0, g1, g == std::min<int64_t>(1, groups - 1) && M > 1, p1);
+      m += rows;
     }
   }
 }
@@ -108,7 +124,7 @@ struct Job {
   const float* x;
   const float* w;
   float* y;
-  int64_t M, N, K, n0, n1;
+  int64_t M, K, ldy, p0, p1;
 };
 
 // Helper threads, one job slot each. A caller that finds the pool taken (XLA runs independent
@@ -164,7 +180,7 @@ class Pool {
         }
       }
       const Job& j = s.job;
-      RowsMatmulColumns(j.x, j.w, j.y, j.M, j.N, j.K, j.n0, j.n1);
+      RowsMatmulPanels(j.x, j.w, j.y, j.M, j.K, j.ldy, j.p0, j.p1);
       s.state.store(kDone, std::memory_order_release);
     }
   }
@@ -174,7 +190,7 @@ class Pool {
 };
 
 constexpr int kMaxHelpers = 7;
-constexpr int64_t kMinColumnsPerPart = 64;
+constexpr int64_t kMinPanelsPerPart = 4;
 constexpr int64_t kMinMultiplyAddsToSplit = int64_t{1} << 18;  // smaller products: one thread, no helper spins
 
 Pool& SharedPool() {
@@ -185,18 +201,20 @@ Pool& SharedPool() {
   return *pool;
 }
 
-void RowsMatmul(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+// y [M, P * 16] = x [M, K] . w [P, K, 16].
+void RowsMatmul(const float* x, const float* w, float* y, int64_t M, int64_t P, int64_t K) {
   Pool& pool = SharedPool();
-  const int parts = std::min<int64_t>(pool.helpers() + 1, std::max<int64_t>(N / kMinColumnsPerPart, 1));
-  if (parts == 1 || M * N * K < kMinMultiplyAddsToSplit || !pool.TryAcquire()) {
-    RowsMatmulColumns(x, w, y, M, N, K, 0, N);
+  const int64_t ldy = P * kPanel;
+  const int parts = std::min<int64_t>(pool.helpers() + 1, std::max<int64_t>(P / kMinPanelsPerPart, 1));
+  if (parts == 1 || M * ldy * K < kMinMultiplyAddsToSplit || !pool.TryAcquire()) {
+    RowsMatmulPanels(x, w, y, M, K, ldy, 0, P);
     return;
   }
-  const int64_t step = ((N + parts - 1) / parts + 3) & ~int64_t{3};
+  const int64_t step = (P + parts - 1) / parts;
   for (int i = 1; i < parts; ++i) {
-    pool.Post(i - 1, Job{x, w, y, M, N, K, std::min(N, i * step), std::min(N, (i + 1) * step)});
+    pool.Post(i - 1, Job{x, w, y, M, K, ldy, std::min(P, i * step), std::min(P, (i + 1) * step)});
   }
-  RowsMatmulColumns(x, w, y, M, N, K, 0, std::min(N, step));
+  RowsMatmulPanels(x, w, y, M, K, ldy, 0, std::min(P, step));
   for (int i = 1; i < parts; ++i) pool.Wait(i - 1);
   pool.Release();
 }
@@ -204,15 +222,15 @@ void RowsMatmul(const float* x, const float* w, float* y, int64_t M, int64_t N, 
 ffi::Error RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[1]) {
-    return ffi::Error::InvalidArgument("dflash_rows_matmul: x [..., K] and w [N, K] disagree");
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != kPanel || xd.back() != wd[1]) {
+    return ffi::Error::InvalidArgument("dflash_rows_matmul: x [..., K] and w [P, K, 16] disagree");
   }
-  const int64_t K = wd[1], N = wd[0];
+  const int64_t P = wd[0], K = wd[1];
   const int64_t M = K == 0 ? 0 : static_cast<int64_t>(x.element_count()) / K;
-  if (static_cast<int64_t>(y->element_count()) != M * N) {
-    return ffi::Error::InvalidArgument("dflash_rows_matmul: output is not [..., N]");
+  if (static_cast<int64_t>(y->element_count()) != M * P * kPanel) {
+    return ffi::Error::InvalidArgument("dflash_rows_matmul: output is not [..., P * 16]");
   }
-  RowsMatmul(x.typed_data(), w.typed_data(), y->typed_data(), M, N, K);
+  RowsMatmul(x.typed_data(), w.typed_data(), y->typed_data(), M, P, K);
   return ffi::Error::Success();
 }
 

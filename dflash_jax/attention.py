@@ -9,16 +9,18 @@ softmax and accumulation are float32. A query that sees no key yields zeros (nev
 
 `cache_attention` attends over two parts, the used slots of one layer of a cache and the new keys,
 and merges them with their softmax statistics (out, log-sum-exp): the cache is only read, in key
-chunks whose count follows the filled length (not the capacity), and never concatenated.
+chunks whose count follows the filled length (not the capacity), and never concatenated. On a CPU,
+float32, it is one custom call instead (`kernels.cpu_attention`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.kernels import block_attention, block_attention_with_lse, unsupported_reason
+from dflash_jax.kernels import block_attention, block_attention_with_lse, cpu_attention, unsupported_reason
 from dflash_jax.kernels.reference import (
     CACHE_CHUNK,
     chunked_cache_attention_with_lse,
@@ -102,8 +104,14 @@ def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, r
 
     The reference reads the cache in chunks of chunk_size keys bounded by the visible slots; the
     kernel ("pallas" / "pallas_interpret") reads the layer's slots and skips key tiles outside the
-    ranges. "auto" takes the reference here on every backend (see below).
+    ranges. "auto" takes the CPU kernel for float32 on a CPU where it is built
+    (`kernels.cpu_attention`), the reference elsewhere (see below).
     """
+    if impl == "auto" and cpu_attention.applies(q, cache_k, k):  # float32 on a CPU: one custom call
+        reference = functools.partial(cache_attention, scale=scale, impl="reference", chunk_size=chunk_size)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return cpu_attention.cache_attention(q, cache_k, cache_v, layer, cache_ranges, k, v, ranges, scale=scale,
+                                             reference=reference).astype(q.dtype)
     if impl == "auto":
         # The kernel path inside the models' layer scan (cache passed as a broadcast input) fails
         # to trace on jax 0.11 / flax 0.12.10 on a GPU ("broadcasted variable has a data

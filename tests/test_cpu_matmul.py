@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.kernels import cpu_matmul
+from dflash_jax.kernels import cpu_ffi
 from dflash_jax.kernels.cpu_matmul import MAX_ROWS, PANEL, TARGET_NAME, available, pack_kernel, rows_matmul
 
 needs_kernel = pytest.mark.skipif(not available(), reason="the CPU rows kernel is not built here "
@@ -95,21 +95,21 @@ def test_disabled_by_the_environment():
 
 def test_a_failed_build_falls_back(monkeypatch, tmp_path):
     """A compiler that fails leaves `available()` False (logged), never an exception."""
-    monkeypatch.setattr(cpu_matmul, "_cpu_supports_avx2_fma", lambda: True)
+    monkeypatch.setattr(cpu_ffi, "_cpu_supports_avx2_fma", lambda: True)
     monkeypatch.setenv("DFLASH_JAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-    monkeypatch.setattr(cpu_matmul.shutil, "which", lambda name: "/bin/false")
-    cpu_matmul.available.cache_clear()
+    monkeypatch.setattr(cpu_ffi.shutil, "which", lambda name: "/bin/false")
+    cpu_ffi.available.cache_clear()
     try:
-        assert cpu_matmul.available() is False
+        assert cpu_ffi.available() is False
     finally:
-        cpu_matmul.available.cache_clear()
+        cpu_ffi.available.cache_clear()
 
 
 @needs_kernel
 def test_available_again_after_a_cache_reset():
     """Registering the FFI target twice in one process must not turn the kernel off."""
-    cpu_matmul.available.cache_clear()
-    assert cpu_matmul.available()
+    cpu_ffi.available.cache_clear()
+    assert cpu_ffi.available()
     x, w = _inputs((2,), 16, 40)
     assert _calls_kernel(_product(40), x, pack_kernel(w))

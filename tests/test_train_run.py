@@ -34,10 +34,10 @@ VOCAB = 32  # draft vocabulary of the reduced-vocabulary run (the data uses 40 i
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, fitted_target):
     """(target dir, train JSONL, held-out prompts): the fitted target and its own greedy continuations."""
     root = tmp_path_factory.mktemp("tiny")
-    target = fitted_models.fit_target()
+    target = fitted_target
     cfg = fitted_models.TARGET_CONFIG
     hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -68,6 +68,7 @@ def settings(tiny, out_dir, **run):
                     "checkpoint_every": 60, "async_checkpointing": False, **run}}
 
 
+@pytest.mark.slow  # a training-convergence check (120 steps, then generate): `make test-all`
 def test_a_short_run_raises_tau_through_generate(tiny, tmp_path):
     target, _, _, held_out = tiny
     cfg = config_from_dict(settings(tiny, tmp_path / "run"))
@@ -83,6 +84,19 @@ def test_a_short_run_raises_tau_through_generate(tiny, tmp_path):
     tau_after = generate(target, Drafter(dcfg, params["drafter"]), held_out, max_new_tokens=24,
                          stop_token_ids=()).tau
     assert tau_after > tau_before + 1.0, (tau_before, tau_after)
+
+
+def test_a_run_exports_and_a_later_run_continues_from_the_export(tiny, tmp_path):
+    """A few steps end to end: metrics logged, the export loads as the same drafter (also with a
+    smaller block), and a later run starts from it (model.init_from), refusing a misfit."""
+    target = tiny[0]
+    cfg = config_from_dict(settings(tiny, tmp_path / "run", steps=4, log_every=2, checkpoint_every=4))
+    last = train(cfg, target=target)
+    assert last["step"] == 4 and np.isfinite(last["loss"])
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and len(json.loads(lines[0])["slot_accuracy"]) == 7
+    dcfg = drafter_config_for(cfg, target)
+    _, params = checkpointing.restore_params(tmp_path / "run")
 
     exported = export(tmp_path / "run", tmp_path / "drafter", dtype="float32")
     loaded = load_drafter(exported, target=target)

@@ -3,7 +3,9 @@
 `block_attention` (Pallas GPU kernels, forward and backward) and its tiles (`BlockSizes`,
 `KEY_TILE`; the tile bookkeeping in `tile_plan`) sit beside `reference` (dense and cache-chunked
 attention: the ground truth in the kernel tests and the path where the kernel cannot run).
-`dflash_jax.attention` dispatches between them; nothing in this package imports it.
+`dflash_jax.attention` dispatches between them; nothing in this package imports it. The CPU
+kernels (C++ through XLA's FFI, built on first use by `cpu_ffi`): `cpu_matmul` (weight products of
+a few rows) and `cpu_attention` (attention over a KV cache layer and the new keys).
 """
 from dflash_jax.kernels.block_attention import (
     KEY_TILE,

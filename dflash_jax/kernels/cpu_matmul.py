@@ -6,100 +6,21 @@ SmolLM2, 576 x 49,152 f32, on a 2-core AVX2 machine: 6.1 ms for one row, 16.0 fo
 four, 50.3 for sixteen; `python -m infer.benchmark_matmul`), which is what a speculative verify of
 a block multiplies. `cpu_rows_matmul.cc` streams each panel of W once, keeps a tile of rows x 16
 columns in registers and splits the panels over the cores. It is compiled on first use with the
-machine's C++ compiler into the user cache directory and called through XLA's FFI. Where it cannot
-run (not an x86-64 CPU with AVX2 and FMA, no compiler, a failed build, or DFLASH_CPU_KERNELS=0)
+machine's C++ compiler (`kernels.cpu_ffi`) and called through XLA's FFI. Where it cannot run (not
+an x86-64 CPU with AVX2 and FMA, no compiler, a failed build, or DFLASH_CPU_KERNELS=0)
 `pack_kernel` leaves W as it is, [K, N], and the product is XLA's; packed weights of a product
 that the kernel does not take (more than `MAX_ROWS` rows, another backend) go through XLA too.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.resources import user_cache_dir
-
-log = logging.getLogger(__name__)
+from dflash_jax.kernels.cpu_ffi import available
 
 MAX_ROWS = 16  # more rows are a GEMM that XLA's own kernels do well
 TARGET_NAME = "dflash_rows_matmul"
-SOURCE = Path(__file__).with_name("cpu_rows_matmul.cc")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
-
-
-def _cpu_supports_avx2_fma() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
-def _build(compiler: str) -> Path:
-    """The shared library for this source, compiler flags and jaxlib, built once per machine
-    into the user cache directory (written to a temporary name, then renamed into place)."""
-    import jaxlib
-
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jaxlib.__version__.encode())
-    directory = user_cache_dir("kernels")
-    library = directory / f"cpu_rows_matmul-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        built = Path(scratch) / library.name
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built), "-lpthread"]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
-        os.replace(built, library)
-    return library
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the kernel is built and registered (once per process; a failure is logged once and
-    every product falls back to XLA's)."""
-    if os.environ.get("DFLASH_CPU_KERNELS", "1") == "0":
-        return False
-    if not _cpu_supports_avx2_fma():
-        return False
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        log.warning("no C++ compiler found: few-row products on the CPU use XLA's kernels (slower)")
-        return False
-    try:
-        _register(_build(compiler))
-    except Exception as e:  # a failed build must not stop decoding: XLA's product is always there
-        log.warning("the CPU rows kernel is unavailable (%s); using XLA's products", e)
-        return False
-    return True
-
-
-_registered: list[ctypes.CDLL] = []  # the library stays loaded; XLA knows the target once per process
-
-
-def _register(library_path: Path) -> None:
-    if _registered:
-        return
-    library = ctypes.cdll.LoadLibrary(str(library_path))
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.DflashRowsMatmul), platform="cpu")
-    _registered.append(library)
-
-
 PANEL = 16  # columns per panel of a packed kernel
 
 

@@ -11,27 +11,33 @@
 // bit-identical results in a product of 1 row or of 16.
 //
 // The output columns of a large enough product are split, panel-wise, between the calling thread
-// and a helper thread per further core. The helpers sleep between calls: spinning for them
-// (300 us) slowed a SmolLM2 decode step with a cache from 38 to 47 ms on 2 cores, because it took
-// a core from XLA's own threads.
+// and a helper thread per further core (cpu_pool.h).
 //
 // Built by dflash_jax/kernels/cpu_matmul.py with the C++ compiler of the machine (-mavx2 -mfma)
 // and called through XLA's FFI as the custom call "dflash_rows_matmul".
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <thread>
 #include <type_traits>
-#include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+namespace dflash {
+
+Pool& SharedPool() {
+  static Pool* pool = [] {
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    return new Pool(std::clamp(cores - 1, 0, 7));  // never destroyed: helpers run until exit
+  }();
+  return *pool;
+}
+
+}  // namespace dflash
 
 namespace {
 
@@ -120,103 +126,28 @@ void RowsMatmulPanels(const float* x, const float* w, float* y, int64_t M, int64
   }
 }
 
-struct Job {
+struct RowsJob {
   const float* x;
   const float* w;
   float* y;
-  int64_t M, K, ldy, p0, p1;
+  int64_t M, K, ldy, P;
 };
 
-// Helper threads, one job slot each. A caller that finds the pool taken (XLA runs independent
-// products concurrently) computes its product alone.
-class Pool {
- public:
-  explicit Pool(int helpers) : slots_(helpers) {
-    for (int i = 0; i < helpers; ++i) std::thread([this, i] { Loop(i); }).detach();
-  }
-  int helpers() const { return static_cast<int>(slots_.size()); }
-  bool TryAcquire() { return !busy_.test_and_set(std::memory_order_acquire); }
-  void Release() { busy_.clear(std::memory_order_release); }
-
-  void Post(int i, const Job& job) {
-    Slot& s = slots_[i];
-    s.job = job;
-    s.state.store(kPosted);
-    if (s.sleeping.load()) {
-      std::lock_guard<std::mutex> lock(s.mu);
-      s.cv.notify_one();
-    }
-  }
-
-  void Wait(int i) {
-    Slot& s = slots_[i];
-    while (s.state.load(std::memory_order_acquire) != kDone) _mm_pause();
-    s.state.store(kIdle, std::memory_order_relaxed);
-  }
-
- private:
-  static constexpr int kIdle = 0, kPosted = 1, kDone = 2;
-  static constexpr auto kSpin = std::chrono::microseconds(0);  // 256 pauses (a few us), then sleep
-
-  struct Slot {
-    std::atomic<int> state{kIdle};
-    std::atomic<bool> sleeping{false};
-    std::mutex mu;
-    std::condition_variable cv;
-    Job job{};
-  };
-
-  void Loop(int i) {
-    Slot& s = slots_[i];
-    for (;;) {
-      const auto start = std::chrono::steady_clock::now();
-      for (int spins = 1; s.state.load(std::memory_order_acquire) != kPosted; ++spins) {
-        _mm_pause();
-        if (spins % 256 == 0 && std::chrono::steady_clock::now() - start > kSpin) {
-          std::unique_lock<std::mutex> lock(s.mu);
-          s.sleeping.store(true);
-          s.cv.wait(lock, [&] { return s.state.load() == kPosted; });
-          s.sleeping.store(false);
-        }
-      }
-      const Job& j = s.job;
-      RowsMatmulPanels(j.x, j.w, j.y, j.M, j.K, j.ldy, j.p0, j.p1);
-      s.state.store(kDone, std::memory_order_release);
-    }
-  }
-
-  std::vector<Slot> slots_;
-  std::atomic_flag busy_ = ATOMIC_FLAG_INIT;
-};
-
-constexpr int kMaxHelpers = 7;
 constexpr int64_t kMinPanelsPerPart = 4;
-constexpr int64_t kMinMultiplyAddsToSplit = int64_t{1} << 18;  // smaller products: one thread, no helper spins
+constexpr int64_t kMinMultiplyAddsToSplit = int64_t{1} << 18;  // smaller products: one thread, no helper wakes
 
-Pool& SharedPool() {
-  static Pool* pool = [] {
-    const int cores = static_cast<int>(std::thread::hardware_concurrency());
-    return new Pool(std::clamp(cores - 1, 0, kMaxHelpers));  // never destroyed: helpers run until exit
-  }();
-  return *pool;
-}
-
-// y [M, P * 16] = x [M, K] . w [P, K, 16].
+// y [M, P * 16] = x [M, K] . w [P, K, 16], the panels split into near-equal parts over the pool.
 void RowsMatmul(const float* x, const float* w, float* y, int64_t M, int64_t P, int64_t K) {
-  Pool& pool = SharedPool();
+  dflash::Pool& pool = dflash::SharedPool();
   const int64_t ldy = P * kPanel;
-  const int parts = std::min<int64_t>(pool.helpers() + 1, std::max<int64_t>(P / kMinPanelsPerPart, 1));
-  if (parts == 1 || M * ldy * K < kMinMultiplyAddsToSplit || !pool.TryAcquire()) {
-    RowsMatmulPanels(x, w, y, M, K, ldy, 0, P);
-    return;
-  }
-  const int64_t step = (P + parts - 1) / parts;
-  for (int i = 1; i < parts; ++i) {
-    pool.Post(i - 1, Job{x, w, y, M, K, ldy, std::min(P, i * step), std::min(P, (i + 1) * step)});
-  }
-  RowsMatmulPanels(x, w, y, M, K, ldy, 0, std::min(P, step));
-  for (int i = 1; i < parts; ++i) pool.Wait(i - 1);
-  pool.Release();
+  int parts = std::min<int64_t>(pool.helpers() + 1, std::max<int64_t>(P / kMinPanelsPerPart, 1));
+  if (M * ldy * K < kMinMultiplyAddsToSplit) parts = 1;
+  const RowsJob job{x, w, y, M, K, ldy, P};
+  pool.RunParts([](const void* context, int part, int parts) {
+    const RowsJob& j = *static_cast<const RowsJob*>(context);
+    const int64_t step = (j.P + parts - 1) / parts;
+    RowsMatmulPanels(j.x, j.w, j.y, j.M, j.K, j.ldy, std::min(j.P, part * step), std::min(j.P, (part + 1) * step));
+  }, &job, parts);
 }
 
 ffi::Error RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {

@@ -1,0 +1,82 @@
+"""The CPU cache-attention kernel (`dflash_jax.kernels.cpu_attention`, what `cache_attention`
+runs for float32 on a CPU): equal to the jnp reference over ragged rows, sliding windows, GQA,
+queries that see nothing and ranges that overlap; a query's result does not depend on the other
+queries of the call; the compiled program calls it in place of the reference's loop."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import masks
+from dflash_jax.attention import cache_attention
+from dflash_jax.kernels.cpu_attention import TARGET_NAME, applies
+from dflash_jax.masks import KeyRanges
+
+needs_kernel = pytest.mark.skipif(not applies(jnp.zeros(1), jnp.zeros(1), jnp.zeros(1)),
+                                  reason="the CPU kernels are not built here")
+
+
+def _case(b, tq, hq, hkv, d, layers=3, slots=40, seed=0):  # d 64 or 128: the vectorised path; others: the generic one
+    rng = np.random.default_rng(seed)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    return f(b, tq, hq, d), f(layers, b, slots, hkv, d), f(layers, b, slots, hkv, d), f(b, tq, hkv, d), f(b, tq, hkv, d)
+
+
+def _both(q, ck, cv, layer, cache_ranges, k, v, ranges):
+    run = lambda impl: jax.jit(lambda *a: cache_attention(*a, impl=impl))(q, ck, cv, layer, cache_ranges, k, v, ranges)
+    return np.asarray(run("auto")), np.asarray(run("reference"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("tq,hq,hkv,d,window", [(1, 4, 2, 16, 0), (3, 9, 3, 64, 0), (16, 4, 4, 12, 5), (2, 4, 1, 128, 0),
+                                                (5, 6, 2, 64, 3)])
+def test_kernel_equals_the_reference(tq, hq, hkv, d, window):
+    """Decode-step ranges as the target builds them: row b has `offsets[b]` cached slots, the
+    tq new tokens follow them (causal, optional sliding window)."""
+    q, ck, cv, k, v = _case(2, tq, hq, hkv, d, seed=tq)
+    offsets = jnp.asarray([7, 30])
+    positions = offsets[:, None] + jnp.arange(tq)[None]
+    ranges = masks.causal(positions, window)
+    got, want = _both(q, ck, cv, 1, ranges.segment(0, offsets), k, v, ranges.segment(offsets, offsets + tq))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_empty_and_overlapping_ranges():
+    """A query that sees no key yields zeros; a key inside both of a query's ranges counts once."""
+    q, ck, cv, k, v = _case(1, 3, 4, 2, 64)
+    cache_ranges = KeyRanges(start=jnp.asarray([[[0, 0], [2, 5], [0, 10]]], jnp.int32),
+                             end=jnp.asarray([[[0, 0], [9, 12], [20, 15]]], jnp.int32))
+    ranges = KeyRanges(start=jnp.asarray([[[0, 0], [0, 0], [1, 0]]], jnp.int32),
+                       end=jnp.asarray([[[0, 0], [0, 0], [3, 2]]], jnp.int32))
+    got, want = _both(q, ck, cv, 2, cache_ranges, k, v, ranges)
+    np.testing.assert_array_equal(got[0, 0], 0.0)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_a_querys_result_does_not_depend_on_the_other_queries():
+    q, ck, cv, k, v = _case(1, 6, 4, 2, 64)
+    offsets = jnp.asarray([20])
+    positions = offsets[:, None] + jnp.arange(6)[None]
+    ranges = masks.causal(positions)
+    cache_ranges, new_ranges = ranges.segment(0, offsets), ranges.segment(offsets, offsets + 6)
+    together = np.asarray(cache_attention(q, ck, cv, 0, cache_ranges, k, v, new_ranges))
+    for t in range(6):
+        pick = lambda r: KeyRanges(r.start[:, t:t + 1], r.end[:, t:t + 1])
+        alone = np.asarray(cache_attention(q[:, t:t + 1], ck, cv, 0, pick(cache_ranges), k, v, pick(new_ranges)))
+        np.testing.assert_array_equal(alone[:, 0], together[:, t])
+
+
+@needs_kernel
+def test_the_compiled_step_calls_the_kernel_and_bf16_keeps_the_reference():
+    q, ck, cv, k, v = _case(1, 2, 4, 2, 16)
+    ranges = masks.causal(jnp.asarray([[5, 6]]))
+    args = (ck, cv, 0, ranges.segment(0, jnp.asarray([5])), k, v, ranges.segment(jnp.asarray([5]), jnp.asarray([7])))
+    text = lambda q, ck, cv, k, v: jax.jit(lambda q, ck, cv, k, v: cache_attention(
+        q, ck, cv, 0, args[3], k, v, args[6])).lower(q, ck, cv, k, v).compile().as_text()
+    assert TARGET_NAME in text(q, ck, cv, k, v)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, ck, cv, k, v)]
+    assert TARGET_NAME not in text(*bf16)

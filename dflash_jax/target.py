@@ -24,7 +24,7 @@ from dflash_jax import masks
 from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
-from dflash_jax.kernels.cpu_matmul import MAX_ROWS, pack_kernel, rows_matmul
+from dflash_jax.kernels.cpu_matmul import pack_kernel, rows_matmul
 from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
 from dflash_jax.model_spec import on_spec
 
@@ -160,7 +160,7 @@ class UnrolledTargetModel(TargetModel):
     (SmolLM2-135M, one token, no cache: 42 ms scanned, 25 ms unrolled). Compiles more slowly.
 
     The layers' kernels are packed for the CPU rows kernel (`layers.DensePacked`,
-    `kernels.cpu_matmul.pack_kernel`): products of up to 16 rows (a decode step, a verify) then
+    `kernels.cpu_matmul.pack_kernel`): their products (a decode step, a verify, a prefill chunk)
     stream each weight once where XLA's GEMM reads it several times over for a few rows.
 
     The LM head has its own packed copy here ("head", made by `unstack_layers` from the tied
@@ -179,8 +179,6 @@ class UnrolledTargetModel(TargetModel):
                                                                          self.dtype)))
 
     def logits(self, hidden):
-        if int(np.prod(hidden.shape[:-1])) > MAX_ROWS and self.config.tie_word_embeddings:
-            return super().logits(hidden)  # a GEMM: XLA's, on the embedding
         # the barrier keeps the final norm out of XLA's product, which would make it a loop fusion
         hidden = jax.lax.optimization_barrier(hidden.astype(self.dtype))
         return rows_matmul(hidden, self.head, self.config.vocab_size).astype(jnp.float32)

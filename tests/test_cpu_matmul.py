@@ -1,7 +1,7 @@
 """The CPU rows kernel (`dflash_jax.kernels.cpu_matmul`): its products over packed weights equal
 numpy's for every row count, odd sizes included, and a row's result does not depend on how many
-rows share the product; it is what the compiled program calls for 1-16 float32 rows; more rows go
-through XLA on the same packed weights, other dtypes and DFLASH_CPU_KERNELS=0 keep plain kernels."""
+rows share the product; it is what the compiled program calls for float32; other dtypes and
+DFLASH_CPU_KERNELS=0 keep plain kernels and XLA's product."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.kernels import cpu_ffi
-from dflash_jax.kernels.cpu_matmul import MAX_ROWS, PANEL, TARGET_NAME, available, pack_kernel, rows_matmul
+from dflash_jax.kernels.cpu_matmul import PANEL, TARGET_NAME, available, pack_kernel, rows_matmul
 
 needs_kernel = pytest.mark.skipif(not available(), reason="the CPU rows kernel is not built here "
                                   "(no C++ compiler, no AVX2/FMA, or DFLASH_CPU_KERNELS=0)")
@@ -36,7 +36,7 @@ def _product(n):
 
 
 @needs_kernel
-@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (1, 5), (2, 8), (MAX_ROWS,)])
+@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (1, 5), (2, 8), (16,), (8, 17)])
 @pytest.mark.parametrize("k,n", [(7, 1), (64, 5), (200, 130), (576, 333), (24, 4097)])
 def test_rows_kernel_equals_numpy(lead, k, n):
     x, w = _inputs(lead, k, n)
@@ -50,7 +50,7 @@ def test_rows_kernel_equals_numpy(lead, k, n):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [2, 5, 7, 11, MAX_ROWS])
+@pytest.mark.parametrize("rows", [2, 5, 7, 11, 16, 40])
 def test_a_rows_result_does_not_depend_on_the_other_rows(rows):
     """Every output is one chain of FMAs over k, whatever tile the row falls in: a row alone and
     the same row among others give bit-identical results (a verify and a decode step agree)."""
@@ -75,12 +75,9 @@ def test_concurrent_products_share_the_helper_threads_safely():
         np.testing.assert_allclose(np.asarray(g), x @ w, rtol=1e-5, atol=1e-3)
 
 
-def test_more_rows_or_other_dtypes_take_xlas_product():
-    x, w = _inputs((MAX_ROWS + 1,), 32, 48)
-    packed = pack_kernel(w)
-    np.testing.assert_allclose(np.asarray(jax.jit(_product(48))(x, packed)), x @ w, rtol=1e-5, atol=1e-4)
-    assert not _calls_kernel(_product(48), x, packed)
-    xb, wb = jnp.asarray(x[:2], jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+def test_other_dtypes_keep_plain_kernels_and_xlas_product():
+    x, w = _inputs((2,), 32, 48)
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
     assert pack_kernel(wb).shape == wb.shape  # only float32 kernels are packed
     assert not _calls_kernel(_product(48), xb, pack_kernel(wb))
     assert rows_matmul(xb, pack_kernel(wb), 48).dtype == jnp.bfloat16

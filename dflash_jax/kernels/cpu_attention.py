@@ -17,8 +17,10 @@ TARGET_NAME = "dflash_cache_attention"
 
 
 def applies(q, cache_k, k) -> bool:
-    """Whether `cache_attention` can take these inputs (float32 throughout, kernels built)."""
-    return q.dtype == cache_k.dtype == k.dtype == jnp.float32 and available()
+    """Whether `cache_attention` can take these inputs: float32 throughout, a CPU default backend
+    (a GPU host never builds the library for it), the kernels built."""
+    return (q.dtype == cache_k.dtype == k.dtype == jnp.float32 and jax.default_backend() == "cpu"
+            and available())
 
 
 def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, ranges: KeyRanges, *,

@@ -71,7 +71,9 @@ inline float Dot(const float* a, const float* b, int64_t d) {
 inline void Axpy(float a, const float* x, float* y, int64_t d) {  // y += a * x
   const __m256 va = _mm256_set1_ps(a);
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + 8 <= d; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
   for (; i < d; ++i) y[i] += a * x[i];
 }
 
@@ -222,7 +224,8 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cac
                               ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), cd = cache_k.dimensions(), nd = new_k.dimensions();
   if (qd.size() != 4 || cd.size() != 5 || nd.size() != 4) {
-    return ffi::Error::InvalidArgument("dflash_cache_attention: q [B, Tq, Hq, D], cache [L, B, S, Hkv, D], new [B, T, Hkv, D]");
+    return ffi::Error::InvalidArgument(
+        "dflash_cache_attention: q [B, Tq, Hq, D], cache [L, B, S, Hkv, D], new [B, T, Hkv, D]");
   }
   const int64_t B = qd[0], Tq = qd[1], Hq = qd[2], D = qd[3];
   const int64_t L = cd[0], S = cd[2], Hkv = cd[3], T = nd[1];

@@ -114,7 +114,7 @@ void Rows(int rows, const float* x, const float* w, float* y, int64_t K, int64_t
 // Panels [p0, p1) of y [M, P * 16] = x [M, K] . w [P, K, 16]. Rows go in near-equal groups of
 // at most 6, each group over kGroup panels at a time so that the later groups find them in L2; the
 // second group (the only one when there is one; none for a single row, which the prefetch slowed:
-// 6.1 -> 7.5 ms on the LM head) prefetches the next kGroup panels.
+// 6.6 -> 7.5 ms for the LM head on one thread) prefetches the next kGroup panels.
 void RowsMatmulPanels(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t ldy,
                       int64_t p0, int64_t p1) {
   const int64_t groups = (M + 5) / 6;

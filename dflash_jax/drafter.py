@@ -130,16 +130,22 @@ class DrafterModel(nn.Module):
                              f"{self.config.num_features} x {self.config.hidden_size}")
         return (self.hidden_norm(self.fc(features.astype(self.dtype))), *self.rotary(positions))
 
+    def _run_layers(self, method: str, carry, xs, shared):
+        """Every layer's `method` in turn: carry through, xs sliced per layer (leading axis L),
+        shared the same for all -> (carry, per-layer outputs stacked [L, ...]). One scan here."""
+        return getattr(self.layers, method)(carry, xs, shared)
+
     def context_kv(self, features, positions):
         """features [B, C, n*D] at positions [B, C] -> keys, values [L, B, C, Hkv, Dh]."""
-        _, (k, v) = self.layers.context_kv(None, None, self._context(features, positions))
+        _, (k, v) = self._run_layers("context_kv", None, None, self._context(features, positions))
         return k, v
 
     def blocks(self, block_embeds, positions, k_ctx, v_ctx, full_ranges, windowed_ranges):
         """block_embeds [B, Tq, D] at positions [B, Tq] against context K/V [L, B, C, Hkv, Dh]."""
         cos, sin = self.rotary(positions)
-        hidden, _ = self.layers(block_embeds.astype(self.dtype), (k_ctx, v_ctx, self._windowed_layers()),
-                                (cos, sin, full_ranges, windowed_ranges))
+        per_layer = (k_ctx, v_ctx, self._windowed_layers())
+        hidden, _ = self._run_layers("__call__", block_embeds.astype(self.dtype), per_layer,
+                                     (cos, sin, full_ranges, windowed_ranges))
         return self.norm(hidden)
 
     def cached_blocks(self, block_embeds, positions, cache: KVCache, full_ranges, windowed_ranges):
@@ -147,8 +153,8 @@ class DrafterModel(nn.Module):
         [cache slots ; block] -> hidden [B, G, D]."""
         cos, sin = self.rotary(positions)
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        hidden, _ = self.layers.decode(block_embeds.astype(self.dtype), (layers, self._windowed_layers()),
-                                       (cos, sin, cache, full_ranges, windowed_ranges))
+        hidden, _ = self._run_layers("decode", block_embeds.astype(self.dtype), (layers, self._windowed_layers()),
+                                     (cos, sin, cache, full_ranges, windowed_ranges))
         return self.norm(hidden)
 
     def __call__(self, features, positions, block_embeds, block_positions, full_ranges, windowed_ranges):
@@ -167,27 +173,12 @@ class UnrolledDrafterModel(DrafterModel):
         self.layer = [DrafterLayer(self.config, self.dtype, self.attn_impl, packed_weights=True)
                       for _ in range(self.config.num_layers)]
 
-    def context_kv(self, features, positions):
-        shared = self._context(features, positions)
-        kv = [layer.context_kv(None, None, shared)[1] for layer in self.layer]
-        return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
-
-    def blocks(self, block_embeds, positions, k_ctx, v_ctx, full_ranges, windowed_ranges):
-        cos, sin = self.rotary(positions)
-        hidden = block_embeds.astype(self.dtype)
-        windowed = self._windowed_layers()
+    def _run_layers(self, method: str, carry, xs, shared):
+        outputs = []
         for i, layer in enumerate(self.layer):
-            hidden, _ = layer(hidden, (k_ctx[i], v_ctx[i], windowed[i]), (cos, sin, full_ranges, windowed_ranges))
-        return self.norm(hidden)
-
-    def cached_blocks(self, block_embeds, positions, cache: KVCache, full_ranges, windowed_ranges):
-        cos, sin = self.rotary(positions)
-        hidden = block_embeds.astype(self.dtype)
-        windowed = self._windowed_layers()
-        for i, layer in enumerate(self.layer):
-            hidden, _ = layer.decode(hidden, (jnp.int32(i), windowed[i]),
-                                     (cos, sin, cache, full_ranges, windowed_ranges))
-        return self.norm(hidden)
+            carry, out = getattr(layer, method)(carry, jax.tree.map(lambda x: x[i], xs), shared)
+            outputs.append(out)
+        return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,6 +102,25 @@ inline __m256 Sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// scores [0, n) -> exp(score - max) in place, lanes [n, n rounded up to 8) set to 0 (whatever they
+// held); returns 1 / the sum. Vectorised in groups of 8, so a score's weight does not depend on n.
+inline float ExpInPlace(float* scores, int64_t n) {
+  const float top = *std::max_element(scores, scores + n);
+  const int64_t padded = (n + 7) & ~int64_t{7};
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < padded; i += 8) {
+    __m256 e = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(scores + i), _mm256_set1_ps(top)));
+    if (i + 8 > n) {  // the tail's lanes past n
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)), lane));
+      e = _mm256_and_ps(e, keep);
+    }
+    _mm256_storeu_ps(scores + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return 1.0f / HorizontalSum(sum);
+}
+
 // One query head over its n visible keys (rows k[i], v[i] of DV x 8 floats), D = 8 * DV: scores
 // eight keys at a time, the softmax, and the values' weighted sum in registers. `scores` holds at
 // least n rounded up to 8 floats. A key's score and weight are computed the same way wherever it
@@ -123,19 +142,7 @@ void QueryHead(const float* q, const float* const* k, const float* const* v, int
     _mm256_storeu_ps(scores + i, _mm256_mul_ps(Sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
                                                _mm256_set1_ps(scale)));
   }
-  const float top = *std::max_element(scores, scores + n);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t i = 0; i < padded; i += 8) {
-    __m256 e = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(scores + i), _mm256_set1_ps(top)));
-    if (i + 8 > n) {  // zero the tail's repeats
-      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)), lane));
-      e = _mm256_and_ps(e, keep);
-    }
-    _mm256_storeu_ps(scores + i, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  const float inv = 1.0f / HorizontalSum(sum);
+  const float inv = ExpInPlace(scores, n);
   __m256 acc[DV];
   for (int d = 0; d < DV; ++d) acc[d] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
@@ -201,15 +208,7 @@ void AttendUnits(const Problem& pr, int64_t u0, int64_t u1) {
     }
     for (int64_t g = 0; g < G; ++g) {
       float* s = scores.data() + g * padded;
-      const float top = *std::max_element(s, s + n);
-      std::fill(s + n, s + padded, -1e30f);  // padding: exp gives ~0
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t i = 0; i < padded; i += 8) {
-        const __m256 e = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(top)));
-        _mm256_storeu_ps(s + i, e);
-        sum = _mm256_add_ps(sum, e);
-      }
-      const float inv = 1.0f / HorizontalSum(sum);
+      const float inv = ExpInPlace(s, n);
       for (int64_t i = 0; i < n; ++i) Axpy(s[i] * inv, key_row(keys[i], pr.cv, pr.nv), oh + g * D, D);
     }
   }

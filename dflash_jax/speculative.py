@@ -171,7 +171,9 @@ def _executables(target, drafter, cfg: GenerationConfig, args, step: str):
     run_step = functools.partial({"decode": decode, "cycle": cycle}[step], *static)
 
     def build_step():
-        state = jax.eval_shape(run_prefill, *args)
+        # the prefill's output shapes from its executable: tracing the prefill again (eval_shape)
+        # was a third of this step's first compile on a CPU (the 30 unrolled SmolLM2 layers)
+        state = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), prefill_fn.out_info)
         return jax.jit(run_step, donate_argnums=2).lower(args[0], args[1], state, args[-1]).compile()
 
     step_fn, step_seconds = _compiled((step, key), build_step)

@@ -3,14 +3,14 @@
 float32 on a CPU where the kernels are built. XLA runs the jnp reference
 (`reference.chunked_cache_attention_with_lse`) as a few dozen small operations per cache chunk,
 which cost more than their arithmetic at decode sizes. Other backends and dtypes keep the
-reference (`platform_dependent`)."""
+reference (`cpu_ffi.cpu_only`)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.kernels.cpu_ffi import available
+from dflash_jax.kernels.cpu_ffi import available, cpu_only
 from dflash_jax.masks import KeyRanges
 
 TARGET_NAME = "dflash_cache_attention"
@@ -38,5 +38,5 @@ def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, r
         return reference(q, cache_k, cache_v, layer, KeyRanges(cache_start, cache_end), k, v, KeyRanges(start, end))
 
     layer = jnp.asarray(layer, jnp.int32)
-    return jax.lax.platform_dependent(q, cache_k, cache_v, layer, cache_ranges.start, cache_ranges.end, k, v,
-                                      ranges.start, ranges.end, cpu=kernel, default=default)
+    return cpu_only(kernel, default, q, cache_k, cache_v, layer, cache_ranges.start, cache_ranges.end, k, v,
+                    ranges.start, ranges.end)

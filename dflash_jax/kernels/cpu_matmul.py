@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.kernels.cpu_ffi import available
+from dflash_jax.kernels.cpu_ffi import available, cpu_only
 
 TARGET_NAME = "dflash_rows_matmul"
 PANEL = 16  # columns per panel of a packed kernel
@@ -29,13 +29,17 @@ PANEL = 16  # columns per panel of a packed kernel
 def pack_kernel(kernel) -> jax.Array:
     """A dense kernel [K, N] (`nn.Dense`'s [in, out]) as the rows kernel reads it: panels
     [ceil(N / 16), K, 16], panel p holding columns 16p .. 16p + 15 (zeros past N). Left [K, N] where
-    the kernel is unavailable or the dtype is not float32. Run it outside jit, once per weight."""
-    kernel = jnp.asarray(kernel)
+    the kernel is unavailable or the dtype is not float32. Concrete arrays are packed with numpy (a
+    copy, one per weight: SmolLM2's 210 layer kernels in about 0.3 s where eager jnp operations took
+    2 s); under a trace (an initializer) it is jnp."""
+    traced = isinstance(kernel, jax.core.Tracer)
+    kernel = kernel if traced else np.asarray(kernel)
     if kernel.dtype != jnp.float32 or kernel.ndim != 2 or not available():
-        return kernel
+        return jnp.asarray(kernel)
+    xp = jnp if traced else np
     k, n = kernel.shape
-    padded = jnp.pad(kernel, ((0, 0), (0, -n % PANEL)))
-    return padded.reshape(k, -1, PANEL).transpose(1, 0, 2)
+    padded = xp.pad(kernel, ((0, 0), (0, -n % PANEL)))
+    return jnp.asarray(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))
 
 
 def is_packed(w) -> bool:
@@ -59,7 +63,7 @@ def rows_matmul(x: jax.Array, w: jax.Array, features: int) -> jax.Array:
             out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0] * PANEL,), jnp.float32)
             return jax.ffi.ffi_call(TARGET_NAME, out)(x, w)
 
-        y = jax.lax.platform_dependent(x, w, cpu=kernel, default=_xla_panels)
+        y = cpu_only(kernel, _xla_panels, x, w)
     else:
         y = _xla_panels(x, w)
     return y if y.shape[-1] == features else y[..., :features]

@@ -1,21 +1,23 @@
-// Attention of a few queries over one layer of a KV cache plus the step's new keys, on a CPU, in
-// one call: out [B, Tq, Hq, D] = softmax over the visible keys of (q . k) * scale, times v.
+// Attention of queries over one layer of a KV cache plus the step's new keys, on a CPU, in one
+// call: out [B, Tq, Hq, D] = softmax over the visible keys of (q . k) * scale, times v.
 //
 // XLA:CPU runs the jnp reference (a loop over cache chunks with an online softmax) as a few dozen
 // small operations per chunk, which cost more than their arithmetic: SmolLM2 at 300 filled slots,
-// 30 layers, 1 query ~6 ms and 16 queries ~27 ms of a step. Here each (row, query, kv head) reads
-// its visible keys once for the G query heads that share them: scores, a vectorised exp, the
-// weighted sum of the values. Every query is computed on its own, so its result does not depend
-// on how many queries share the call (a verify and a decode step agree).
+// 30 layers, 1 query ~6 ms and 16 queries ~27 ms of a step. Here a block of queries of one row and
+// kv head, with the G query heads that share it, reads the visible keys in blocks small enough to
+// stay in L1/L2 while every query head uses them: scores, a vectorised exp, the weighted sum of the
+// values (a decode step: one query; a prefill chunk: 16 at a time). Every query is computed on its
+// own, key by key in the same order whatever its block, so its result does not depend on how many
+// queries share the call (a verify and a decode step agree).
 //
 // cache_k/cache_v [L, B, S, Hkv, D] are read in place at `layer` (no slice is copied); the visible
 // keys of query (b, t) are the cache slots in [cache_start, cache_end)[b, t, r] and the new keys
 // in [new_start, new_end)[b, t, r], r = 0, 1 (a key in both ranges counts once), as
 // `masks.KeyRanges`. A query that sees no key yields zeros.
 //
-// Large calls (a verify over a long cache) split their (row, query, kv head) units over the helper
-// threads of cpu_pool.h. Built with cpu_rows_matmul.cc by dflash_jax/kernels/cpu_ffi.py and called
-// through XLA's FFI as "dflash_cache_attention".
+// Large calls (a verify over a long cache, a prefill chunk) split their (row, query block, kv head)
+// tasks over the helper threads of cpu_pool.h. Built with cpu_rows_matmul.cc by
+// dflash_jax/kernels/cpu_ffi.py and called through XLA's FFI as "dflash_cache_attention".
 #include <immintrin.h>
 
 #include <algorithm>
@@ -121,20 +123,19 @@ inline float ExpInPlace(float* scores, int64_t n) {
   return 1.0f / HorizontalSum(sum);
 }
 
-// One query head over its n visible keys (rows k[i], v[i] of DV x 8 floats), D = 8 * DV: scores
-// eight keys at a time, the softmax, and the values' weighted sum in registers. `scores` holds at
-// least n rounded up to 8 floats. A key's score and weight are computed the same way wherever it
-// falls, so the result depends only on this query and its keys.
+// Scores of one query head against visible keys [i0, i1) of n (rows k[i] of DV x 8 floats,
+// D = 8 * DV), eight keys at a time (i0, i1 multiples of 8; the tail repeats the last key, whose
+// extra scores ExpInPlace drops), times scale, into scores[i0, i1). A key's score is computed the
+// same way wherever it falls.
 template <int DV>
-void QueryHead(const float* q, const float* const* k, const float* const* v, int64_t n, float scale,
-               float* scores, float* out) {
+void ScoreKeys(const float* q, const float* const* k, int64_t n, int64_t i0, int64_t i1, float scale,
+               float* scores) {
   __m256 qv[DV];
   for (int d = 0; d < DV; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
-  const int64_t padded = (n + 7) & ~int64_t{7};
-  for (int64_t i = 0; i < padded; i += 8) {
+  for (int64_t i = i0; i < i1; i += 8) {
     __m256 a[8];
     for (int j = 0; j < 8; ++j) {
-      const float* kj = k[std::min(i + j, n - 1)];  // the tail repeats the last key; dropped below
+      const float* kj = k[std::min(i + j, n - 1)];
       __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
       for (int d = 1; d < DV; ++d) acc = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kj + 8 * d), acc);
       a[j] = acc;
@@ -142,14 +143,74 @@ void QueryHead(const float* q, const float* const* k, const float* const* v, int
     _mm256_storeu_ps(scores + i, _mm256_mul_ps(Sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
                                                _mm256_set1_ps(scale)));
   }
-  const float inv = ExpInPlace(scores, n);
-  __m256 acc[DV];
-  for (int d = 0; d < DV; ++d) acc[d] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const __m256 w = _mm256_set1_ps(scores[i]);
-    for (int d = 0; d < DV; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[i] + 8 * d), acc[d]);
+}
+
+// acc [DV x 8] += sum over keys [i0, i1) of weights[i] * v[i].
+template <int DV>
+void WeightValues(const float* weights, const float* const* v, int64_t i0, int64_t i1, float* acc) {
+  __m256 a[DV];
+  for (int d = 0; d < DV; ++d) a[d] = _mm256_loadu_ps(acc + 8 * d);
+  for (int64_t i = i0; i < i1; ++i) {
+    const __m256 w = _mm256_set1_ps(weights[i]);
+    for (int d = 0; d < DV; ++d) a[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[i] + 8 * d), a[d]);
   }
-  for (int d = 0; d < DV; ++d) _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], _mm256_set1_ps(inv)));
+  for (int d = 0; d < DV; ++d) _mm256_storeu_ps(acc + 8 * d, a[d]);
+}
+
+constexpr int64_t kKeyBlock = 64;   // keys whose K (or V) rows stay in L2 while a block reads them
+constexpr int64_t kQueryBlock = 16;  // at most this many queries of one row and kv head read each key block in turn
+
+// One query's G heads (the query heads that share a kv head) and its n visible keys (rows k[i],
+// v[i]), with room for its scores [G, n rounded up to 8], sums [G, D] and 1 / softmax sums [G].
+struct QueryWork {
+  const float* q;
+  float* out;
+  int64_t n = 0, padded = 0;
+  std::vector<const float*> k, v;
+  std::vector<float> scores, acc, inv;
+};
+
+// The queries of `work` (each with n > 0) over their keys, D = 8 * DV. Keys go in blocks of
+// kKeyBlock, each read by every query and head of the block before the next: one kv head's K and
+// V rows over a long cache outgrow L2, and read once per query head they streamed from L3.
+// SmolLM2, a 3000-token prompt through `Target.prefill` (256-token chunks), both kernels compiled
+// in one process and run alternately (one-off script): 14.7 s one query head at a time, 11.9 s in
+// blocks (kKeyBlock 64, kQueryBlock 16; 32-256 keys by 8-64 queries, timed in separate processes,
+// came out within this machine's noise of it); a 16-token
+// verify over 1,900 slots 137 -> 91 ms, 1-2 tokens 4-9% faster. Each head's scores, softmax and weighted
+// sum are still computed key by key in the same order as for that head alone, so a query's result
+// depends only on the query and its keys, not on the block.
+template <int DV>
+void AttendBlock(int64_t G, QueryWork* work, int count, float scale) {
+  constexpr int64_t D = 8 * DV;
+  int64_t most = 0;
+  for (int j = 0; j < count; ++j) most = std::max(most, work[j].padded);
+  for (int64_t i0 = 0; i0 < most; i0 += kKeyBlock)
+    for (int j = 0; j < count; ++j) {
+      QueryWork& w = work[j];
+      for (int64_t g = 0; g < G && i0 < w.padded; ++g)
+        ScoreKeys<DV>(w.q + g * D, w.k.data(), w.n, i0, std::min(w.padded, i0 + kKeyBlock), scale,
+                      w.scores.data() + g * w.padded);
+    }
+  for (int j = 0; j < count; ++j) {
+    QueryWork& w = work[j];
+    for (int64_t g = 0; g < G; ++g) w.inv[g] = ExpInPlace(w.scores.data() + g * w.padded, w.n);
+    std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+  }
+  for (int64_t i0 = 0; i0 < most; i0 += kKeyBlock)
+    for (int j = 0; j < count; ++j) {
+      QueryWork& w = work[j];
+      for (int64_t g = 0; g < G && i0 < w.n; ++g)
+        WeightValues<DV>(w.scores.data() + g * w.padded, w.v.data(), i0, std::min(w.n, i0 + kKeyBlock),
+                         w.acc.data() + g * D);
+    }
+  for (int j = 0; j < count; ++j) {
+    const QueryWork& w = work[j];
+    for (int64_t g = 0; g < G; ++g)
+      for (int d = 0; d < DV; ++d)
+        _mm256_storeu_ps(w.out + g * D + 8 * d,
+                         _mm256_mul_ps(_mm256_loadu_ps(w.acc.data() + g * D + 8 * d), _mm256_set1_ps(w.inv[g])));
+  }
 }
 
 struct Problem {
@@ -158,59 +219,69 @@ struct Problem {
   float* out;
   int64_t B, Tq, Hq, Hkv, D, S, T;
   float scale;
+  int64_t query_block;  // queries per task: kQueryBlock, fewer where that leaves too few tasks
 };
 
-// Units [u0, u1) of B x Tq x Hkv: one query's G heads that share a kv head.
-void AttendUnits(const Problem& pr, int64_t u0, int64_t u1) {
+// Tasks part, part + parts, ... of B x ceil(Tq / query_block) x Hkv: a block of up to query_block
+// queries of one row and one kv head, with the G query heads of each that share it (taken in turn,
+// so the threads share out the long and the short causal rows alike).
+void AttendTasks(const Problem& pr, int part, int parts) {
   const int64_t G = pr.Hq / pr.Hkv, D = pr.D, S = pr.S, T = pr.T, Hkv = pr.Hkv;
-  std::vector<float> scores;        // [G, keys] (generic path) or [keys] (vectorised path)
-  std::vector<int64_t> keys;        // visible keys: cache slot i as i, new key j as S + j
-  std::vector<const float*> krow, vrow;
-  int64_t listed = -1;              // the query whose keys are in `keys`
-  for (int64_t u = u0; u < u1; ++u) {
-    const int64_t query = u / Hkv, h = u % Hkv, b = query / pr.Tq;
-    if (query != listed) {
-      keys.clear();
-      Visible(pr.cache_start + query * 2, pr.cache_end + query * 2, S).ForEach([&](int64_t i) { keys.push_back(i); });
-      Visible(pr.new_start + query * 2, pr.new_end + query * 2, T).ForEach([&](int64_t j) { keys.push_back(S + j); });
-      listed = query;
-    }
-    const int64_t n = static_cast<int64_t>(keys.size());
-    const int64_t padded = (n + 7) & ~int64_t{7};
+  const int64_t blocks = (pr.Tq + pr.query_block - 1) / pr.query_block, tasks = pr.B * blocks * Hkv;
+  const bool vectorised = D == 64 || D == 128;
+  std::vector<QueryWork> work(kQueryBlock);
+  std::vector<int64_t> keys;  // visible keys: cache slot i as i, new key j as S + j
+  std::vector<float> scores;  // the generic path's [G, keys]
+  for (int64_t task = part; task < tasks; task += parts) {
+    const int64_t h = task % Hkv, first = (task / Hkv) % blocks * pr.query_block, b = task / (Hkv * blocks);
     auto key_row = [&](int64_t key, const float* cache, const float* fresh) {
       return key < S ? cache + ((b * S + key) * Hkv + h) * D : fresh + ((b * T + key - S) * Hkv + h) * D;
     };
-    const float* qh = pr.q + (query * pr.Hq + h * G) * D;
-    float* oh = pr.out + (query * pr.Hq + h * G) * D;
-    if (n == 0) {
+    int count = 0;
+    for (int64_t t = first; t < std::min(pr.Tq, first + pr.query_block); ++t) {
+      const int64_t query = b * pr.Tq + t;
+      keys.clear();
+      Visible(pr.cache_start + query * 2, pr.cache_end + query * 2, S).ForEach([&](int64_t i) { keys.push_back(i); });
+      Visible(pr.new_start + query * 2, pr.new_end + query * 2, T).ForEach([&](int64_t j) { keys.push_back(S + j); });
+      const int64_t n = static_cast<int64_t>(keys.size());
+      const int64_t padded = (n + 7) & ~int64_t{7};
+      const float* qh = pr.q + (query * pr.Hq + h * G) * D;
+      float* oh = pr.out + (query * pr.Hq + h * G) * D;
+      if (n == 0) {
+        std::fill(oh, oh + G * D, 0.0f);
+        continue;
+      }
+      if (vectorised) {
+        QueryWork& w = work[count++];
+        w.q = qh;
+        w.out = oh;
+        w.n = n;
+        w.padded = padded;
+        w.k.resize(n);
+        w.v.resize(n);
+        for (int64_t i = 0; i < n; ++i) {
+          w.k[i] = key_row(keys[i], pr.ck, pr.nk);
+          w.v[i] = key_row(keys[i], pr.cv, pr.nv);
+        }
+        w.scores.resize(G * padded);
+        w.acc.resize(G * D);
+        w.inv.resize(G);
+        continue;
+      }
+      scores.assign(G * padded, 0.0f);
       std::fill(oh, oh + G * D, 0.0f);
-      continue;
-    }
-    if (D == 64 || D == 128) {
-      krow.resize(n);
-      vrow.resize(n);
       for (int64_t i = 0; i < n; ++i) {
-        krow[i] = key_row(keys[i], pr.ck, pr.nk);
-        vrow[i] = key_row(keys[i], pr.cv, pr.nv);
+        const float* k = key_row(keys[i], pr.ck, pr.nk);
+        for (int64_t g = 0; g < G; ++g) scores[g * padded + i] = Dot(qh + g * D, k, D) * pr.scale;
       }
-      scores.resize(padded);
       for (int64_t g = 0; g < G; ++g) {
-        if (D == 64) QueryHead<8>(qh + g * D, krow.data(), vrow.data(), n, pr.scale, scores.data(), oh + g * D);
-        else QueryHead<16>(qh + g * D, krow.data(), vrow.data(), n, pr.scale, scores.data(), oh + g * D);
+        float* s = scores.data() + g * padded;
+        const float inv = ExpInPlace(s, n);
+        for (int64_t i = 0; i < n; ++i) Axpy(s[i] * inv, key_row(keys[i], pr.cv, pr.nv), oh + g * D, D);
       }
-      continue;
     }
-    scores.assign(G * padded, 0.0f);
-    std::fill(oh, oh + G * D, 0.0f);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* k = key_row(keys[i], pr.ck, pr.nk);
-      for (int64_t g = 0; g < G; ++g) scores[g * padded + i] = Dot(qh + g * D, k, D) * pr.scale;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* s = scores.data() + g * padded;
-      const float inv = ExpInPlace(s, n);
-      for (int64_t i = 0; i < n; ++i) Axpy(s[i] * inv, key_row(keys[i], pr.cv, pr.nv), oh + g * D, D);
-    }
+    if (count > 0 && D == 64) AttendBlock<8>(G, work.data(), count, pr.scale);
+    if (count > 0 && D == 128) AttendBlock<16>(G, work.data(), count, pr.scale);
   }
 }
 
@@ -237,18 +308,21 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cac
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("dflash_cache_attention: layer out of range");
   const int64_t layer_size = B * S * Hkv * D;
-  const Problem problem{q.typed_data(), cache_k.typed_data() + l * layer_size, cache_v.typed_data() + l * layer_size,
-                        new_k.typed_data(), new_v.typed_data(), cache_start.typed_data(), cache_end.typed_data(),
-                        new_start.typed_data(), new_end.typed_data(), out->typed_data(), B, Tq, Hq, Hkv, D, S, T,
-                        scale};
-  const int64_t units = B * Tq * Hkv;
+  Problem problem{q.typed_data(), cache_k.typed_data() + l * layer_size, cache_v.typed_data() + l * layer_size,
+                  new_k.typed_data(), new_v.typed_data(), cache_start.typed_data(), cache_end.typed_data(),
+                  new_start.typed_data(), new_end.typed_data(), out->typed_data(), B, Tq, Hq, Hkv, D, S, T,
+                  scale};
   dflash::Pool& pool = dflash::SharedPool();
+  // at least 4 tasks per thread where the queries allow (a 16-token verify: blocks of 4 queries)
+  int64_t query_block = kQueryBlock;
+  auto tasks_of = [&](int64_t block) { return B * ((Tq + block - 1) / block) * Hkv; };
+  while (query_block > 1 && tasks_of(query_block) < 4 * (pool.helpers() + 1)) query_block = (query_block + 1) / 2;
+  problem.query_block = query_block;
+  const int64_t tasks = tasks_of(query_block);
   const int64_t work = B * Tq * Hq * (S + T) * D;  // an upper bound of the multiply-adds of the scores
-  const int parts = work < kMinMultiplyAddsToSplit ? 1 : static_cast<int>(std::min<int64_t>(pool.helpers() + 1, units));
+  const int parts = work < kMinMultiplyAddsToSplit ? 1 : static_cast<int>(std::min<int64_t>(pool.helpers() + 1, tasks));
   pool.RunParts([](const void* context, int part, int parts) {
-    const Problem& pr = *static_cast<const Problem*>(context);
-    const int64_t units = pr.B * pr.Tq * pr.Hkv;
-    AttendUnits(pr, units * part / parts, units * (part + 1) / parts);
+    AttendTasks(*static_cast<const Problem*>(context), part, parts);
   }, &problem, parts);
   return ffi::Error::Success();
 }

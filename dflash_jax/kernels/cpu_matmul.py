@@ -32,11 +32,12 @@ def pack_kernel(kernel) -> jax.Array:
     the kernel is unavailable or the dtype is not float32. Concrete arrays are packed with numpy (a
     copy, one per weight: SmolLM2's 210 layer kernels in about 0.3 s where eager jnp operations took
     2 s); under a trace (an initializer) it is jnp."""
-    traced = isinstance(kernel, jax.core.Tracer)
-    kernel = kernel if traced else np.asarray(kernel)
+    try:
+        kernel, xp = np.asarray(kernel), np
+    except jax.errors.TracerArrayConversionError:
+        xp = jnp
     if kernel.dtype != jnp.float32 or kernel.ndim != 2 or not available():
         return jnp.asarray(kernel)
-    xp = jnp if traced else np
     k, n = kernel.shape
     padded = xp.pad(kernel, ((0, 0), (0, -n % PANEL)))
     return jnp.asarray(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))

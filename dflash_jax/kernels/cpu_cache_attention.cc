@@ -157,7 +157,7 @@ void WeightValues(const float* weights, const float* const* v, int64_t i0, int64
   for (int d = 0; d < DV; ++d) _mm256_storeu_ps(acc + 8 * d, a[d]);
 }
 
-constexpr int64_t kKeyBlock = 64;   // keys whose K (or V) rows stay in L2 while a block reads them
+constexpr int64_t kKeyBlock = 64;   // keys per block: 16 kB of K (or V) rows at D = 64, kept in L1 while read
 constexpr int64_t kQueryBlock = 16;  // at most this many queries of one row and kv head read each key block in turn
 
 // One query's G heads (the query heads that share a kv head) and its n visible keys (rows k[i],

@@ -73,3 +73,13 @@ def test_demo_streams_and_compares_with_the_shipped_drafter(capsys):
     assert "outputs         : identical" in out
     assert "tau             :" in out and "acceptance hist :" in out
     assert "as fast as autoregressive decoding" in out or "SLOWER than autoregressive" in out
+
+
+def test_demo_verdict_names_slower_and_noise_plainly():
+    """The demo's last line never presents a loss, or a difference inside the noise, as a speedup."""
+    from dflash_jax.cli.demo import _verdict
+
+    assert "SLOWER" in _verdict(0.80, 1.0)
+    assert "about as fast" in _verdict(0.97, 1.3) and "not a speedup" in _verdict(1.03, 1.3)
+    fast = _verdict(1.40, 2.1)
+    assert fast.startswith("speculative decoding is 1.40x as fast") and "noise" not in fast

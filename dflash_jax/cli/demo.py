@@ -55,7 +55,13 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--prompt must not be empty")
 
 
+NOISE = 0.05  # two timed runs of the same decode differ by about this much here: no verdict inside it
+
+
 def _verdict(speedup: float, tau: float) -> str:
+    if abs(speedup - 1.0) < NOISE:
+        return (f"speculative decoding is about as fast as autoregressive decoding here ({speedup:.2f}x, "
+                f"tau {tau:.2f}): within the run-to-run noise, not a speedup")
     if speedup >= 1.0:
         return f"speculative decoding is {speedup:.2f}x as fast as autoregressive decoding (tau {tau:.2f})"
     return (f"speculative decoding is SLOWER than autoregressive decoding here ({speedup:.2f}x, tau "

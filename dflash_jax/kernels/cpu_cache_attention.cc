@@ -176,10 +176,10 @@ struct QueryWork {
 // SmolLM2, a 3000-token prompt through `Target.prefill` (256-token chunks), both kernels compiled
 // in one process and run alternately (one-off script): 14.7 s one query head at a time, 11.9 s in
 // blocks (kKeyBlock 64, kQueryBlock 16; 32-256 keys by 8-64 queries, timed in separate processes,
-// came out within this machine's noise of it); a 16-token
-// verify over 1,900 slots 137 -> 91 ms, 1-2 tokens 4-9% faster. Each head's scores, softmax and weighted
-// sum are still computed key by key in the same order as for that head alone, so a query's result
-// depends only on the query and its keys, not on the block.
+// came out within this machine's noise of it); a 16-token verify over 1,900 slots 137 -> 91 ms,
+// 1-2 tokens 4-9% faster. Each head's scores, softmax and weighted sum are still computed key by
+// key in the same order as for that head alone, so a query's result depends only on the query
+// and its keys, not on the block.
 template <int DV>
 void AttendBlock(int64_t G, QueryWork* work, int count, float scale) {
   constexpr int64_t D = 8 * DV;

@@ -14,7 +14,6 @@ float32, it is one custom call instead (`kernels.cpu_attention`).
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
@@ -108,10 +107,9 @@ def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, r
     (`kernels.cpu_attention`), the reference elsewhere (see below).
     """
     if impl == "auto" and cpu_attention.applies(q, cache_k, k):  # float32 on a CPU: one custom call
-        reference = functools.partial(cache_attention, scale=scale, impl="reference", chunk_size=chunk_size)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return cpu_attention.cache_attention(q, cache_k, cache_v, layer, cache_ranges, k, v, ranges, scale=scale,
-                                             reference=reference).astype(q.dtype)
+        return cpu_attention.cache_attention(q, cache_k, cache_v, layer, cache_ranges, k, v, ranges,
+                                             scale=scale).astype(q.dtype)
     if impl == "auto":
         # The kernel path inside the models' layer scan (cache passed as a broadcast input) fails
         # to trace on jax 0.11 / flax 0.12.10 on a GPU ("broadcasted variable has a data

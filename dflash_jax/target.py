@@ -186,13 +186,14 @@ class UnrolledTargetModel(TargetModel):
     def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
         def run(module, carry):
             new_kv = []
+            traced_once = _layer_call(module.config, module.dtype, module.attn_impl)  # see `_layer_call`
             for i, layer in enumerate(module.layer):
                 xs = tuple(x[i] for x in layer_xs)
-                if module.is_initializing():
+                if module.is_initializing():  # the params do not exist yet: Flax creates them here
                     carry, kv = layer(carry, xs, positions, cos, sin, cache)
-                else:  # one trace for all layers (see `_layer_call`)
-                    apply = _layer_call(module.config, module.dtype, module.attn_impl)
-                    carry, kv = apply(module.variables["params"][f"layer_{i}"], carry, xs, positions, cos, sin, cache)
+                else:
+                    carry, kv = traced_once(module.variables["params"][f"layer_{i}"], carry, xs, positions, cos,
+                                            sin, cache)
                 new_kv.append(kv)
             return carry, (None if cache is None else tuple(jnp.stack(parts) for parts in zip(*new_kv)))
 

@@ -83,20 +83,6 @@ def available() -> bool:
     return True
 
 
-def cpu_only(kernel, default, *args):
-    """kernel(*args) where the program can only run on a CPU, else `default` on other platforms.
-
-    In a process whose default backend is the CPU there is no other platform to lower for, so the
-    kernel's custom call goes in alone: `platform_dependent` would trace both branches, and tracing
-    the jnp reference of every layer's attention and product was 2.1 s of the 8.0 s that
-    `python -m infer.generate --prompt Hi` spent compiling its two programs with the persistent
-    compilation cache warm (6 s of 18 cold). Elsewhere (a GPU host that also decodes on its CPU device)
-    `platform_dependent` keeps the kernel for the CPU and `default` for the rest."""
-    if jax.default_backend() == "cpu":
-        return kernel(*args)
-    return jax.lax.platform_dependent(*args, cpu=kernel, default=default)
-
-
 _registered: list[ctypes.CDLL] = []  # the library stays loaded; XLA knows the targets once per process
 
 

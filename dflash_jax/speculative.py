@@ -29,7 +29,7 @@ from dflash_jax.config import default_stop_token_ids
 from dflash_jax.decode_loop import (ACCEPTANCE_RULES, GenerationConfig, SamplingParams, cycle, decode,
                                     prefill, round_up)
 from dflash_jax.drafter_config import validate_pair
-from dflash_jax.target import unstack_layers
+from dflash_jax.target import is_unstacked, unstack_layers
 
 MAX_COMPILED = 16  # compiled executables kept (least recently used dropped first)
 _SMALLEST_BUCKET, _LARGEST_POWER_BUCKET = 16, 1024
@@ -120,10 +120,11 @@ def _kept(cache: collections.OrderedDict, key, owner, make, keep: int = 2):
 
 def decode_params(target):
     """The target params the decode loop runs on. On a CPU: the layers unstacked (one array per layer
-    and weight, see `target.UnrolledTargetModel`), made once per params object and kept for the last
-    two (a copy of the layer weights each); elsewhere the stacked params as they are."""
+    and weight, see `target.UnrolledTargetModel`): a target from `load_target` holds them so already
+    (its default layout there); stacked params are unstacked once per params object and kept for the
+    last two (a copy of the layer weights each). Elsewhere the params as they are."""
     params = target.params
-    if jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu" or is_unstacked(params):
         return params
     return _kept(_DECODE_PARAMS, id(params), params, lambda: unstack_layers(params))
 

@@ -16,6 +16,7 @@ import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +25,7 @@ from dflash_jax import masks
 from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
-from dflash_jax.kernels.cpu_matmul import pack_kernel, rows_matmul
+from dflash_jax.kernels.cpu_matmul import PANEL, is_packed, pack_kernel, rows_matmul
 from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
 from dflash_jax.model_spec import on_spec
 
@@ -163,9 +164,10 @@ class UnrolledTargetModel(TargetModel):
     `kernels.cpu_matmul.pack_kernel`): their products (a decode step, a verify, a prefill chunk)
     stream each weight once where XLA's GEMM reads it several times over for a few rows.
 
-    The LM head has its own packed copy here ("head", made by `unstack_layers` from the tied
-    embedding or from lm_head), read by the same kernel: XLA CPU turns one row against the [V, D]
-    embedding into a loop fusion that transposes it (SmolLM2: 7.2 ms of a 50 ms decode step)."""
+    The LM head is packed too ("head", made by `unstack_layers` from the tied embedding or from
+    lm_head), read by the same kernel: XLA CPU turns one row against the [V, D] embedding into a
+    loop fusion that transposes it (SmolLM2: 7.2 ms of a 50 ms decode step). A tied embedding is
+    not kept beside it: `embed` reads the token rows out of the packed head."""
 
     def _make_layers(self):
         # Flax names the list's modules layer_0, layer_1, ...
@@ -177,6 +179,16 @@ class UnrolledTargetModel(TargetModel):
         cfg = self.config
         self.head = self.param("head", lambda key: pack_kernel(jnp.zeros((cfg.hidden_size, cfg.vocab_size),
                                                                          self.dtype)))
+
+    def embed(self, tokens):
+        """With tied embeddings the token rows are read out of the packed head (`unstack_layers`
+        keeps no second copy of the embedding): the same floats, gathered."""
+        if not self.config.tie_word_embeddings:
+            return super().embed(tokens)
+        head = self.head
+        if is_packed(head):  # [P, D, 16]: column t of [D, V] is panel t // 16, lane t % 16
+            return head[tokens // PANEL, :, tokens % PANEL].astype(self.dtype)
+        return jnp.take(head.T, tokens, axis=0).astype(self.dtype)
 
     def logits(self, hidden):
         # the barrier keeps the final norm out of XLA's product, which would make it a loop fusion
@@ -229,33 +241,60 @@ def _layer_call(config: ModelConfig, dtype, attn_impl: str):
     return jax.jit(lambda params, *args: layer.apply({"params": params}, *args))
 
 
-def unstack_layers(params) -> dict:
+def unstack_layers(params, *, release: bool = False) -> dict:
     """Stacked target params ("layers" [L, ...]) -> UnrolledTargetModel params: one separate array
     per layer and weight, kernels packed (`kernels.cpu_matmul.pack_kernel`), and the LM head packed
-    as "head" (an untied lm_head moves there). Run it outside jit: inside, the slices would be
-    copies again."""
+    as "head" (an untied lm_head moves there; a tied embedding moves there too, and the model's
+    `embed` reads it from there). Run it outside jit: inside, the slices would be copies again.
+    release: the caller gives `params` up: each stacked weight leaves the dict once it is unstacked,
+    so that the copy never holds all the weights twice."""
     if "layers" not in params:
         return params
-    out = unstack_layer_params(params)
-    head = out.pop("lm_head")["kernel"] if "lm_head" in out else params["embed_tokens"]["embedding"].T
+    out = unstack_layer_params(params, release=release)
+    if "lm_head" in out:
+        head = out.pop("lm_head")["kernel"]
+    else:
+        head = np.asarray(out.pop("embed_tokens")["embedding"]).T
+    if release:
+        params.pop("lm_head" if "lm_head" in params else "embed_tokens")
     out["head"] = pack_kernel(head)
     return out
 
 
-def unstack_layer_params(params) -> dict:
+LAYOUTS = ("auto", "stacked", "unrolled")
+
+
+def params_in_layout(params, layout: str = "auto", *, release: bool = False):
+    """Stacked target params in the layout asked for: "stacked" as they are (what the scanned
+    `TargetModel`, training, sharding and GPUs use), "unrolled" through `unstack_layers` (what a
+    CPU decodes with: `UnrolledTargetModel`), "auto" unrolled when JAX's default backend is the CPU,
+    stacked elsewhere. release: see `unstack_layers` (a loader's own params)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if layout == "auto":
+        layout = "unrolled" if jax.default_backend() == "cpu" else "stacked"
+    if layout == "unrolled":
+        return unstack_layers(params, release=release)
+    if is_unstacked(params):
+        raise ValueError("these params are unrolled (one array per layer, kernels packed); the stacked "
+                         "layout is made at load time: load_target(..., layout=\"stacked\")")
+    return params
+
+
+def unstack_layer_params(params, *, release: bool = False) -> dict:
     """params with stacked "layers" [L, ...] -> "layer_0" .. "layer_{L-1}", each weight its own
     array and every dense kernel packed for the CPU rows kernel (`layers.DensePacked`); the other
-    entries as they are. Shared by the target and the drafter."""
-    layers = jax.tree_util.tree_map(np.asarray, params["layers"])  # sliced on the host: one copy each
-    num_layers = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    entries as they are. Shared by the target and the drafter. release: as in `unstack_layers`."""
+    stacked = flax.traverse_util.flatten_dict(params.pop("layers") if release else params["layers"])
+    num_layers = next(iter(stacked.values())).shape[0]
+    per_layer = [{} for _ in range(num_layers)]
+    for path in list(stacked):
+        weights = np.asarray(stacked.pop(path))  # sliced on the host: one copy per layer
+        for i, layer in enumerate(per_layer):
+            layer[path] = pack_kernel(weights[i]) if path[-1] == "kernel" else jnp.asarray(weights[i])
+        del weights
     out = {k: v for k, v in params.items() if k != "layers"}
-
-    def layer_leaf(i, path, x):
-        is_kernel = getattr(path[-1], "key", None) == "kernel"
-        return pack_kernel(x[i]) if is_kernel else jnp.asarray(x[i])
-
-    for i in range(num_layers):
-        out[f"layer_{i}"] = jax.tree_util.tree_map_with_path(functools.partial(layer_leaf, i), layers)
+    out.update({f"layer_{i}": flax.traverse_util.unflatten_dict(layer) for i, layer in enumerate(per_layer)})
     return out
 
 

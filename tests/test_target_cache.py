@@ -193,3 +193,44 @@ def test_unrolled_lm_head_equals_the_scanned_one(rows, tied):
         probe = {**unrolled, "embed_tokens": {"embedding": jnp.zeros_like(embedding)}}
         read = np.asarray(jax.jit(model.logits)(probe, hidden))
         np.testing.assert_allclose(read, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("tied", [True, False])
+def test_unrolled_params_keep_one_copy_of_a_tied_embedding(tied, packed, monkeypatch):
+    """A tied embedding moves into the packed head (no second copy of it in the unrolled params)
+    and `UnrolledTargetModel.embed` reads the token rows back out of it: the same floats, with the
+    head packed into panels or left [D, V] (no CPU kernel)."""
+    import dataclasses
+
+    from dflash_jax.kernels import cpu_matmul
+    from dflash_jax.target import unstack_layers
+
+    if not packed:
+        monkeypatch.setattr(cpu_matmul, "available", lambda: False)
+    config = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    model = Target(config, init_target_params(config, jax.random.PRNGKey(6)))
+    unrolled = unstack_layers(model.params)
+    assert ("embed_tokens" in unrolled) == (not tied)
+    assert cpu_matmul.is_packed(unrolled["head"]) == (packed and cpu_matmul.available())
+    tokens = jnp.asarray([np.arange(config.vocab_size), np.arange(config.vocab_size)[::-1]], jnp.int32)
+    want = np.asarray(model.params["embed_tokens"]["embedding"])[np.asarray(tokens)]
+    np.testing.assert_array_equal(np.asarray(jax.jit(model.embed)(unrolled, tokens)), want)
+
+
+def test_released_params_are_given_up_and_unstack_the_same(target):
+    """`unstack_layers(..., release=True)` (how `load_target` lays out its own params) empties the
+    stacked dict weight by weight and returns what the copying call returns."""
+    from dflash_jax.target import params_in_layout, unstack_layers
+
+    kept = unstack_layers(target.params)
+    params = dict(target.params)  # a shallow copy: the fixture's params stay whole
+    released = params_in_layout(params, "unrolled", release=True)
+    assert "layers" not in params and "layers" in target.params
+    assert jax.tree.structure(released) == jax.tree.structure(kept)
+    jax.tree.map(np.testing.assert_array_equal, released, kept)
+    assert params_in_layout(target.params, "stacked") is target.params
+    with pytest.raises(ValueError, match="layout"):
+        params_in_layout(kept, "stacked")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        params_in_layout(target.params, "rolled")

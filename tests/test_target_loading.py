@@ -98,6 +98,20 @@ def test_sharded_and_torch_bin_load_the_same(qwen_dir, tmp_path):
         np.testing.assert_array_equal(other.forward(other.params, tokens)[0], want)
 
 
+def test_layouts(qwen_dir):
+    """On a CPU a loaded target holds its layers unrolled (what generate decodes with, one copy of the
+    weights); layout="stacked" keeps them stacked (training, conversion); the two compute the same."""
+    from dflash_jax.target import is_unstacked
+
+    unrolled, stacked = load_target(qwen_dir), load_target(qwen_dir, layout="stacked")
+    assert is_unstacked(unrolled.params) and "layers" in stacked.params
+    tokens = jnp.asarray([[1, 2, 3, 4]])
+    np.testing.assert_allclose(np.asarray(unrolled.forward(unrolled.params, tokens)[0]),
+                               np.asarray(stacked.forward(stacked.params, tokens)[0]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        load_target(qwen_dir / "nowhere", layout="rolled")  # checked before anything is read
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple of kv heads"):
         ModelConfig(arch="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,

@@ -94,7 +94,7 @@ def load_benchmark_target(name: str | None, dtype: str):
         from dflash_jax.loading.gguf_reader import smollm2_gguf_path
         from dflash_jax.loading.target_loader import load_target
 
-        return load_target(smollm2_gguf_path(), dtype=dtype, tokenizer=False)
+        return load_target(smollm2_gguf_path(), dtype=dtype, tokenizer=False, layout="stacked")
     config = RANDOM_TARGETS[name]
     jdtype = step_lib.DTYPES[dtype]
     params = jax.jit(lambda key: init_target_params(config, key, jdtype))(jax.random.PRNGKey(0))

@@ -12,6 +12,7 @@ import numpy as np
 from dflash_jax.drafter import init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids, resolve_mask_token_id
 from dflash_jax.loading.drafter_io import validate_pair
+from dflash_jax.target import is_unstacked
 
 LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
 
@@ -47,8 +48,15 @@ def build_drafter_config(target, *, num_layers: int, block_size: int, intermedia
     return config
 
 
+def _require_stacked(target_params):
+    if is_unstacked(target_params):
+        raise DrafterFitError("the target's params are unrolled for CPU decoding; a drafter is initialised "
+                              "from the stacked layout: load_target(..., layout=\"stacked\")")
+
+
 def target_head_kernel(target, target_params):
     """The target's LM head as a kernel [D, V] (the embedding transposed when tied)."""
+    _require_stacked(target_params)
     if target.config.tie_word_embeddings:
         return target_params["embed_tokens"]["embedding"].T
     return target_params["lm_head"]["kernel"]
@@ -58,6 +66,7 @@ def warm_start(drafter_params, target_params, num_target_layers: int, layer_ids=
     """Drafter layer i <- target layer layer_ids[i] (default: the top n, L - n + i) for attention
     projections, norms and MLP; the final norm <- the target's. q_norm/k_norm stay as initialised
     (ones) when the target has none."""
+    _require_stacked(target_params)
     n = jax.tree.leaves(drafter_params["layers"])[0].shape[0]
     layer_ids = tuple(range(num_target_layers - n, num_target_layers)) if layer_ids is None else tuple(layer_ids)
     if len(layer_ids) != n or not all(0 <= i < num_target_layers for i in layer_ids):

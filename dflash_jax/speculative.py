@@ -29,7 +29,7 @@ from dflash_jax.config import default_stop_token_ids
 from dflash_jax.decode_loop import (ACCEPTANCE_RULES, GenerationConfig, SamplingParams, cycle, decode,
                                     prefill, round_up)
 from dflash_jax.drafter_config import validate_pair
-from dflash_jax.target import is_unstacked, unstack_layers
+from dflash_jax.target import is_packed_layout, pack_layers
 
 MAX_COMPILED = 16  # compiled executables kept (least recently used dropped first)
 _SMALLEST_BUCKET, _LARGEST_POWER_BUCKET = 16, 1024
@@ -119,14 +119,14 @@ def _kept(cache: collections.OrderedDict, key, owner, make, keep: int = 2):
 
 
 def decode_params(target):
-    """The target params the decode loop runs on. On a CPU: the layers unstacked (one array per layer
-    and weight, see `target.UnrolledTargetModel`): a target from `load_target` holds them so already
-    (its default layout there); stacked params are unstacked once per params object and kept for the
-    last two (a copy of the layer weights each). Elsewhere the params as they are."""
+    """The target params the decode loop runs on. On a CPU: laid out for it (`target.pack_layers`,
+    `target.PackedTargetModel`): a target from `load_target` holds them so already (its default
+    layout there); stacked params are packed once per params object and kept for the last two (a
+    copy of the weights each). Elsewhere the params as they are."""
     params = target.params
-    if jax.default_backend() != "cpu" or is_unstacked(params):
+    if jax.default_backend() != "cpu" or is_packed_layout(params):
         return params
-    return _kept(_DECODE_PARAMS, id(params), params, lambda: unstack_layers(params))
+    return _kept(_DECODE_PARAMS, id(params), params, lambda: pack_layers(params))
 
 
 def decode_drafter_params(drafter):
@@ -173,7 +173,7 @@ def _executables(target, drafter, cfg: GenerationConfig, args, step: str):
 
     def build_step():
         # the prefill's output shapes from its executable: tracing the prefill again (eval_shape)
-        # was a third of this step's first compile on a CPU (the 30 unrolled SmolLM2 layers)
+        # was a third of this step's first compile on a CPU (with the 30 SmolLM2 layers unrolled)
         state = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), prefill_fn.out_info)
         return jax.jit(run_step, donate_argnums=2).lower(args[0], args[1], state, args[-1]).compile()
 

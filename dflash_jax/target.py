@@ -4,10 +4,11 @@
 offset (`cache.lengths`), returns the final-normed hidden states, the features of the captured
 layers concatenated on the last axis (layer id i = Hugging Face `hidden_states[i + 1]`: the output
 of decoder layer i, except that the last layer's entry is after the final norm, as in HF),
-and the NEW cache. Layers run under `nn.scan` over stacked per-layer params; `UnrolledTargetModel`
-runs the same layers in a Python loop over per-layer params (`unstack_layers`), which is what
-`generate` decodes with on a CPU. `TargetSpec` (static, hashable) picks the module from the params'
-layout; `Target` is a loaded target: spec, params and tokenizer.
+and the NEW cache. Layers run under `nn.scan` over stacked per-layer params; `PackedTargetModel`
+runs the same layers over params laid out for a CPU decode (`pack_layers`: kernels packed for the
+CPU rows kernel, read in place), which is what `generate` decodes with on a CPU. `TargetSpec`
+(static, hashable) picks the module from the params' layout; `Target` is a loaded target: spec,
+params and tokenizer.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
 from dflash_jax.kernels.cpu_matmul import PANEL, is_packed, pack_kernel, rows_matmul
-from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_jax.layers import MLP, STACKED, AttentionProjections, RMSNorm, Rotary
 from dflash_jax.model_spec import on_spec
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
@@ -153,26 +154,27 @@ class TargetModel(nn.Module):
         return self.lm_head(hidden).astype(jnp.float32)
 
 
-class UnrolledTargetModel(TargetModel):
-    """TargetModel over per-layer params "layer_0" .. "layer_{L-1}" (see `unstack_layers`): a
-    Python loop over the layers instead of a scan. Same results. On a CPU the scan slices every
-    layer's weights out of the stacked arrays with a copy in every step (XLA CPU's dot reads a
-    materialised operand), which more than doubles the memory traffic of a decode step
-    (SmolLM2-135M, one token, no cache: 42 ms scanned, 25 ms unrolled). Compiles more slowly.
+class PackedTargetModel(TargetModel):
+    """TargetModel over params laid out for a CPU decode (`pack_layers`): the layers stacked as in
+    the scanned model, but every kernel packed for the CPU rows kernel ([L, P, K, 16],
+    `kernels.cpu_matmul.pack_kernel`), and the LM head packed as "head". Same results as the scanned
+    model (the products stream each weight once where XLA's GEMM reads it several times over for a
+    few rows), bit for bit the same as a Python loop over per-layer params, which it replaced.
 
-    The layers' kernels are packed for the CPU rows kernel (`layers.DensePacked`,
-    `kernels.cpu_matmul.pack_kernel`): their products (a decode step, a verify, a prefill chunk)
-    stream each weight once where XLA's GEMM reads it several times over for a few rows.
+    The layers run as a loop over the layer index (`lax.scan`), as in the scanned model, but the
+    products read their layer's kernel inside the stack (`layers.DensePacked` and its `STACKED`
+    collection): the scanned model slices every layer's weights out of the stack with a copy in
+    every step (SmolLM2-135M, one token, no cache: 42 ms scanned, 25 ms with per-layer arrays).
+    Only the small per-layer params (norm scales, biases) are sliced. XLA compiles one layer, not
+    all of them: SmolLM2's 300-token prefill 5.1 -> 2.0 s, one-token step 3.1 -> 1.6 s, 16-token
+    verify 2.4 -> 0.9 s against the Python loop over per-layer params (one-off script, one process).
 
-    The LM head is packed too ("head", made by `unstack_layers` from the tied embedding or from
-    lm_head), read by the same kernel: XLA CPU turns one row against the [V, D] embedding into a
-    loop fusion that transposes it (SmolLM2: 7.2 ms of a 50 ms decode step). A tied embedding is
-    not kept beside it: `embed` reads the token rows out of the packed head."""
+    The LM head is read by the rows kernel too: XLA CPU turns one row against the [V, D] embedding
+    into a loop fusion that transposes it (SmolLM2: 7.2 ms of a 50 ms decode step). A tied
+    embedding is not kept beside it: `embed` reads the token rows out of the packed head."""
 
     def _make_layers(self):
-        # Flax names the list's modules layer_0, layer_1, ...
-        self.layer = [TargetLayer(self.config, self.dtype, self.attn_impl, packed_weights=True)
-                      for _ in range(self.config.num_layers)]
+        pass  # params["layers"] are read as they are in _run_layers
 
     def setup(self):
         super().setup()
@@ -181,7 +183,7 @@ class UnrolledTargetModel(TargetModel):
                                                                          self.dtype)))
 
     def embed(self, tokens):
-        """With tied embeddings the token rows are read out of the packed head (`unstack_layers`
+        """With tied embeddings the token rows are read out of the packed head (`pack_layers`
         keeps no second copy of the embedding): the same floats, gathered."""
         if not self.config.tie_word_embeddings:
             return super().embed(tokens)
@@ -196,110 +198,71 @@ class UnrolledTargetModel(TargetModel):
         return rows_matmul(hidden, self.head, self.config.vocab_size).astype(jnp.float32)
 
     def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
-        def run(module, carry):
-            new_kv = []
-            traced_once = _layer_call(module.config, module.dtype, module.attn_impl)  # see `_layer_call`
-            for i, layer in enumerate(module.layer):
-                xs = tuple(x[i] for x in layer_xs)
-                if module.is_initializing():  # the params do not exist yet: Flax creates them here
-                    carry, kv = layer(carry, xs, positions, cos, sin, cache)
-                else:
-                    carry, kv = traced_once(module.variables["params"][f"layer_{i}"], carry, xs, positions, cos,
-                                            sin, cache)
-                new_kv.append(kv)
-            return carry, (None if cache is None else tuple(jnp.stack(parts) for parts in zip(*new_kv)))
+        if self.is_initializing():
+            raise TypeError("PackedTargetModel reads packed params (pack_layers); initialise TargetModel")
+        stack = flax.traverse_util.flatten_dict(dict(self.variables["params"]["layers"]))
+        kernels = {path: w for path, w in stack.items() if path[-1] == "kernel"}
+        small = {path: w for path, w in stack.items() if path[-1] != "kernel"}
+        layer = TargetLayer(self.config, self.dtype, self.attn_impl, packed_weights=True, parent=None)
 
-        if cache is None:
-            return run(self, carry)
-        # With a cache, the layers run as the body of a while loop that makes one trip. Unrolled at
-        # the top level, every layer's attention loop is a while that reads the cache, the rows
-        # are written after them, and XLA's copy insertion copies the whole cache (twice, K and V)
-        # in every step rather than order those reads before the write (SmolLM2, 4096 slots: 20 ms
-        # of a 110 ms step). Inside one loop body, as in the scanned model, it does not.
-        kv_shape = (self.config.num_layers, *positions.shape, self.config.num_kv_heads, self.config.head_dim)
-        zeros = jnp.zeros(kv_shape, cache.k.dtype)
-        one_trip = jax.lax.optimization_barrier(jnp.int32(1))  # opaque: XLA would inline a constant trip count
+        def body(carry, xs):
+            index = xs[0]
+            params = {path: jax.lax.dynamic_index_in_dim(w, index, keepdims=False) for path, w in small.items()}
+            stacked = {**kernels, **{path[:-1] + ("layer",): index for path in kernels}}
+            variables = {"params": flax.traverse_util.unflatten_dict(params),
+                         STACKED: flax.traverse_util.unflatten_dict(stacked)}
+            return layer.apply(variables, carry, xs, positions, cos, sin, cache)
 
-        def body(module, state):
-            trips, carry, _ = state
-            carry, new_kv = run(module, carry)
-            return trips + 1, carry, new_kv
-
-        _, carry, new_kv = nn.while_loop(lambda module, state: state[0] < one_trip, body, self,
-                                         (jnp.int32(0), carry, (zeros, zeros)))
-        return carry, new_kv
+        # With a cache, every layer's attention reads it inside the loop and the new rows are
+        # written after it, so XLA does not copy the cache to order the two.
+        return jax.lax.scan(body, carry, layer_xs)
 
 
-@functools.cache
-def _layer_call(config: ModelConfig, dtype, attn_impl: str):
-    """A packed `TargetLayer` as one jitted function of (layer params, carry, layer xs, positions,
-    cos, sin, cache). Called inside the unrolled model's trace, every layer with the same shapes
-    reuses its one trace and lowering (a nested call that XLA inlines: the compiled program is the
-    unrolled one), where 30 separate Flax layer calls were traced one by one: SmolLM2's 16-token
-    verify traced in 1.45 s that way."""
-    layer = TargetLayer(config, dtype, attn_impl, packed_weights=True, parent=None)  # unbound, not a submodule
-    return jax.jit(lambda params, *args: layer.apply({"params": params}, *args))
-
-
-def unstack_layers(params, *, release: bool = False) -> dict:
-    """Stacked target params ("layers" [L, ...]) -> UnrolledTargetModel params: one separate array
-    per layer and weight, kernels packed (`kernels.cpu_matmul.pack_kernel`), and the LM head packed
-    as "head" (an untied lm_head moves there; a tied embedding moves there too, and the model's
-    `embed` reads it from there). Run it outside jit: inside, the slices would be copies again.
-    release: the caller gives `params` up: each stacked weight leaves the dict once it is unstacked,
-    so that the copy never holds all the weights twice."""
-    if "layers" not in params:
+def pack_layers(params, *, release: bool = False) -> dict:
+    """Stacked target params -> PackedTargetModel params: every stacked kernel packed
+    ([L, K, N] -> [L, P, K, 16]) and the LM head packed as "head" (an untied lm_head moves there; a
+    tied embedding moves there too, and the model's `embed` reads it from there). Packed params are
+    returned as they are. release: the caller gives `params` up: each stacked weight leaves the dict
+    once it is packed, so that the copy never holds all the weights twice."""
+    if is_packed_layout(params):
         return params
-    out = unstack_layer_params(params, release=release)
-    if "lm_head" in out:
-        head = out.pop("lm_head")["kernel"]
-    else:
-        head = np.asarray(out.pop("embed_tokens")["embedding"]).T
-    if release:
-        params.pop("lm_head" if "lm_head" in params else "embed_tokens")
-    out["head"] = pack_kernel(head)
-    return out
+    stacked = flax.traverse_util.flatten_dict(params.pop("layers") if release else params["layers"])
+    layers = {}
+    for path in list(stacked):
+        weight = stacked.pop(path)
+        layers[path] = pack_kernel(weight) if path[-1] == "kernel" else weight
+        del weight
+    head_entry = "lm_head" if "lm_head" in params else "embed_tokens"
+    out = {k: v for k, v in params.items() if k not in ("layers", head_entry)}
+    head = params.pop(head_entry) if release else params[head_entry]
+    kernel = head["kernel"] if head_entry == "lm_head" else np.asarray(head["embedding"]).T
+    del head
+    return {**out, "layers": flax.traverse_util.unflatten_dict(layers), "head": pack_kernel(kernel)}
 
 
-LAYOUTS = ("auto", "stacked", "unrolled")
+def is_packed_layout(params) -> bool:
+    """Whether `params` are laid out for a CPU decode (`pack_layers`, `PackedTargetModel`)."""
+    return "head" in params
+
+
+LAYOUTS = ("auto", "stacked", "packed")
 
 
 def params_in_layout(params, layout: str = "auto", *, release: bool = False):
     """Stacked target params in the layout asked for: "stacked" as they are (what the scanned
-    `TargetModel`, training, sharding and GPUs use), "unrolled" through `unstack_layers` (what a
-    CPU decodes with: `UnrolledTargetModel`), "auto" unrolled when JAX's default backend is the CPU,
-    stacked elsewhere. release: see `unstack_layers` (a loader's own params)."""
+    `TargetModel`, training, sharding and GPUs use), "packed" through `pack_layers` (what a CPU
+    decodes with: `PackedTargetModel`), "auto" packed when JAX's default backend is the CPU,
+    stacked elsewhere. release: see `pack_layers` (a loader's own params)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if layout == "auto":
-        layout = "unrolled" if jax.default_backend() == "cpu" else "stacked"
-    if layout == "unrolled":
-        return unstack_layers(params, release=release)
-    if is_unstacked(params):
-        raise ValueError("these params are unrolled (one array per layer, kernels packed); the stacked "
-                         "layout is made at load time: load_target(..., layout=\"stacked\")")
+        layout = "packed" if jax.default_backend() == "cpu" else "stacked"
+    if layout == "packed":
+        return pack_layers(params, release=release)
+    if is_packed_layout(params):
+        raise ValueError("these params are packed for a CPU decode; the stacked layout is made at load "
+                         "time: load_target(..., layout=\"stacked\")")
     return params
-
-
-def unstack_layer_params(params, *, release: bool = False) -> dict:
-    """params with stacked "layers" [L, ...] -> "layer_0" .. "layer_{L-1}", each weight its own
-    array and every dense kernel packed for the CPU rows kernel (`layers.DensePacked`); the other
-    entries as they are. Shared by the target and the drafter. release: as in `unstack_layers`."""
-    stacked = flax.traverse_util.flatten_dict(params.pop("layers") if release else params["layers"])
-    num_layers = next(iter(stacked.values())).shape[0]
-    per_layer = [{} for _ in range(num_layers)]
-    for path in list(stacked):
-        weights = np.asarray(stacked.pop(path))  # sliced on the host: one copy per layer
-        for i, layer in enumerate(per_layer):
-            layer[path] = pack_kernel(weights[i]) if path[-1] == "kernel" else jnp.asarray(weights[i])
-        del weights
-    out = {k: v for k, v in params.items() if k != "layers"}
-    out.update({f"layer_{i}": flax.traverse_util.unflatten_dict(layer) for i, layer in enumerate(per_layer)})
-    return out
-
-
-def is_unstacked(params) -> bool:
-    return "layer_0" in params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,8 +283,8 @@ class TargetSpec:
         return TargetModel(self.config, self.dtype, self.attn_impl)
 
     def module_for(self, params) -> TargetModel:
-        """The module that reads `params`: scanned (stacked layers) or unrolled (`unstack_layers`)."""
-        cls = UnrolledTargetModel if is_unstacked(params) else TargetModel
+        """The module that reads `params`: scanned (stacked layers) or packed (`pack_layers`)."""
+        cls = PackedTargetModel if is_packed_layout(params) else TargetModel
         return cls(self.config, self.dtype, self.attn_impl)
 
     def forward(self, params, tokens, cache=None, *, positions=None, capture: Sequence[int] = (),

@@ -35,7 +35,7 @@ import numpy as np
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterSpec, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids
-from dflash_jax.target import TargetSpec, init_target_params, unstack_layers
+from dflash_jax.target import TargetSpec, init_target_params, pack_layers
 
 RANDOM_TARGETS = {
     "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -108,7 +108,7 @@ def build_models(args):
     drafter_params = random_params(jax.eval_shape(
         lambda: init_drafter_params(drafter_config, jax.random.PRNGKey(0), dtype)), 1)
     if jax.default_backend() == "cpu":  # the layouts generate decodes with here (speculative.decode_params)
-        target_params = unstack_layers(target_params)
+        target_params = pack_layers(target_params)
         drafter_params = drafter.decode_params(drafter_params)
     return target, target_params, drafter, drafter_params, name
 

@@ -62,6 +62,31 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(rows):
         np.testing.assert_array_equal(alone[0], together[m])
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_stacks_layer_is_read_in_place_and_equals_its_own_product(kernels, monkeypatch):
+    """`rows_matmul(x, stack, n, layer)` over `pack_kernel` of stacked kernels [L, K, N] equals the
+    product with kernel `layer` packed alone, bit for bit, for a traced layer index, with the
+    kernel reading the stack in place; without the kernel (plain stacks) XLA multiplies the slice."""
+    if not kernels:
+        monkeypatch.setattr(cpu_ffi, "available", lambda: False)
+        monkeypatch.setattr("dflash_jax.kernels.cpu_matmul.available", lambda: False)
+    elif not available():
+        pytest.skip("the CPU rows kernel is not built here")
+    rng = np.random.default_rng(5)
+    stack = rng.standard_normal((3, 200, 130)).astype(np.float32)
+    x = rng.standard_normal((4, 200)).astype(np.float32)
+    packed = pack_kernel(stack)
+    assert packed.shape == ((3, 9, 200, PANEL) if kernels else (3, 200, 130))
+    product = jax.jit(lambda x, w, layer: rows_matmul(x, w, 130, layer))
+    for layer in range(3):
+        want = np.asarray(jax.jit(_product(130))(x, pack_kernel(stack[layer])))
+        np.testing.assert_array_equal(np.asarray(product(x, packed, jnp.int32(layer))), want)
+    hlo = product.lower(x, packed, jnp.int32(0)).compile().as_text()
+    assert (TARGET_NAME in hlo) == kernels
+    if kernels:  # the stack goes into the call whole: no [200, 16]-panel slice of it is made
+        assert "f32[9,200,16]" not in hlo
+
+
 @needs_kernel
 def test_concurrent_products_share_the_helper_threads_safely():
     """Independent products in one program may run at the same time on XLA's threads: the one

@@ -16,7 +16,7 @@ from dflash_jax.cache import UNROLLED_ROWS, write_rows
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import Drafter, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.target import Target, init_target_params, unstack_layers
+from dflash_jax.target import Target, init_target_params, pack_layers
 
 CAPACITY = 1000
 TARGET = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -71,22 +71,22 @@ def drafter():
     return Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)))
 
 
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("layout", ["stacked", "packed"])
 @pytest.mark.parametrize("num_tokens", [1, 4])
 def test_target_decode_step_touches_only_new_rows(target, num_tokens, layout):
-    """Both layouts: stacked layers (a scan) and the unrolled ones generate decodes with on a CPU
-    (where several attention loops read the cache before the rows are written)."""
+    """Both layouts: stacked layers (a scan) and the packed ones generate decodes with on a CPU
+    (a loop whose products read the kernels in place)."""
     def step(params, tokens, cache):
         hidden, features, cache = target.forward(params, tokens, cache, capture=(0, 2))
         return target.logits(params, hidden), features, cache
 
-    params = target.params if layout == "stacked" else unstack_layers(target.params)
+    params = target.params if layout == "stacked" else pack_layers(target.params)
     cache = target.init_cache(2, CAPACITY)
     tokens = jnp.zeros((2, num_tokens), jnp.int32)
     assert whole_buffer_ops(compiled_text(step, params, tokens, cache, donate=(2,))) == []
 
 
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("layout", ["stacked", "packed"])
 def test_chunked_prefill_touches_only_new_rows(target, layout):
     """A prompt longer than one prefill chunk: a scan over chunks, each writing its rows."""
     from dflash_jax.target import PREFILL_CHUNK
@@ -95,7 +95,7 @@ def test_chunked_prefill_touches_only_new_rows(target, layout):
         hidden, features, cache = target.prefill(params, tokens, cache, capture=(0, 2))
         return target.logits(params, hidden[:, -1]), features, cache
 
-    params = target.params if layout == "stacked" else unstack_layers(target.params)
+    params = target.params if layout == "stacked" else pack_layers(target.params)
     tokens = jnp.zeros((2, PREFILL_CHUNK + 44), jnp.int32)
     hlo = compiled_text(prefill, params, tokens, target.init_cache(2, CAPACITY), donate=(2,))
     assert whole_buffer_ops(hlo) == []
@@ -145,7 +145,7 @@ def test_check_flags_a_whole_buffer_writer(writer, batch, flagged):
 
 @pytest.mark.parametrize("draft,temperature", [(False, 0.0), (True, 0.0), (True, 1.0)])
 def test_generate_loop_touches_only_new_rows(target, drafter, draft, temperature):
-    """The whole compiled decode loop of `generate` (on a CPU: the unrolled target layout) copies
+    """The whole compiled decode loop of `generate` (on a CPU: the packed target layout) copies
     no cache: its step cost does not follow the capacity (prompt bucket + 1000 + block, rounded up
     to 1024)."""
     from dflash_jax import speculative

@@ -129,28 +129,33 @@ def test_write_rows_writes_each_row_at_its_offset(batch):
     np.testing.assert_array_equal(np.asarray(got), expected)
 
 
-def test_unrolled_layers_equal_the_scan_and_copy_no_weights(target):
-    """`unstack_layers` + UnrolledTargetModel (what generate decodes with on a CPU) give the scanned
+def test_packed_layers_equal_the_scan_and_copy_no_weights(target):
+    """`pack_layers` + PackedTargetModel (what generate decodes with on a CPU) give the scanned
     model's results, and the compiled one-token step produces no layer-weight-shaped value (the
-    scan slices every layer's weights out of the stack with a copy: checked as the counter-case)."""
+    scan slices every layer's weights out of the stack with a copy: checked as the counter-case;
+    the packed model's products read each layer's kernel inside its stack)."""
     import re
 
-    from dflash_jax.target import is_unstacked, unstack_layers
+    from dflash_jax.target import PackedTargetModel, is_packed_layout, pack_layers
 
-    unrolled = unstack_layers(target.params)
-    assert is_unstacked(unrolled) and not is_unstacked(target.params)
+    packed = pack_layers(target.params)
+    assert is_packed_layout(packed) and not is_packed_layout(target.params)
+    assert isinstance(target.module_for(packed), PackedTargetModel)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, size=(2, 9)), jnp.int32)
     want = target.forward(target.params, tokens, capture=(0, 2))
-    got = target.forward(unrolled, tokens, capture=(0, 2))
+    got = target.forward(packed, tokens, capture=(0, 2))
     for a, b in zip(got[:2], want[:2]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    caches = [target.forward(p, tokens, target.init_cache(2, 16))[2] for p in (target.params, unrolled)]
+    caches = [target.forward(p, tokens, target.init_cache(2, 16))[2] for p in (target.params, packed)]
     np.testing.assert_allclose(np.asarray(caches[1].k), np.asarray(caches[0].k), rtol=1e-5, atol=1e-5)
 
-    weight_shapes = {"f32[" + ",".join(map(str, x.shape[1:])) + "]"
-                     for x in jax.tree_util.tree_leaves(target.params["layers"]) if x.ndim == 3}
-    weight_shapes |= {"f32[" + ",".join(map(str, x.shape)) + "]"  # the packed layout's shapes too
-                      for x in jax.tree_util.tree_leaves(unrolled["layer_0"]) if x.ndim >= 2}
+    def shape_text(shape):
+        return "f32[" + ",".join(map(str, shape)) + "]"
+
+    # one layer's weights, stacked layout and packed layout, and any 2-D+ slice of the stacks
+    weight_shapes = {shape_text(x.shape[1:]) for x in jax.tree_util.tree_leaves(target.params["layers"])
+                     if x.ndim == 3}
+    weight_shapes |= {shape_text(x.shape[1:]) for x in jax.tree_util.tree_leaves(packed["layers"]) if x.ndim >= 3}
 
     def weight_copies(params):
         step = jax.jit(lambda p, tok, c: target.forward(p, tok, c)[0])
@@ -164,72 +169,102 @@ def test_unrolled_layers_equal_the_scan_and_copy_no_weights(target):
     scanned = weight_copies(target.params)
     print("weight-shaped values made by the scanned step:", scanned)
     assert scanned, "the counter-case: the scan copies layer weights"
-    assert weight_copies(unrolled) == []
+    assert weight_copies(packed) == []
+
+
+def test_packed_layers_equal_a_loop_over_single_kernels():
+    """The packed model's products read kernel `layer` of a stack in place; the same layers run one
+    by one over their own packed kernels give bit-identical results (a loop over layers used to
+    decode this way)."""
+    import dataclasses
+
+    from dflash_jax.layers import RMSNorm, Rotary
+    from dflash_jax.target import TargetLayer, pack_layers
+
+    config = dataclasses.replace(CFG, hidden_size=64, intermediate_size=96)  # several panels
+    model = Target(config, init_target_params(config, jax.random.PRNGKey(7)))
+    packed = pack_layers(model.params)
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, 97, size=(2, 5)), jnp.int32)
+    got = model.forward(packed, tokens, capture=(0, 1))
+
+    layer = TargetLayer(config, packed_weights=True, parent=None)
+    hidden = model.embed(packed, tokens)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    cos, sin = Rotary(config)(positions)
+    one = lambda i: jax.tree.map(lambda x: x[i], packed["layers"])
+    outputs = []
+    for i in range(config.num_layers):
+        xs = (jnp.int32(i), jnp.int32(config.layer_windows[i]), jnp.int32(-1))
+        (hidden, _), _ = jax.jit(layer.apply)({"params": one(i)}, (hidden, None), xs, positions, cos, sin, None)
+        outputs.append(hidden)
+    final = RMSNorm(config.rms_norm_eps).apply({"params": packed["norm"]}, hidden)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(final))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(jnp.concatenate(outputs[:2], -1)))
 
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_unrolled_lm_head_equals_the_scanned_one(rows, tied):
-    """The unrolled params carry the LM head packed for the rows kernel ("head", from the tied
-    embedding or the moved lm_head; `UnrolledTargetModel.logits`): 1-16 rows read it, more rows of
-    a tied head read the embedding; every case gives the scanned model's logits."""
+def test_packed_lm_head_equals_the_scanned_one(rows, tied):
+    """The packed params carry the LM head packed for the rows kernel ("head", from the tied
+    embedding or the moved lm_head; `PackedTargetModel.logits`): any number of rows read it and
+    give the scanned model's logits."""
     import dataclasses
 
     from dflash_jax.kernels.cpu_matmul import pack_kernel
-    from dflash_jax.target import unstack_layers
+    from dflash_jax.target import pack_layers
 
     config = dataclasses.replace(CFG, tie_word_embeddings=tied)
     model = Target(config, init_target_params(config, jax.random.PRNGKey(4)))
-    unrolled = unstack_layers(model.params)
+    packed = pack_layers(model.params)
     head = model.params["embed_tokens"]["embedding"].T if tied else model.params["lm_head"]["kernel"]
-    np.testing.assert_array_equal(np.asarray(unrolled["head"]), np.asarray(pack_kernel(head)))
-    assert "lm_head" not in unrolled
+    np.testing.assert_array_equal(np.asarray(packed["head"]), np.asarray(pack_kernel(head)))
+    assert "lm_head" not in packed
     hidden = jax.random.normal(jax.random.PRNGKey(5), (1, rows, config.hidden_size))
     want = np.asarray(model.logits(model.params, hidden))
-    got = np.asarray(jax.jit(model.logits)(unrolled, hidden))
+    got = np.asarray(jax.jit(model.logits)(packed, hidden))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    if tied:  # which matrix each case reads: with the embedding zeroed, only the head is left
-        embedding = model.params["embed_tokens"]["embedding"]
-        probe = {**unrolled, "embed_tokens": {"embedding": jnp.zeros_like(embedding)}}
-        read = np.asarray(jax.jit(model.logits)(probe, hidden))
-        np.testing.assert_allclose(read, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("tied", [True, False])
-def test_unrolled_params_keep_one_copy_of_a_tied_embedding(tied, packed, monkeypatch):
-    """A tied embedding moves into the packed head (no second copy of it in the unrolled params)
-    and `UnrolledTargetModel.embed` reads the token rows back out of it: the same floats, with the
-    head packed into panels or left [D, V] (no CPU kernel)."""
+def test_packed_params_keep_one_copy_of_a_tied_embedding(tied, kernels, monkeypatch):
+    """A tied embedding moves into the packed head (no second copy of it in the packed params) and
+    `PackedTargetModel.embed` reads the token rows back out of it: the same floats, with the head
+    packed into panels or left [D, V] (no CPU kernel: then the layers' kernels stay [L, K, N] too,
+    and the same model multiplies them with XLA)."""
     import dataclasses
 
     from dflash_jax.kernels import cpu_matmul
-    from dflash_jax.target import unstack_layers
+    from dflash_jax.target import pack_layers
 
-    if not packed:
+    if not kernels:
         monkeypatch.setattr(cpu_matmul, "available", lambda: False)
     config = dataclasses.replace(CFG, tie_word_embeddings=tied)
     model = Target(config, init_target_params(config, jax.random.PRNGKey(6)))
-    unrolled = unstack_layers(model.params)
-    assert ("embed_tokens" in unrolled) == (not tied)
-    assert cpu_matmul.is_packed(unrolled["head"]) == (packed and cpu_matmul.available())
+    packed = pack_layers(model.params)
+    assert ("embed_tokens" in packed) == (not tied)
+    assert cpu_matmul.is_packed(packed["head"]) == (kernels and cpu_matmul.available())
     tokens = jnp.asarray([np.arange(config.vocab_size), np.arange(config.vocab_size)[::-1]], jnp.int32)
     want = np.asarray(model.params["embed_tokens"]["embedding"])[np.asarray(tokens)]
-    np.testing.assert_array_equal(np.asarray(jax.jit(model.embed)(unrolled, tokens)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(model.embed)(packed, tokens)), want)
+    hidden = model.forward(model.params, tokens[:, :7])[0]
+    np.testing.assert_allclose(np.asarray(model.forward(packed, tokens[:, :7])[0]), np.asarray(hidden),
+                               rtol=1e-5, atol=1e-5)
 
 
-def test_released_params_are_given_up_and_unstack_the_same(target):
-    """`unstack_layers(..., release=True)` (how `load_target` lays out its own params) empties the
+def test_released_params_are_given_up_and_pack_the_same(target):
+    """`pack_layers(..., release=True)` (how `load_target` lays out its own params) empties the
     stacked dict weight by weight and returns what the copying call returns."""
-    from dflash_jax.target import params_in_layout, unstack_layers
+    from dflash_jax.target import pack_layers, params_in_layout
 
-    kept = unstack_layers(target.params)
+    kept = pack_layers(target.params)
     params = dict(target.params)  # a shallow copy: the fixture's params stay whole
-    released = params_in_layout(params, "unrolled", release=True)
+    released = params_in_layout(params, "packed", release=True)
     assert "layers" not in params and "layers" in target.params
     assert jax.tree.structure(released) == jax.tree.structure(kept)
     jax.tree.map(np.testing.assert_array_equal, released, kept)
     assert params_in_layout(target.params, "stacked") is target.params
+    assert pack_layers(kept) is kept
     with pytest.raises(ValueError, match="layout"):
         params_in_layout(kept, "stacked")
     with pytest.raises(ValueError, match="layout must be one of"):

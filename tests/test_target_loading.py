@@ -99,14 +99,15 @@ def test_sharded_and_torch_bin_load_the_same(qwen_dir, tmp_path):
 
 
 def test_layouts(qwen_dir):
-    """On a CPU a loaded target holds its layers unrolled (what generate decodes with, one copy of the
-    weights); layout="stacked" keeps them stacked (training, conversion); the two compute the same."""
-    from dflash_jax.target import is_unstacked
+    """On a CPU a loaded target holds its params laid out for decoding (kernels packed, what generate
+    runs on: one copy of the weights); layout="stacked" keeps them as training and conversion read
+    them; the two compute the same."""
+    from dflash_jax.target import is_packed_layout
 
-    unrolled, stacked = load_target(qwen_dir), load_target(qwen_dir, layout="stacked")
-    assert is_unstacked(unrolled.params) and "layers" in stacked.params
+    packed, stacked = load_target(qwen_dir), load_target(qwen_dir, layout="stacked")
+    assert is_packed_layout(packed.params) and not is_packed_layout(stacked.params)
     tokens = jnp.asarray([[1, 2, 3, 4]])
-    np.testing.assert_allclose(np.asarray(unrolled.forward(unrolled.params, tokens)[0]),
+    np.testing.assert_allclose(np.asarray(packed.forward(packed.params, tokens)[0]),
                                np.asarray(stacked.forward(stacked.params, tokens)[0]), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="layout must be one of"):
         load_target(qwen_dir / "nowhere", layout="rolled")  # checked before anything is read

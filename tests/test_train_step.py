@@ -11,7 +11,7 @@ import fitted_models
 from dflash_jax import objective
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterSpec
-from dflash_jax.target import Target, init_target_params, unstack_layers
+from dflash_jax.target import Target, init_target_params, pack_layers
 from train import drafter_init, step as step_lib
 
 NUM_ANCHORS = 6
@@ -157,7 +157,7 @@ def test_warm_start_copies_the_targets_top_layers():
         drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1), warm=True,
                                     warm_layers=(0, 4))
     with pytest.raises(drafter_init.DrafterFitError, match="layout=\"stacked\""):  # a CPU load's default
-        drafter_init.initial_params(config, target, unstack_layers(target.params), jax.random.PRNGKey(1),
+        drafter_init.initial_params(config, target, pack_layers(target.params), jax.random.PRNGKey(1),
                                     warm=True)
 
 

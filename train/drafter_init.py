@@ -12,7 +12,7 @@ import numpy as np
 from dflash_jax.drafter import init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids, resolve_mask_token_id
 from dflash_jax.loading.drafter_io import validate_pair
-from dflash_jax.target import is_unstacked
+from dflash_jax.target import is_packed_layout
 
 LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
 
@@ -49,8 +49,8 @@ def build_drafter_config(target, *, num_layers: int, block_size: int, intermedia
 
 
 def _require_stacked(target_params):
-    if is_unstacked(target_params):
-        raise DrafterFitError("the target's params are unrolled for CPU decoding; a drafter is initialised "
+    if is_packed_layout(target_params):
+        raise DrafterFitError("the target's params are packed for CPU decoding; a drafter is initialised "
                               "from the stacked layout: load_target(..., layout=\"stacked\")")
 
 

@@ -28,23 +28,27 @@ PANEL = 16  # columns per panel of a packed kernel
 
 def pack_kernel(kernel) -> jax.Array:
     """A dense kernel [K, N] (`nn.Dense`'s [in, out]) as the rows kernel reads it: panels
-    [ceil(N / 16), K, 16], panel p holding columns 16p .. 16p + 15 (zeros past N). Left [K, N] where
-    the kernel is unavailable or the dtype is not float32. Concrete arrays are packed with numpy (a
+    [ceil(N / 16), K, 16], panel p holding columns 16p .. 16p + 15 (zeros past N); a stack of
+    kernels [L, K, N] (a scanned model's) -> [L, ceil(N / 16), K, 16]. Left as it is where the
+    kernel is unavailable or the dtype is not float32. Concrete arrays are packed with numpy (a
     copy, one per weight: unstacking and packing SmolLM2's params took 0.95 s this way, 2.45 s with
     eager jnp operations); under a trace (an initializer) it is jnp."""
     try:
         kernel, xp = np.asarray(kernel), np
     except jax.errors.TracerArrayConversionError:
         xp = jnp
-    if kernel.dtype != jnp.float32 or kernel.ndim != 2 or not available():
+    if kernel.dtype != jnp.float32 or kernel.ndim not in (2, 3) or not available():
         return jnp.asarray(kernel)
-    k, n = kernel.shape
-    padded = xp.pad(kernel, ((0, 0), (0, -n % PANEL)))
-    return jnp.asarray(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))
+    *lead, k, n = kernel.shape
+    if n % PANEL:
+        kernel = xp.pad(kernel, [(0, 0)] * (len(lead) + 1) + [(0, -n % PANEL)])
+    panels = kernel.reshape(*lead, k, -1, PANEL)
+    return jnp.asarray(xp.swapaxes(panels, -3, -2))
 
 
-def is_packed(w) -> bool:
-    return w.ndim == 3
+def is_packed(w, stacked: bool = False) -> bool:
+    """Whether w is `pack_kernel`'s panels (of a stack of kernels when `stacked`)."""
+    return w.ndim == 3 + stacked
 
 
 def _xla_panels(x, panels):
@@ -52,22 +56,30 @@ def _xla_panels(x, panels):
     return y.reshape(*x.shape[:-1], -1)
 
 
-def rows_matmul(x: jax.Array, w: jax.Array, features: int) -> jax.Array:
+def rows_matmul(x: jax.Array, w: jax.Array, features: int, layer=None) -> jax.Array:
     """x [..., K] @ W -> [..., features], W being a `pack_kernel` result: panels [P, K, 16] or a
-    plain [K, N]. Panels go through the kernel on a CPU for float32 inputs, through XLA otherwise; a
-    plain kernel is XLA's product."""
-    if not is_packed(w):
-        return jnp.dot(x, w)
+    plain [K, N]; with `layer` (an int32 scalar, traced or not), W is a stack of them ([L, P, K, 16]
+    or [L, K, N]) and the product uses W[layer], which the kernel reads in place. Panels go through
+    the kernel on a CPU for float32 inputs, through XLA otherwise; a plain kernel is XLA's
+    product (of a slice: a copy)."""
+    stacked = layer is not None
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+
+    def one(w):
+        return jax.lax.dynamic_index_in_dim(w, index, keepdims=False) if stacked else w
+
+    if not is_packed(w, stacked):
+        return jnp.dot(x, one(w))
     rows = int(np.prod(x.shape[:-1]))
     if x.dtype == w.dtype == jnp.float32 and rows > 0 and available():
         def kernel(x, w):
-            out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0] * PANEL,), jnp.float32)
-            return jax.ffi.ffi_call(TARGET_NAME, out)(x, w)
+            out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[-3] * PANEL,), jnp.float32)
+            return jax.ffi.ffi_call(TARGET_NAME, out)(x, w, index)
 
         if jax.default_backend() == "cpu":  # lowered for the CPU alone: no XLA branch to trace
             y = kernel(x, w)
         else:  # a GPU host decoding on its CPU device: the kernel there, XLA's product elsewhere
-            y = jax.lax.platform_dependent(x, w, cpu=kernel, default=_xla_panels)
+            y = jax.lax.platform_dependent(x, w, cpu=kernel, default=lambda x, w: _xla_panels(x, one(w)))
     else:
-        y = _xla_panels(x, w)
+        y = _xla_panels(x, one(w))
     return y if y.shape[-1] == features else y[..., :features]

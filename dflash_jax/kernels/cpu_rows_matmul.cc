@@ -165,18 +165,26 @@ void RowsMatmul(const float* x, const float* w, float* y, int64_t M, int64_t P, 
   }, &job, parts);
 }
 
-ffi::Error RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+// w is one kernel [P, K, 16] or a stack of them [L, P, K, 16], of which `layer` picks one (read in
+// place: a loop over stacked layers passes the whole stack and its index, and no slice is copied).
+ffi::Error RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 3 || wd[2] != kPanel || xd.back() != wd[1]) {
-    return ffi::Error::InvalidArgument("dflash_rows_matmul: x [..., K] and w [P, K, 16] disagree");
+  const size_t stacked = wd.size() == 4 ? 1 : 0;
+  if (xd.size() < 1 || wd.size() != 3 + stacked || wd[2 + stacked] != kPanel || xd.back() != wd[1 + stacked] ||
+      layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "dflash_rows_matmul: x [..., K] and w [P, K, 16] or [L, P, K, 16] disagree, or layer is not a scalar");
   }
-  const int64_t P = wd[0], K = wd[1];
+  const int64_t L = stacked ? wd[0] : 1, P = wd[stacked], K = wd[1 + stacked];
+  const int64_t l = stacked ? layer.typed_data()[0] : 0;
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("dflash_rows_matmul: layer out of range");
   const int64_t M = K == 0 ? 0 : static_cast<int64_t>(x.element_count()) / K;
   if (static_cast<int64_t>(y->element_count()) != M * P * kPanel) {
     return ffi::Error::InvalidArgument("dflash_rows_matmul: output is not [..., P * 16]");
   }
-  RowsMatmul(x.typed_data(), w.typed_data(), y->typed_data(), M, P, K);
+  RowsMatmul(x.typed_data(), w.typed_data() + l * P * K * kPanel, y->typed_data(), M, P, K);
   return ffi::Error::Success();
 }
 
@@ -184,6 +192,7 @@ ffi::Error RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowsMatmul, RowsMatmulImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());

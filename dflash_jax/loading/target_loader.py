@@ -70,9 +70,9 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     dtype: "float32" or "bfloat16" for params and activations (softmax and norms stay f32).
     tokenizer: also load the tokenizer (Target.tokenizer; None when the directory has none).
     layout: how `Target.params` holds the layers (`target.params_in_layout`). "auto" (default): on a
-      CPU one array per layer with the products' kernels packed for the CPU kernels, what `generate`
-      runs on there, so that decoding holds one copy of the weights; elsewhere stacked [L, ...].
-      "stacked" for training, sharding, warm starts and conversion, which read the stacked layout.
+      CPU "packed", the stacked layers with every kernel packed for the CPU kernels (`pack_layers`),
+      what `generate` runs on there, so that decoding holds one copy of the weights; elsewhere
+      "stacked" [L, ...], the layout training, sharding, warm starts and conversion read.
 
     Bad input raises one exception naming the file: FileNotFoundError, ConfigError (config.json),
     CheckpointError (damaged or mismatched weights), TorchRequiredError (.bin without torch).

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import host_arrays
 from dflash_jax.kernels.cpu_ffi import available
 
 TARGET_NAME = "dflash_rows_matmul"
@@ -42,8 +43,12 @@ def pack_kernel(kernel) -> jax.Array:
     *lead, k, n = kernel.shape
     if n % PANEL:
         kernel = xp.pad(kernel, [(0, 0)] * (len(lead) + 1) + [(0, -n % PANEL)])
-    panels = kernel.reshape(*lead, k, -1, PANEL)
-    return jnp.asarray(xp.swapaxes(panels, -3, -2))
+    panels = xp.swapaxes(kernel.reshape(*lead, k, -1, PANEL), -3, -2)
+    if xp is jnp:
+        return panels
+    out = host_arrays.empty(panels.shape, panels.dtype)  # the one copy: JAX adopts it as it is
+    out[...] = panels
+    return host_arrays.adopt(out)
 
 
 def is_packed(w, stacked: bool = False) -> bool:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
+from dflash_jax import host_arrays
 from dflash_jax.config import ModelConfig
 from dflash_jax.errors import CheckpointError
 
@@ -101,7 +102,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     for rule in rules:
         want = _get(shapes, rule.path).shape
         layer_shape = want[1:] if rule.per_layer else want
-        out = np.empty(want, np_dtype)
+        out = host_arrays.empty(want, np_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
             value = np.asarray(tensors[name])
             value = value.T if rule.transpose else value
@@ -115,7 +116,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
                 out[...] = value.astype(np_dtype)
             if progress:
                 progress(name)
-        _set(params, rule.path, jax.numpy.asarray(out))
+        _set(params, rule.path, host_arrays.adopt(out))
     unfilled = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)
                 if not _has(params, tuple(k.key for k in p))]
     if unfilled:

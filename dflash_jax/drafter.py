@@ -21,7 +21,6 @@ import functools
 from typing import Any
 
 import flax.linen as nn
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +30,9 @@ from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, has_packed_kernels,
+                               pack_stacked_kernels, scan_stacked_layers)
 from dflash_jax.model_spec import on_spec
-from dflash_jax.kernels.cpu_matmul import pack_kernel
 
 
 def _select_ranges(windowed: bool, windowed_ranges, full_ranges):
@@ -164,43 +163,22 @@ class DrafterModel(nn.Module):
         return self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
 
 
-def unstack_layer_params(params) -> dict:
-    """params with stacked "layers" [L, ...] -> "layer_0" .. "layer_{L-1}", each weight its own
-    array and every dense kernel packed for the CPU rows kernel (`layers.DensePacked`); the other
-    entries as they are. Run it outside jit: inside, the slices would be copies again."""
-    stacked = flax.traverse_util.flatten_dict(params["layers"])
-    num_layers = next(iter(stacked.values())).shape[0]
-    per_layer = [{} for _ in range(num_layers)]
-    for path, weights in stacked.items():
-        weights = np.asarray(weights)  # sliced on the host: one copy per layer
-        for i, layer in enumerate(per_layer):
-            layer[path] = pack_kernel(weights[i]) if path[-1] == "kernel" else jnp.asarray(weights[i])
-    out = {k: v for k, v in params.items() if k != "layers"}
-    out.update({f"layer_{i}": flax.traverse_util.unflatten_dict(layer) for i, layer in enumerate(per_layer)})
-    return out
-
-
-def is_unstacked(params) -> bool:
-    return "layer_0" in params
-
-
-class UnrolledDrafterModel(DrafterModel):
-    """DrafterModel over per-layer params "layer_0" .. (`unstack_layer_params`, kernels packed):
-    a Python loop over the layers instead of a scan, what a CPU drafts with: the scan copies every
-    layer's weights out of the stack in every call, and the unrolled layers' products go through
-    `kernels.cpu_matmul.rows_matmul`. Same results. (The target's `PackedTargetModel` reads packed
-    stacks in place instead; for a drafter's few layers the unrolled loop compiles quickly.)"""
+class PackedDrafterModel(DrafterModel):
+    """DrafterModel over stacked layers whose kernels are packed for the CPU rows kernel
+    (`DrafterSpec.decode_params`, `layers.pack_stacked_kernels`), what a CPU drafts with: the
+    layers run as a loop over the layer index that reads each kernel inside its stack
+    (`layers.scan_stacked_layers`), where the scan would copy every layer's weights out of the stack
+    in every call, and the products go through `kernels.cpu_matmul.rows_matmul`. Same results."""
 
     def _make_layers(self):
-        self.layer = [DrafterLayer(self.config, self.dtype, self.attn_impl, packed_weights=True)
-                      for _ in range(self.config.num_layers)]
+        pass  # params["layers"] are read as they are in _run_layers
 
     def _run_layers(self, method: str, carry, xs, shared):
-        outputs = []
-        for i, layer in enumerate(self.layer):
-            carry, out = getattr(layer, method)(carry, jax.tree.map(lambda x: x[i], xs), shared)
-            outputs.append(out)
-        return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
+        if self.is_initializing():
+            raise TypeError("PackedDrafterModel reads packed params (DrafterSpec.decode_params); "
+                            "initialise DrafterModel")
+        layer = DrafterLayer(self.config, self.dtype, self.attn_impl, packed_weights=True, parent=None)
+        return scan_stacked_layers(layer, self.variables["params"]["layers"], carry, xs, shared, method=method)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,21 +203,21 @@ class DrafterSpec:
         return DrafterModel(self.config, self.dtype, self.attn_impl)
 
     def module_for(self, loop_params) -> DrafterModel:
-        """The module that reads `loop_params`: scanned, or unrolled (`decode_params`)."""
+        """The module that reads `loop_params`: scanned, or packed (`decode_params`)."""
         return self._module_reading(self._module_params(loop_params))
 
     def _module_reading(self, module_params) -> DrafterModel:
-        cls = UnrolledDrafterModel if is_unstacked(module_params) else DrafterModel
+        cls = PackedDrafterModel if has_packed_kernels(module_params["layers"]) else DrafterModel
         return cls(self.config, self.dtype, self.attn_impl)
 
     def decode_params(self, loop_params):
-        """`loop_params` with the layers unstacked and their kernels packed (what a CPU drafts
-        with, `UnrolledDrafterModel`). Run it outside jit."""
+        """`loop_params` with the layers' kernels packed (what a CPU drafts with,
+        `PackedDrafterModel`). Run it outside jit."""
         module_params = self._module_params(loop_params)
-        if is_unstacked(module_params):
+        if has_packed_kernels(module_params["layers"]):
             return loop_params
-        unrolled = unstack_layer_params(module_params)
-        return unrolled if self.config.draft_vocab_size is None else {**loop_params, "drafter": unrolled}
+        packed = {**module_params, "layers": pack_stacked_kernels(module_params["layers"])}
+        return packed if self.config.draft_vocab_size is None else {**loop_params, "drafter": packed}
 
     @property
     def block_size(self) -> int:

@@ -6,11 +6,12 @@ import math
 from typing import Any
 
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.kernels.cpu_matmul import pack_kernel, rows_matmul
+from dflash_jax.kernels.cpu_matmul import is_packed, pack_kernel, rows_matmul
 
 Dtype = Any
 
@@ -36,10 +37,10 @@ class DensePacked(nn.Module):
     """`nn.Dense` whose kernel ("kernel", same name and bias) is stored as `cpu_matmul.pack_kernel`
     leaves it: panels [N / 16, in, 16] where the CPU rows kernel is built, else [in, out]. Products
     of a few rows then go through `kernels.cpu_matmul.rows_matmul`, which streams every weight once
-    on a CPU. The packed target and the unrolled drafter that a CPU decodes with use it
-    (`target.pack_layers`, `drafter.unstack_layer_params` pack the kernels); nothing else does.
+    on a CPU. The packed target and drafter that a CPU decodes with use it (`target.pack_layers`,
+    `DrafterSpec.decode_params`); nothing else does.
 
-    In a loop over stacked layers (`target.PackedTargetModel`) the kernel comes instead from the
+    In a loop over stacked layers (`scan_stacked_layers`) the kernel comes instead from the
     `STACKED` collection: "kernel" holds every layer's ([L, P, K, 16]) and "layer" the index of
     this one, which the rows kernel reads in place (a slice of the stack would be a copy)."""
 
@@ -60,6 +61,49 @@ class DensePacked(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
+
+
+def scan_stacked_layers(layer: nn.Module, stack, carry, xs, *args, method: str = "__call__"):
+    """Every layer of `stack` (one layer's params with a leading axis L: stacked, kernels packed by
+    `pack_kernel` for the CPU rows kernel) applied in turn as a `lax.scan`: the unbound `layer`
+    (built with packed_weights=True) runs `method`(carry, xs[i], *args) with its small params (norm
+    scales, biases) sliced at i and every kernel read in place through `STACKED` (a slice of a
+    stack would be a copy of the weight in every call). -> (carry, outputs stacked [L, ...])."""
+    flat = flax.traverse_util.flatten_dict(dict(stack))
+    kernels = {path: w for path, w in flat.items() if path[-1] == "kernel"}
+    small = {path: w for path, w in flat.items() if path[-1] != "kernel"}
+    num_layers = next(iter(flat.values())).shape[0]
+
+    def body(carry, scanned):
+        index, layer_xs = scanned
+        params = {path: jax.lax.dynamic_index_in_dim(w, index, keepdims=False) for path, w in small.items()}
+        stacked = {**kernels, **{path[:-1] + ("layer",): index for path in kernels}}
+        variables = {"params": flax.traverse_util.unflatten_dict(params),
+                     STACKED: flax.traverse_util.unflatten_dict(stacked)}
+        return layer.apply(variables, carry, layer_xs, *args, method=method)
+
+    return jax.lax.scan(body, carry, (jnp.arange(num_layers, dtype=jnp.int32), xs))
+
+
+def pack_stacked_kernels(stack: dict, *, release: bool = False) -> dict:
+    """Stacked layer params with every kernel packed ([L, K, N] -> [L, P, K, 16], `pack_kernel`),
+    what `scan_stacked_layers` reads. release: the caller gives `stack` up: each weight leaves it
+    once packed, so that the weights are never all held twice."""
+    flat = flax.traverse_util.flatten_dict(stack)
+    if release:
+        stack.clear()
+    out = {}
+    for path in list(flat):
+        weight = flat.pop(path)
+        out[path] = pack_kernel(weight) if path[-1] == "kernel" else weight
+        del weight
+    return flax.traverse_util.unflatten_dict(out)
+
+
+def has_packed_kernels(stack) -> bool:
+    """Whether stacked layer params hold `pack_kernel`'s panels ([L, P, K, 16])."""
+    return any(path[-1] == "kernel" and is_packed(w, stacked=True)
+               for path, w in flax.traverse_util.flatten_dict(dict(stack)).items())
 
 
 def make_dense(features: int, use_bias: bool, dtype: Dtype, packed: bool = False, name: str | None = None):

@@ -130,9 +130,9 @@ def decode_params(target):
 
 
 def decode_drafter_params(drafter):
-    """The drafter params the decode loop runs on (`Drafter.loop_params`): on a CPU with the layers
-    unstacked and their kernels packed (`drafter.UnrolledDrafterModel`), made once per params
-    object and kept for the last two; elsewhere as they are."""
+    """The drafter params the decode loop runs on (`Drafter.loop_params`): on a CPU with the layers'
+    kernels packed (`drafter.PackedDrafterModel`), made once per params object and kept for the
+    last two; elsewhere as they are."""
     if jax.default_backend() != "cpu":
         return drafter.loop_params
     owner = (drafter.params, drafter.draft_head)

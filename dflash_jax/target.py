@@ -17,7 +17,6 @@ import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +26,7 @@ from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
 from dflash_jax.kernels.cpu_matmul import PANEL, is_packed, pack_kernel, rows_matmul
-from dflash_jax.layers import MLP, STACKED, AttentionProjections, RMSNorm, Rotary
+from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary, pack_stacked_kernels, scan_stacked_layers
 from dflash_jax.model_spec import on_spec
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
@@ -161,9 +160,9 @@ class PackedTargetModel(TargetModel):
     model (the products stream each weight once where XLA's GEMM reads it several times over for a
     few rows), bit for bit the same as a Python loop over per-layer params, which it replaced.
 
-    The layers run as a loop over the layer index (`lax.scan`), as in the scanned model, but the
-    products read their layer's kernel inside the stack (`layers.DensePacked` and its `STACKED`
-    collection): the scanned model slices every layer's weights out of the stack with a copy in
+    The layers run as a loop over the layer index (`layers.scan_stacked_layers`, a `lax.scan`), as
+    in the scanned model, but the products read their layer's kernel inside the stack
+    (`layers.DensePacked` and its `STACKED` collection): the scanned model slices every layer's weights out of the stack with a copy in
     every step (SmolLM2-135M, one token, no cache: 42 ms scanned, 25 ms with per-layer arrays).
     Only the small per-layer params (norm scales, biases) are sliced. XLA compiles one layer, not
     all of them: SmolLM2's 300-token prefill 5.1 -> 2.0 s, one-token step 3.1 -> 1.6 s, 16-token
@@ -200,22 +199,11 @@ class PackedTargetModel(TargetModel):
     def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
         if self.is_initializing():
             raise TypeError("PackedTargetModel reads packed params (pack_layers); initialise TargetModel")
-        stack = flax.traverse_util.flatten_dict(dict(self.variables["params"]["layers"]))
-        kernels = {path: w for path, w in stack.items() if path[-1] == "kernel"}
-        small = {path: w for path, w in stack.items() if path[-1] != "kernel"}
         layer = TargetLayer(self.config, self.dtype, self.attn_impl, packed_weights=True, parent=None)
-
-        def body(carry, xs):
-            index = xs[0]
-            params = {path: jax.lax.dynamic_index_in_dim(w, index, keepdims=False) for path, w in small.items()}
-            stacked = {**kernels, **{path[:-1] + ("layer",): index for path in kernels}}
-            variables = {"params": flax.traverse_util.unflatten_dict(params),
-                         STACKED: flax.traverse_util.unflatten_dict(stacked)}
-            return layer.apply(variables, carry, xs, positions, cos, sin, cache)
-
         # With a cache, every layer's attention reads it inside the loop and the new rows are
         # written after it, so XLA does not copy the cache to order the two.
-        return jax.lax.scan(body, carry, layer_xs)
+        return scan_stacked_layers(layer, self.variables["params"]["layers"], carry, layer_xs, positions, cos,
+                                   sin, cache)
 
 
 def pack_layers(params, *, release: bool = False) -> dict:
@@ -226,18 +214,13 @@ def pack_layers(params, *, release: bool = False) -> dict:
     once it is packed, so that the copy never holds all the weights twice."""
     if is_packed_layout(params):
         return params
-    stacked = flax.traverse_util.flatten_dict(params.pop("layers") if release else params["layers"])
-    layers = {}
-    for path in list(stacked):
-        weight = stacked.pop(path)
-        layers[path] = pack_kernel(weight) if path[-1] == "kernel" else weight
-        del weight
+    layers = pack_stacked_kernels(params.pop("layers") if release else params["layers"], release=release)
     head_entry = "lm_head" if "lm_head" in params else "embed_tokens"
     out = {k: v for k, v in params.items() if k not in ("layers", head_entry)}
     head = params.pop(head_entry) if release else params[head_entry]
     kernel = head["kernel"] if head_entry == "lm_head" else np.asarray(head["embedding"]).T
     del head
-    return {**out, "layers": flax.traverse_util.unflatten_dict(layers), "head": pack_kernel(kernel)}
+    return {**out, "layers": layers, "head": pack_kernel(kernel)}
 
 
 def is_packed_layout(params) -> bool:

@@ -108,26 +108,29 @@ def test_training_entry_equals_inference_entry(tmp_path, target):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_unrolled_drafter_equals_the_scan(tmp_path, target):
-    """What a CPU drafts with (`DrafterSpec.decode_params`: layers unstacked, kernels packed,
-    `UnrolledDrafterModel`) gives the scanned drafter's context cache, blocks and training blocks."""
-    from dflash_jax.drafter import UnrolledDrafterModel
-    from dflash_jax.kernels.cpu_matmul import pack_kernel
+def test_packed_drafter_equals_the_scan(tmp_path, target):
+    """What a CPU drafts with (`DrafterSpec.decode_params`: kernels packed in their stacks,
+    `PackedDrafterModel`) gives the scanned drafter's context cache, blocks and training blocks."""
+    from dflash_jax.drafter import PackedDrafterModel
+    from dflash_jax.kernels.cpu_matmul import available, pack_kernel
 
     official(tmp_path, layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=3,
              block_size=4)
     drafter = load_drafter(tmp_path, target)
     spec = drafter.spec
-    unrolled = spec.decode_params(drafter.loop_params)
-    assert isinstance(spec.module_for(unrolled), UnrolledDrafterModel)
-    assert not isinstance(spec.module_for(drafter.loop_params), UnrolledDrafterModel)
-    kernel = drafter.params["layers"]["mlp"]["up_proj"]["kernel"][1]
-    np.testing.assert_array_equal(np.asarray(unrolled["layer_1"]["mlp"]["up_proj"]["kernel"]), np.asarray(pack_kernel(kernel)))
+    packed = spec.decode_params(drafter.loop_params)
+    assert isinstance(spec.module_for(packed), PackedDrafterModel) == available()
+    assert not isinstance(spec.module_for(drafter.loop_params), PackedDrafterModel)
+    assert spec.decode_params(packed)["layers"]["mlp"]["up_proj"]["kernel"] is \
+        packed["layers"]["mlp"]["up_proj"]["kernel"]
+    kernel = drafter.params["layers"]["mlp"]["up_proj"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(packed["layers"]["mlp"]["up_proj"]["kernel"]),
+                                  np.asarray(pack_kernel(kernel)))
     rng = np.random.default_rng(6)
     features = jnp.asarray(rng.normal(size=(2, 9, 128)).astype(np.float32))
     embeds = target.embed(target.params, jnp.asarray([[5, 127, 127, 127], [8, 127, 127, 127]]))
     results = []
-    for params in (drafter.loop_params, unrolled):
+    for params in (drafter.loop_params, packed):
         cache = drafter.append_context(params, drafter.init_cache(2, 32), features, num_new=jnp.asarray([9, 6]))
         results.append((cache.k, cache.v, drafter.draft_hidden(params, embeds, cache)))
     for got, want in zip(results[1], results[0]):
@@ -135,7 +138,7 @@ def test_unrolled_drafter_equals_the_scan(tmp_path, target):
     anchors, valid = jnp.asarray([[6, 2], [3, 8]]), jnp.ones((2, 2), bool)
     blocks = target.embed(target.params, jnp.full((2, 8), 127))
     want = drafter.train_hidden(drafter.params, features, blocks, anchors, valid)
-    got = drafter.train_hidden(unrolled, features, blocks, anchors, valid)
+    got = drafter.train_hidden(packed, features, blocks, anchors, valid)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

@@ -103,7 +103,7 @@ def compile_cache_size() -> int:
     return len(_COMPILED)
 
 
-_DECODE_PARAMS: collections.OrderedDict = collections.OrderedDict()  # id(params) -> (params, unstacked)
+_DECODE_PARAMS: collections.OrderedDict = collections.OrderedDict()  # id(params) -> (params, packed)
 _DECODE_DRAFTER_PARAMS: collections.OrderedDict = collections.OrderedDict()
 
 

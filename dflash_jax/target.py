@@ -339,7 +339,8 @@ class Target:
     def spec(self) -> TargetSpec:
         return TargetSpec(self.config, self.dtype, self.attn_impl)
 
-    module = property(lambda self: self.spec.module, doc="The scanned module (`TargetSpec.module`).")
+    module = property(lambda self: self.spec.module_for(self.params),
+                      doc="The Flax module that reads `params`: scanned, or packed on a CPU (`module_for`).")
     module_for = on_spec("module_for")
     forward = on_spec("forward")
     prefill = on_spec("prefill")

@@ -107,8 +107,12 @@ def test_layouts(qwen_dir):
     packed, stacked = load_target(qwen_dir), load_target(qwen_dir, layout="stacked")
     assert is_packed_layout(packed.params) and not is_packed_layout(stacked.params)
     tokens = jnp.asarray([[1, 2, 3, 4]])
-    np.testing.assert_allclose(np.asarray(packed.forward(packed.params, tokens)[0]),
-                               np.asarray(stacked.forward(stacked.params, tokens)[0]), rtol=1e-5, atol=1e-5)
+    want = np.asarray(stacked.forward(stacked.params, tokens)[0])
+    np.testing.assert_allclose(np.asarray(packed.forward(packed.params, tokens)[0]), want, rtol=1e-5, atol=1e-5)
+    # Target.module is the module that reads the target's own params, whichever the layout
+    for target in (packed, stacked):
+        hidden = target.module.apply({"params": target.params}, tokens)[0]
+        np.testing.assert_allclose(np.asarray(hidden), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="layout must be one of"):
         load_target(qwen_dir / "nowhere", layout="rolled")  # checked before anything is read
 

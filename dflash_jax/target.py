@@ -162,8 +162,9 @@ class PackedTargetModel(TargetModel):
 
     The layers run as a loop over the layer index (`layers.scan_stacked_layers`, a `lax.scan`), as
     in the scanned model, but the products read their layer's kernel inside the stack
-    (`layers.DensePacked` and its `STACKED` collection): the scanned model slices every layer's weights out of the stack with a copy in
-    every step (SmolLM2-135M, one token, no cache: 42 ms scanned, 25 ms with per-layer arrays).
+    (`layers.DensePacked` and its `STACKED` collection): the scanned model slices every layer's
+    weights out of the stack with a copy in every step (SmolLM2-135M, one token, no cache: 42 ms
+    scanned, 25 ms with per-layer arrays).
     Only the small per-layer params (norm scales, biases) are sliced. XLA compiles one layer, not
     all of them: SmolLM2's 300-token prefill 5.1 -> 2.0 s, one-token step 3.1 -> 1.6 s, 16-token
     verify 2.4 -> 0.9 s against the Python loop over per-layer params (one-off script, one process).
@@ -231,13 +232,17 @@ def is_packed_layout(params) -> bool:
 LAYOUTS = ("auto", "stacked", "packed")
 
 
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+
+
 def params_in_layout(params, layout: str = "auto", *, release: bool = False):
     """Stacked target params in the layout asked for: "stacked" as they are (what the scanned
     `TargetModel`, training, sharding and GPUs use), "packed" through `pack_layers` (what a CPU
     decodes with: `PackedTargetModel`), "auto" packed when JAX's default backend is the CPU,
     stacked elsewhere. release: see `pack_layers` (a loader's own params)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    check_layout(layout)
     if layout == "auto":
         layout = "packed" if jax.default_backend() == "cpu" else "stacked"
     if layout == "packed":

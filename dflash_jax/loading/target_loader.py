@@ -16,7 +16,7 @@ from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
 from dflash_jax.loading.names import hf_to_params, target_rules
 from dflash_jax.resources import smollm2_gguf_path
-from dflash_jax.target import LAYOUTS, Target, params_in_layout, target_param_shapes
+from dflash_jax.target import Target, check_layout, params_in_layout, target_param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     Bad input raises one exception naming the file: FileNotFoundError, ConfigError (config.json),
     CheckpointError (damaged or mismatched weights), TorchRequiredError (.bin without torch).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    check_layout(layout)  # before anything is read
     if str(path) in EMBEDDED_TARGETS and not Path(path).exists():
         path = EMBEDDED_TARGETS[str(path)]()
     path = Path(path)

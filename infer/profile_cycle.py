@@ -19,6 +19,10 @@ repeats see the same state. Pieces (batch B, block G):
   append             the drafter's context append of G committed tokens
   cycle G            all of the above fused as one greedy cycle (draft, verify, accept, append)
 
+The verify and the cycle are also timed paired: in every round they run back to back with an AR
+step, and the median of the per-round ratios is printed (`paired ...`). Use those ratios on a
+machine whose speed drifts: they do not depend on when each median was taken.
+
 The drafter is random (`--draft-layers` layers reading target layers spread as the official rule
 places them); only its cost matters here.
 """
@@ -134,6 +138,26 @@ def median_ms(fn, state, warmup: int, repeats: int) -> tuple[float, float]:
     return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu)
 
 
+def paired_ratio(fn, state, base_fn, base_state, warmup: int, repeats: int) -> tuple[float, float]:
+    """Median over rounds of (fn's wall time / base_fn's wall time), the two called back to back in
+    every round, and the same for process CPU time. On a machine whose speed drifts between runs
+    (this project's 2-core CPU moves an autoregressive step by 30% within minutes) a ratio of two
+    medians taken minutes apart moves with it; a ratio taken within each round does not."""
+    for _ in range(warmup):
+        state, base_state = jax.block_until_ready((fn(state), base_fn(base_state)))
+    wall, cpu = [], []
+    for _ in range(repeats):
+        times = []
+        for call, value in ((fn, state), (base_fn, base_state)):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            times.append((jax.block_until_ready(call(value)), time.perf_counter() - start,
+                          time.process_time() - start_cpu))
+        (state, w, c), (base_state, base_w, base_c) = times
+        wall.append(w / base_w)
+        cpu.append(c / base_c)
+    return statistics.median(wall), statistics.median(cpu)
+
+
 def filled_cache(cache, fill: int, seed: int):
     """The cache with random K/V and every row filled to `fill` positions."""
     kk, kv = jax.random.split(jax.random.PRNGKey(seed))
@@ -206,7 +230,11 @@ def time_pieces(target, tp, drafter, dp, batch: int, capacity: int, fill: int, b
     cycle_step = jax.jit(cycle, donate_argnums=2)
     times[f"cycle {g}"] = median_ms(lambda c: cycle_step(tp, dp, c), (tcache(), dcache()),
                                     args.warmup, args.repeats)
-    return times
+    ratios = {f"verify {g}": paired_ratio(lambda c: verify_step(tp, c)[2], tcache(),
+                                          lambda c: ar_step(tp, c)[1], tcache(), args.warmup, args.repeats),
+              f"cycle {g}": paired_ratio(lambda c: cycle_step(tp, dp, c), (tcache(), dcache()),
+                                         lambda c: ar_step(tp, c)[1], tcache(), args.warmup, args.repeats)}
+    return times, ratios
 
 
 def time_prefill(target, tp, length: int, args):
@@ -255,7 +283,7 @@ def main(argv=None):
     for batch in [] if args.prefill_only else args.batch:
         for capacity in args.capacity:
             for block in args.block:
-                times = time_pieces(target, tp, drafter, dp, batch, capacity, args.fill, block, args)
+                times, ratios = time_pieces(target, tp, drafter, dp, batch, capacity, args.fill, block, args)
                 ar = times["AR step"]
                 print(f"\n## batch {batch}, capacity {capacity}, block {block}")
                 print("| piece | wall ms | CPU ms | x AR step (wall) | x AR step (CPU) |\n|---|---|---|---|---|")
@@ -264,6 +292,9 @@ def main(argv=None):
                 for label, i in (("wall", 0), ("CPU", 1)):
                     print(f"{label}: AR step / no-cache forward = {ar[i] / times['no-cache forward'][i]:.2f}; "
                           f"cycle {block} / AR step = {times[f'cycle {block}'][i] / ar[i]:.2f}")
+                for piece, (wall, cpu) in ratios.items():
+                    print(f"paired ({piece} and an AR step back to back, median of {args.repeats} "
+                          f"rounds): {piece} / AR step = {wall:.2f} wall, {cpu:.2f} CPU")
     if args.prefill:
         wall, cpu = time_prefill(target, tp, args.prefill, args)
         print(f"\nprefill {args.prefill} tokens: {wall:.2f} s wall ({args.prefill / wall:.0f} tokens/s), "

@@ -92,8 +92,12 @@ inline void Tile(const float* x, int64_t K, const float* panels, float* y, int64
 
 // R rows, row group g of `groups`, against panels [p0, p1): `P` panels per tile (8-12
 // accumulators), single panels at the end. Every tile whose panels have a successor kGroup on
-// before `end` prefetches lines [g K / groups, (g + 1) K / groups) of it, one every `groups` k
-// (not for a single row, where the prefetch slowed the LM head on one thread: 6.6 -> 7.5 ms).
+// before `end` prefetches lines [g K / groups, (g + 1) K / groups) of it, one every `groups` k.
+// Not for one group of 1-3 rows, where the tile's own loads keep ahead of memory and the prefetch
+// only competes with them: one row through the LM head on one thread 6.6 -> 7.5 ms with it; 2 and
+// 3 rows through SmolLM2's 211 products, 42.0 -> 38.6 and 42.2 -> 39.1 ms without it (variants
+// built side by side and called alternately in one process, median of 40). 4 rows and more keep
+// it (4 rows without it: 41.3 -> 43.6 ms in one such run, equal in another).
 template <int R, int P>
 void RowGroup(const float* x, const float* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1,
               int64_t g, int64_t groups, int64_t end) {
@@ -102,7 +106,7 @@ void RowGroup(const float* x, const float* w, float* y, int64_t K, int64_t ldy, 
   auto tile = [&](auto panels, int64_t p) {
     constexpr int kP = decltype(panels)::value;
     const float* wp = w + p * K * kPanel;
-    if ((groups > 1 || R > 1) && p + kP + kGroup <= end)
+    if ((groups > 1 || R > 3) && p + kP + kGroup <= end)
       Tile<R, kP, true>(x, K, wp, y + p * kPanel, ldy, wp + kGroup * K * kPanel + first * kPanel, every);
     else Tile<R, kP, false>(x, K, wp, y + p * kPanel, ldy, nullptr, 1);
   };

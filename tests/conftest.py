@@ -21,23 +21,78 @@ def _shared_dir(tmp_path_factory, worker_id: str) -> Path:
     return base if worker_id == "master" else base.parent
 
 
-def _fitted_once(shared: Path, name: str, fit):
-    """fit() computed by the first test process that asks, then read from `shared` by the others
-    (a file lock makes the rest wait rather than fit the same weights again)."""
-    import pickle
-
+def _once(path: Path, make, save, load):
+    """make() computed by the first test process of this run that asks and saved at `path`, then
+    loaded from there by the others (a file lock makes the rest wait rather than compute it again)."""
     from filelock import FileLock
+
+    with FileLock(str(path) + ".lock"):
+        if path.exists():
+            return load(path)
+        value = make()
+        save(value, path)
+        return value
+
+
+def _fitted_once(shared: Path, name: str, fit):
+    """fit() of `fitted_models`, computed once per test run (`_once`)."""
+    import pickle
 
     import fitted_models
 
     key = hashlib.sha256(Path(fitted_models.__file__).read_bytes()).hexdigest()[:12]
-    path = shared / f"fitted-{name}-{key}.pkl"
-    with FileLock(str(path) + ".lock"):
-        if path.exists():
-            return pickle.loads(path.read_bytes())
-        value = jax.device_get(fit())
-        path.write_bytes(pickle.dumps(value))
-        return value
+    return _once(shared / f"fitted-{name}-{key}.pkl", lambda: jax.device_get(fit()),
+                 lambda value, path: path.write_bytes(pickle.dumps(value)),
+                 lambda path: pickle.loads(path.read_bytes()))
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory, worker_id):
+    """transformers' own GGUF load of the embedded SmolLM2-135M-Instruct, in float32: the reference
+    of test_gguf_reader and test_smollm2. Loading it takes ~30 s, so the first test process builds it
+    and the others read it back (`_once`; a pickled torch module).
+
+    `from_pretrained(..., gguf_file=...)` needs `accelerate`. Without it we run the very function
+    `from_pretrained` uses for llama GGUFs (transformers' legacy loader
+    `load_gguf_checkpoint(..., model_to_load=model)`) on a freshly built model instead.
+    """
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from dflash_jax.resources import smollm2_gguf_path
+
+    try:
+        gguf_path = smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+    def load_with_transformers():
+        import importlib.util
+
+        folder, name = str(gguf_path.parent), gguf_path.name
+        if importlib.util.find_spec("accelerate") is not None:
+            try:
+                return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                                         dtype=torch.float32)
+            except TypeError:  # transformers < 4.56 spells it torch_dtype
+                return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                                         torch_dtype=torch.float32)
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        loaded = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model,
+                                      torch_dtype=torch.float32)["tensors"]
+        result = model.load_state_dict(loaded, strict=False)
+        assert not result.unexpected_keys
+        assert set(result.missing_keys) <= {"lm_head.weight"}  # tied to the embedding
+        return model
+
+    name = f"smollm2-transformers-{transformers.__version__}-{torch.__version__}.pt"
+    model = _once(_shared_dir(tmp_path_factory, worker_id) / name, load_with_transformers,
+                  lambda model, path: torch.save(model, path),
+                  lambda path: torch.load(path, weights_only=False))
+    model.eval()
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ written here; no hub access. Every cache entry goes to a temporary directory.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import warnings
@@ -47,39 +46,6 @@ def uncached(gguf_path) -> GGUFCheckpoint:
 @pytest.fixture(scope="module")
 def tok(ckpt):
     return gguf_tokenizer(ckpt)  # from the cached vocabulary; a path is read in the tests below
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    """transformers' own GGUF load of the same file, in float32.
-
-    `from_pretrained(..., gguf_file=...)` needs `accelerate`. Without it we run the very function
-    `from_pretrained` uses for llama GGUFs (transformers' legacy loader
-    `load_gguf_checkpoint(..., model_to_load=model)`) on a freshly built model instead.
-    """
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    folder, name = str(gguf_path.parent), gguf_path.name
-    if importlib.util.find_spec("accelerate") is not None:
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        except TypeError:  # transformers < 4.56 spells it torch_dtype
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, torch_dtype=torch.float32
-            )
-    else:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        loaded = load_gguf_checkpoint(
-            str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-        )["tensors"]
-        result = model.load_state_dict(loaded, strict=False)
-        assert not result.unexpected_keys
-        assert set(result.missing_keys) <= {"lm_head.weight"}  # tied to the embedding
-    model.eval()
-    return model
 
 
 # ------------------------------------------------------------------------------------ tensors

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_gguf_reader import gguf_path, hf_model  # noqa: F401  (module-scoped fixtures)
+from test_gguf_reader import gguf_path  # noqa: F401  (a module-scoped fixture; hf_model is conftest's)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
@@ -36,7 +36,7 @@ def chat_ids(target):
     return encode_prompt(target.tokenizer, QUESTION)
 
 
-def test_logits_match_transformers_gguf(target, hf_model, chat_ids):  # noqa: F811
+def test_logits_match_transformers_gguf(target, hf_model, chat_ids):
     import jax.numpy as jnp
     import torch
 
@@ -58,7 +58,7 @@ def test_logits_match_transformers_gguf(target, hf_model, chat_ids):  # noqa: F8
     assert (logits.argmax(-1) == want.argmax(-1))[decisive].all()
 
 
-def test_greedy_answer_is_sensible(target, hf_model, chat_ids):  # noqa: F811
+def test_greedy_answer_is_sensible(target, hf_model, chat_ids):
     import torch
 
     from dflash_jax.speculative import generate

@@ -143,7 +143,7 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
         return sampling.greedy(logits), None
     head = drafter_params["draft_head"]
     to_target = head["draft_to_target"]  # [Vd]
-    logits = jnp.einsum("bgd,dv->bgv", hidden.astype(jnp.float32), head["kernel"].astype(jnp.float32))
+    logits = drafter.draft_head_logits(drafter_params, hidden)  # [B, G-1, Vd] float32
     if not exact:
         return to_target[sampling.greedy(logits)], None
     probs = _target_probs(cfg, params, logits)  # [B, G-1, Vd]

@@ -84,6 +84,25 @@ def test_draft_distribution_lives_on_the_kept_ids(fitted, prompts):
     assert np.all(np.take_along_axis(probs, drafts[..., None], -1) > 0)
 
 
+def test_cpu_decode_packs_the_draft_head(fitted):
+    """What a CPU drafts with (`DrafterSpec.decode_params`) packs the reduced vocabulary's head for
+    the rows kernel too; its logits equal the plain product's, for a block's several slots."""
+    from dflash_jax.kernels.cpu_matmul import available, is_packed
+
+    target, drafter = fitted
+    small = reduced(drafter, target, HALF_IDS)
+    packed = small.spec.decode_params(small.loop_params)
+    assert is_packed(packed["draft_head"]["kernel"]) == available()
+    assert not is_packed(small.loop_params["draft_head"]["kernel"])
+    np.testing.assert_array_equal(packed["draft_head"]["draft_to_target"], small.draft_head["draft_to_target"])
+    hidden = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 64)).astype(np.float32))
+    want = np.asarray(hidden) @ np.asarray(small.draft_head["kernel"])
+    for params in (small.loop_params, packed):
+        got = small.draft_head_logits(params, hidden)
+        assert got.shape == (2, 5, len(HALF_IDS)) and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _saved(tmp_path, fitted):
     target, drafter = fitted
     small = reduced(drafter, target, HALF_IDS)

@@ -20,8 +20,8 @@ repeats see the same state. Pieces (batch B, block G):
   cycle G            all of the above fused as one greedy cycle (draft, verify, accept, append)
 
 The verify and the cycle are also timed paired: in every round they run back to back with an AR
-step, and the median of the per-round ratios is printed (`paired ...`). Use those ratios on a
-machine whose speed drifts: they do not depend on when each median was taken.
+step, and the median of the per-round ratios is printed (`paired ...`). Prefer those ratios on a
+machine whose speed drifts: they depend less on when each median was taken.
 
 The drafter is random (`--draft-layers` layers reading target layers spread as the official rule
 places them); only its cost matters here.
@@ -142,7 +142,8 @@ def paired_ratio(fn, state, base_fn, base_state, warmup: int, repeats: int) -> t
     """Median over rounds of (fn's wall time / base_fn's wall time), the two called back to back in
     every round, and the same for process CPU time. On a machine whose speed drifts between runs
     (this project's 2-core CPU moves an autoregressive step by 30% within minutes) a ratio of two
-    medians taken minutes apart moves with it; a ratio taken within each round does not."""
+    medians taken minutes apart moves with it; a ratio taken within each round moves less (it still
+    moved 1.15 -> 1.26 for a block-2 cycle between two runs of 15 rounds there)."""
     for _ in range(warmup):
         state, base_state = jax.block_until_ready((fn(state), base_fn(base_state)))
     wall, cpu = [], []

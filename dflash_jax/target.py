@@ -26,7 +26,8 @@ from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
 from dflash_jax.kernels.cpu_matmul import PANEL, is_packed, pack_kernel, rows_matmul
-from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary, pack_stacked_kernels, scan_stacked_layers
+from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, can_fuse, fuse_stacked_projections,
+                               pack_stacked_kernels, scan_stacked_layers)
 from dflash_jax.model_spec import on_spec
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
@@ -52,12 +53,13 @@ class TargetLayer(nn.Module):
         cfg = self.config
         hidden, features = carry
         layer, window, slot = layer_xs
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        fused_qkv = self.packed_weights and can_fuse(q_width, kv_width, kv_width)  # as pack_layers fuses
         attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype,
-                                    self.packed_weights, name="self_attn")
+                                    self.packed_weights, fused_qkv, name="self_attn")
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        q = attn.queries(x, cos, sin)
-        k, v = attn.keys_values(x, cos, sin)
+        q, k, v = attn.queries_keys_values(x, cos, sin)
         ranges = masks.causal(positions, window)  # over cache slots (== positions)
         if cache is None:
             attended = attention(q, k, v, ranges, impl=self.attn_impl)
@@ -67,7 +69,8 @@ class TargetLayer(nn.Module):
                                        ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl)
         hidden = hidden + attn.output(attended)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.packed_weights,
+        fused_mlp = self.packed_weights and can_fuse(cfg.intermediate_size, cfg.intermediate_size)
+        hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.packed_weights, fused_mlp,
                               name="mlp")(x)
         if features is not None:
             index = jnp.maximum(slot, 0)
@@ -165,7 +168,8 @@ class PackedTargetModel(TargetModel):
     (`layers.DensePacked` and its `STACKED` collection): the scanned model slices every layer's
     weights out of the stack with a copy in every step (SmolLM2-135M, one token, no cache: 42 ms
     scanned, 25 ms with per-layer arrays).
-    Only the small per-layer params (norm scales, biases) are sliced. XLA compiles one layer, not
+    Only the small per-layer params (norm scales, biases) are sliced. q/k/v and gate/up are one
+    product each where their widths allow (`pack_layers`). XLA compiles one layer, not
     all of them: SmolLM2's 300-token prefill 5.1 -> 2.0 s, one-token step 3.1 -> 1.6 s, 16-token
     verify 2.4 -> 0.9 s against the Python loop over per-layer params (one-off script, one process).
 
@@ -209,13 +213,16 @@ class PackedTargetModel(TargetModel):
 
 def pack_layers(params, *, release: bool = False) -> dict:
     """Stacked target params -> PackedTargetModel params: every stacked kernel packed
-    ([L, K, N] -> [L, P, K, 16]) and the LM head packed as "head" (an untied lm_head moves there; a
+    ([L, K, N] -> [L, P, K, 16]), q/k/v and gate/up each fused into one product where their widths
+    allow (`layers.fuse_stacked_projections`: "qkv_proj", "gate_up_proj"; `TargetLayer` fuses by
+    the same rule), and the LM head packed as "head" (an untied lm_head moves there; a
     tied embedding moves there too, and the model's `embed` reads it from there). Packed params are
     returned as they are. release: the caller gives `params` up: each stacked weight leaves the dict
     once it is packed, so that the copy never holds all the weights twice."""
     if is_packed_layout(params):
         return params
-    layers = pack_stacked_kernels(params.pop("layers") if release else params["layers"], release=release)
+    layers = fuse_stacked_projections(params.pop("layers") if release else params["layers"], release=release)
+    layers = pack_stacked_kernels(layers, release=release)
     head_entry = "lm_head" if "lm_head" in params else "embed_tokens"
     out = {k: v for k, v in params.items() if k not in ("layers", head_entry)}
     head = params.pop(head_entry) if release else params[head_entry]

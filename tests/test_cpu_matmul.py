@@ -87,6 +87,29 @@ def test_a_stacks_layer_is_read_in_place_and_equals_its_own_product(kernels, mon
         assert "f32[9,200,16]" not in hlo
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_kernels_side_by_side_pack_as_their_concatenation(kernels, monkeypatch):
+    """`pack_kernel(a, b, c)` is the packing of their columns side by side (one product of all
+    three, split afterwards: what a fused q/k/v product reads), for one kernel and for stacks,
+    concrete and traced; without the rows kernel it is the plain concatenation. Widths that are not
+    whole panels (but the last) or different leading shapes are refused."""
+    if not kernels:
+        monkeypatch.setattr("dflash_jax.kernels.cpu_matmul.available", lambda: False)
+    elif not available():
+        pytest.skip("the CPU rows kernel is not built here")
+    rng = np.random.default_rng(9)
+    for lead in ((), (3,)):
+        parts = [rng.standard_normal((*lead, 40, n)).astype(np.float32) for n in (32, 16, 21)]
+        whole = np.concatenate(parts, axis=-1)
+        np.testing.assert_array_equal(np.asarray(pack_kernel(*parts)), np.asarray(pack_kernel(whole)))
+        traced = jax.jit(lambda *ws: pack_kernel(*ws))(*parts)
+        np.testing.assert_array_equal(np.asarray(traced), np.asarray(pack_kernel(whole)))
+    with pytest.raises(ValueError, match="whole panels"):
+        pack_kernel(parts[2], parts[0])
+    with pytest.raises(ValueError, match="leading shape"):
+        pack_kernel(parts[0], parts[1][0])
+
+
 @needs_kernel
 def test_concurrent_products_share_the_helper_threads_safely():
     """Independent products in one program may run at the same time on XLA's threads: the one

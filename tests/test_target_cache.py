@@ -202,6 +202,44 @@ def test_packed_layers_equal_a_loop_over_single_kernels():
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(jnp.concatenate(outputs[:2], -1)))
 
 
+@pytest.mark.parametrize("widths", ["fused", "unfusable"])
+def test_packed_layers_fuse_qkv_and_gate_up_where_the_widths_allow(widths):
+    """`pack_layers` makes q/k/v one product ("qkv_proj", biases concatenated) and gate/up another
+    ("gate_up_proj") when every part but the last is whole 16-column panels, and leaves them
+    apart otherwise (`TargetLayer` follows the same rule); either way the packed model gives the
+    scanned model's results and the stacked params it was given stay whole."""
+    import dataclasses
+
+    from dflash_jax.target import pack_layers
+
+    if widths == "fused":  # q 4 x 8 = 32, k and v 2 x 8 = 16 columns, gate and up 48
+        config = dataclasses.replace(CFG, head_dim=8, intermediate_size=48, attention_bias=True, mlp_bias=True)
+    else:  # q 4 x 6 = 24 and gate 40 columns: not whole panels
+        config = dataclasses.replace(CFG, head_dim=6, intermediate_size=40)
+    model = Target(config, init_target_params(config, jax.random.PRNGKey(4)))
+    if widths == "fused":  # the biases are zeros at init: make them count
+        rng = np.random.default_rng(2)
+        model = dataclasses.replace(model, params=jax.tree_util.tree_map_with_path(
+            lambda path, x: x + rng.normal(size=x.shape).astype(np.float32) if path[-1].key == "bias" else x,
+            model.params))
+    before = jax.tree.map(np.asarray, model.params)
+    packed = pack_layers(model.params)
+    attn, mlp = packed["layers"]["self_attn"], packed["layers"]["mlp"]
+    fused = widths == "fused"
+    assert ("qkv_proj" in attn, "q_proj" in attn, "k_proj" in attn) == (fused, not fused, not fused)
+    assert ("gate_up_proj" in mlp, "gate_proj" in mlp) == (fused, not fused)
+    if fused:
+        layers = model.params["layers"]
+        np.testing.assert_array_equal(attn["qkv_proj"]["bias"], np.concatenate(
+            [layers["self_attn"][n]["bias"] for n in ("q_proj", "k_proj", "v_proj")], -1))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, model.params), before)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, size=(2, 6)), jnp.int32)
+    want = model.forward(model.params, tokens, capture=(0, 2))
+    got = model.forward(packed, tokens, capture=(0, 2))
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_packed_lm_head_equals_the_scanned_one(rows, tied):

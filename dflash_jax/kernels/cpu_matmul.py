@@ -27,27 +27,42 @@ TARGET_NAME = "dflash_rows_matmul"
 PANEL = 16  # columns per panel of a packed kernel
 
 
-def pack_kernel(kernel) -> jax.Array:
+def pack_kernel(kernel, *more) -> jax.Array:
     """A dense kernel [K, N] (`nn.Dense`'s [in, out]) as the rows kernel reads it: panels
     [ceil(N / 16), K, 16], panel p holding columns 16p .. 16p + 15 (zeros past N); a stack of
-    kernels [L, K, N] (a scanned model's) -> [L, ceil(N / 16), K, 16]. Left as it is where the
-    kernel is unavailable or the dtype is not float32. Concrete arrays are packed with numpy into a
-    buffer JAX adopts without another copy (`host_arrays`: packing SmolLM2's stacks took 0.70 s,
-    0.77 s with that copy, medians of 4 in one process); under a trace (an initializer) it is jnp."""
+    kernels [L, K, N] (a scanned model's) -> [L, ceil(N / 16), K, 16]. With `more` kernels of the
+    same leading shape, their columns follow the first kernel's, as one product of them all would
+    read them (every kernel but the last a whole number of panels wide). Left as it is (the kernels
+    concatenated) where the rows kernel is unavailable or the dtype is not float32. Concrete
+    arrays are packed with numpy into a buffer JAX adopts without another copy (`host_arrays`:
+    packing SmolLM2's stacks took 0.70 s, 0.77 s with that copy, medians of 4 in one process);
+    under a trace (an initializer) it is jnp."""
+    kernels = (kernel, *more)
+    if any(w.shape[:-1] != kernel.shape[:-1] for w in kernels) or any(w.shape[-1] % PANEL for w in kernels[:-1]):
+        raise ValueError(f"pack_kernel: kernels side by side need one leading shape and whole panels of "
+                         f"{PANEL} columns but the last: {[tuple(w.shape) for w in kernels]}")
     if kernel.dtype != jnp.float32 or kernel.ndim not in (2, 3) or not available():
-        return jnp.asarray(kernel)  # a JAX array comes back as it is
+        return jnp.asarray(kernel) if not more else jnp.concatenate(kernels, axis=-1)
     try:
-        kernel, xp = np.asarray(kernel), np
+        kernels, xp = [np.asarray(w) for w in kernels], np
     except jax.errors.TracerArrayConversionError:
         xp = jnp
-    *lead, k, n = kernel.shape
-    if n % PANEL:
-        kernel = xp.pad(kernel, [(0, 0)] * (len(lead) + 1) + [(0, -n % PANEL)])
-    panels = xp.swapaxes(kernel.reshape(*lead, k, -1, PANEL), -3, -2)
+    *lead, k, _ = kernel.shape
+
+    def panels_of(w):
+        n = w.shape[-1]
+        if n % PANEL:
+            w = xp.pad(w, [(0, 0)] * (len(lead) + 1) + [(0, -n % PANEL)])
+        return xp.swapaxes(w.reshape(*lead, k, -1, PANEL), -3, -2)
+
     if xp is jnp:
-        return panels
-    out = host_arrays.empty(panels.shape, panels.dtype)  # the one copy: JAX adopts it as it is
-    out[...] = panels
+        return jnp.concatenate([panels_of(w) for w in kernels], axis=-3)
+    widths = [-(-w.shape[-1] // PANEL) for w in kernels]
+    out = host_arrays.empty((*lead, sum(widths), k, PANEL), np.float32)  # one copy, adopted as it is
+    start = 0
+    for w, width in zip(kernels, widths):
+        out[..., start:start + width, :, :] = panels_of(w)
+        start += width
     return host_arrays.adopt(out)
 
 

@@ -25,8 +25,8 @@ from dflash_jax import masks
 from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
-from dflash_jax.kernels.cpu_matmul import PANEL, is_packed, pack_kernel, rows_matmul
-from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, can_fuse, fuse_stacked_projections,
+from dflash_jax.kernels.cpu_matmul import PANEL, is_packed, pack_kernel, packs_side_by_side, rows_matmul
+from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, fuse_stacked_projections,
                                pack_stacked_kernels, scan_stacked_layers)
 from dflash_jax.model_spec import on_spec
 
@@ -54,7 +54,7 @@ class TargetLayer(nn.Module):
         hidden, features = carry
         layer, window, slot = layer_xs
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        fused_qkv = self.packed_weights and can_fuse(q_width, kv_width, kv_width)  # as pack_layers fuses
+        fused_qkv = self.packed_weights and packs_side_by_side(q_width, kv_width, kv_width)  # as pack_layers fuses
         attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype,
                                     self.packed_weights, fused_qkv, name="self_attn")
@@ -69,7 +69,7 @@ class TargetLayer(nn.Module):
                                        ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl)
         hidden = hidden + attn.output(attended)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        fused_mlp = self.packed_weights and can_fuse(cfg.intermediate_size, cfg.intermediate_size)
+        fused_mlp = self.packed_weights and packs_side_by_side(cfg.intermediate_size, cfg.intermediate_size)
         hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.packed_weights, fused_mlp,
                               name="mlp")(x)
         if features is not None:

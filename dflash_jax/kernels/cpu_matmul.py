@@ -27,6 +27,12 @@ TARGET_NAME = "dflash_rows_matmul"
 PANEL = 16  # columns per panel of a packed kernel
 
 
+def packs_side_by_side(*widths: int) -> bool:
+    """Whether kernels of these output widths can be packed as one (`pack_kernel(a, b, ...)`): every
+    one but the last a whole number of 16-column panels, so that each starts on a panel."""
+    return all(w % PANEL == 0 for w in widths[:-1])
+
+
 def pack_kernel(kernel, *more) -> jax.Array:
     """A dense kernel [K, N] (`nn.Dense`'s [in, out]) as the rows kernel reads it: panels
     [ceil(N / 16), K, 16], panel p holding columns 16p .. 16p + 15 (zeros past N); a stack of
@@ -38,7 +44,8 @@ def pack_kernel(kernel, *more) -> jax.Array:
     packing SmolLM2's stacks took 0.70 s, 0.77 s with that copy, medians of 4 in one process);
     under a trace (an initializer) it is jnp."""
     kernels = (kernel, *more)
-    if any(w.shape[:-1] != kernel.shape[:-1] for w in kernels) or any(w.shape[-1] % PANEL for w in kernels[:-1]):
+    widths = [w.shape[-1] for w in kernels]
+    if any(w.shape[:-1] != kernel.shape[:-1] for w in kernels) or not packs_side_by_side(*widths):
         raise ValueError(f"pack_kernel: kernels side by side need one leading shape and whole panels of "
                          f"{PANEL} columns but the last: {[tuple(w.shape) for w in kernels]}")
     if kernel.dtype != jnp.float32 or kernel.ndim not in (2, 3) or not available():
@@ -57,12 +64,12 @@ def pack_kernel(kernel, *more) -> jax.Array:
 
     if xp is jnp:
         return jnp.concatenate([panels_of(w) for w in kernels], axis=-3)
-    widths = [-(-w.shape[-1] // PANEL) for w in kernels]
-    out = host_arrays.empty((*lead, sum(widths), k, PANEL), np.float32)  # one copy, adopted as it is
+    panels = [-(-n // PANEL) for n in widths]
+    out = host_arrays.empty((*lead, sum(panels), k, PANEL), np.float32)  # one copy, adopted as it is
     start = 0
-    for w, width in zip(kernels, widths):
-        out[..., start:start + width, :, :] = panels_of(w)
-        start += width
+    for w, count in zip(kernels, panels):
+        out[..., start:start + count, :, :] = panels_of(w)
+        start += count
     return host_arrays.adopt(out)
 
 

@@ -25,7 +25,8 @@ from dflash_jax import masks
 from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
-from dflash_jax.kernels.cpu_matmul import PANEL, is_packed, pack_kernel, packs_side_by_side, rows_matmul
+from dflash_jax.kernels.cpu_matmul import (PANEL, dequantize_panels, is_packed, is_quantized, pack_kernel,
+                                         packs_side_by_side, rows_matmul)
 from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, fuse_stacked_projections,
                                pack_stacked_kernels, scan_stacked_layers)
 from dflash_jax.model_spec import on_spec
@@ -183,8 +184,11 @@ class PackedTargetModel(TargetModel):
     def setup(self):
         super().setup()
         cfg = self.config
-        self.head = self.param("head", lambda key: pack_kernel(jnp.zeros((cfg.hidden_size, cfg.vocab_size),
-                                                                         self.dtype)))
+        if self.has_variable("params", "head"):  # float32 or quantized panels (loading.gguf_panels)
+            self.head = self.get_variable("params", "head")
+        else:
+            self.head = self.param("head", lambda key: pack_kernel(jnp.zeros((cfg.hidden_size, cfg.vocab_size),
+                                                                             self.dtype)))
 
     def embed(self, tokens):
         """With tied embeddings the token rows are read out of the packed head (`pack_layers`
@@ -192,6 +196,9 @@ class PackedTargetModel(TargetModel):
         if not self.config.tie_word_embeddings:
             return super().embed(tokens)
         head = self.head
+        if is_quantized(head):  # [P, D / 32, bytes]: the token's panel, dequantized, at lane t % 16
+            panels = dequantize_panels(head[tokens // PANEL])  # [..., D, 16]
+            return jnp.take_along_axis(panels, (tokens % PANEL)[..., None, None], axis=-1)[..., 0].astype(self.dtype)
         if is_packed(head):  # [P, D, 16]: column t of [D, V] is panel t // 16, lane t % 16
             return head[tokens // PANEL, :, tokens % PANEL].astype(self.dtype)
         return jnp.take(head.T, tokens, axis=0).astype(self.dtype)

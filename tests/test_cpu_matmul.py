@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from dflash_jax.kernels import cpu_ffi
-from dflash_jax.kernels.cpu_matmul import PANEL, TARGET_NAME, available, pack_kernel, rows_matmul
+from dflash_jax.kernels.cpu_matmul import (GGML_BLOCK_BYTES, PANEL, PANEL_BLOCK_BYTES, QUANTIZED_TARGET_NAME,
+                                         TARGET_NAME, available, dequantize_panels, pack_kernel, pack_quantized,
+                                         rows_matmul)
 
 needs_kernel = pytest.mark.skipif(not available(), reason="the CPU rows kernel is not built here "
                                   "(no C++ compiler, no AVX2/FMA, or DFLASH_CPU_KERNELS=0)")
@@ -158,3 +160,60 @@ def test_available_again_after_a_cache_reset():
     assert cpu_ffi.available()
     x, w = _inputs((2,), 16, 40)
     assert _calls_kernel(_product(40), x, pack_kernel(w))
+
+
+def _ggml_blocks(quant_type: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGML blocks [n, k / 32, bytes] of `quant_type` with sane float16 scales."""
+    rng = np.random.default_rng(seed)
+    size = GGML_BLOCK_BYTES[quant_type]
+    blocks = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
+    scales = 2 if quant_type == "Q4_1" else 1  # d (and m) at the front of every block
+    values = rng.normal(0, 0.05, (n, k // 32, scales)).astype(np.float16)
+    blocks[..., :2 * scales] = values.view(np.uint8).reshape(n, k // 32, 2 * scales)
+    return blocks
+
+
+def _dequantized(blocks: np.ndarray, quant_type: str) -> np.ndarray:
+    """gguf-py's own dequantisation (what the loader's float32 weights are) -> [n, k] float32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, nb, _ = blocks.shape
+    flat = dequantize(blocks.reshape(n, -1), GGMLQuantizationType[quant_type])
+    return np.asarray(flat, np.float32).reshape(n, nb * 32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("quant_type", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", [(48, 64), (40, 576), (96, 1536)])
+def test_quantized_panels_multiply_as_their_dequantised_floats(quant_type, n, k):
+    """`pack_quantized` keeps a GGUF weight's own blocks; the kernel dequantizes them as it multiplies
+    (in registers for 1-6 rows, through a buffer for more) and gives, bit for bit, the product of
+    the float32 panels of gguf-py's dequantisation; so does XLA's path (`dequantize_panels`)."""
+    blocks = _ggml_blocks(quant_type, n, k, seed=n + k)
+    weight = _dequantized(blocks, quant_type)  # [out, in]
+    panels, floats = pack_quantized(blocks, quant_type), pack_kernel(weight.T.copy())
+    assert panels.dtype == np.uint8 and panels.shape == (-(-n // PANEL), k // 32, PANEL_BLOCK_BYTES[quant_type])
+    np.testing.assert_array_equal(np.asarray(dequantize_panels(panels)), np.asarray(floats))
+    for rows in (1, 2, 3, 6, 7, 16):
+        x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+        got = np.asarray(jax.jit(_product(n))(x, panels))
+        np.testing.assert_array_equal(got, np.asarray(jax.jit(_product(n))(x, floats)))
+        assert QUANTIZED_TARGET_NAME in jax.jit(_product(n)).lower(x, panels).compile().as_text()
+        want = x.astype(np.float64) @ weight.T.astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    stack = pack_quantized(np.stack([blocks, _ggml_blocks(quant_type, n, k, seed=1)]), quant_type)
+    x = np.ones((2, k), np.float32)
+    for layer in (0, 1):
+        in_stack = jax.jit(lambda x, w, i: rows_matmul(x, w, n, i))(x, stack, jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(in_stack), np.asarray(jax.jit(_product(n))(x, stack[layer])))
+
+
+def test_quantized_panels_reject_other_blocks_and_widths():
+    with pytest.raises(ValueError, match="Q4_1 blocks of 20 bytes"):
+        pack_quantized(np.zeros((16, 2, 34), np.uint8), "Q4_1")
+    with pytest.raises(ValueError, match="Q2_K"):
+        pack_quantized(np.zeros((16, 2, 34), np.uint8), "Q2_K")
+    panels = pack_quantized(_ggml_blocks("Q8_0", 16, 64), "Q8_0")
+    with pytest.raises(ValueError, match="K = 64"):
+        rows_matmul(jnp.ones((1, 32)), panels, 16)

@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from dflash_jax.loading.gguf_reader import (  # noqa: E402
+    STORED_BLOCK_BYTES,
     GGUFCheckpoint,
     gguf_tokenizer,
     read_gguf,
@@ -74,6 +75,25 @@ def test_cache_is_bit_identical_to_the_gguf(ckpt, uncached):
     for name in ckpt.tensors:
         assert ckpt.tensors.info(name) == uncached.tensors.info(name), name
         np.testing.assert_array_equal(ckpt.tensors[name], uncached.tensors[name], err_msg=name)
+
+
+@pytest.mark.parametrize("which", ["ckpt", "uncached"])
+def test_stored_blocks_dequantise_to_the_tensors(which, request):
+    """`stored_blocks` hands out a weight's GGML blocks as the file stores them (q/k rows
+    un-permuted like the floats), through the cache or not; gguf-py's dequantisation of them is the
+    tensor. Types it does not hand out (the float32 norms) give None."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    tensors = request.getfixturevalue(which).tensors
+    for name in ("model.layers.2.self_attn.q_proj.weight", "model.layers.2.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        info = tensors.info(name)
+        blocks = tensors.stored_blocks(name)
+        assert blocks.shape == (info.shape[0], info.shape[1] // 32, STORED_BLOCK_BYTES[info.quant_type]), name
+        floats = dequantize(np.asarray(blocks).reshape(info.shape[0], -1), GGMLQuantizationType[info.quant_type])
+        np.testing.assert_array_equal(np.asarray(floats, np.float32).reshape(info.shape), tensors[name], err_msg=name)
+    assert tensors.stored_blocks("model.norm.weight") is None
 
 
 @pytest.mark.parametrize("which", ["ckpt", "uncached"])

@@ -132,3 +132,31 @@ def test_cli_mismatched_drafter_and_long_prompt(target, tmp_path, monkeypatch, c
     assert main(["--no-draft", "--prompt", QUESTION, "--max-new-tokens", "8190"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: prompt too long")
+
+
+def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_ids):  # noqa: F811
+    """On a CPU the packed target keeps the GGUF's own Q4_1 / Q8_0 blocks (`loading.gguf_panels`),
+    ~100 MB instead of 544, and its logits (a prompt through a cache, then one token) are bit for
+    bit those of the float32 panels of the same (dequantised) weights."""
+    import flax
+    import jax.numpy as jnp
+
+    from dflash_jax.kernels.cpu_matmul import available, is_quantized
+    from dflash_jax.loading.target_loader import load_target
+    from dflash_jax.target import pack_layers
+
+    if not available():
+        pytest.skip("the CPU rows kernel is not built here")
+    kernels = {p: w for p, w in flax.traverse_util.flatten_dict(target.params).items() if p[-1] in ("kernel", "head")}
+    assert len(kernels) == 5 and all(is_quantized(w) for w in kernels.values())
+    assert sum(w.nbytes for w in kernels.values()) < 120e6
+    floats = pack_layers(load_target(gguf_path, "float32", tokenizer=False, layout="stacked").params)
+    prompt, step = jnp.asarray([chat_ids], jnp.int32), jnp.asarray([[chat_ids[-1]]], jnp.int32)
+
+    def logits(params):
+        hidden, _, cache = target.forward(params, prompt, target.init_cache(1, 64))
+        first = target.logits(params, hidden)
+        return first, target.logits(params, target.forward(params, step, cache)[0])
+
+    for got, want in zip(logits(target.params), logits(floats)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -13,6 +13,11 @@ backend go through XLA too. More rows (a batch-8 verify: 128; prefill chunks) ru
 kernel: XLA's product of the packed panels would copy them into a GEMM layout first (SmolLM2's LM
 head at 128 rows: 241 ms through XLA on the panels, 124 ms XLA on [K, N], 102 ms here; one-off
 script).
+
+A weight a GGUF file stores in Q4_1 or Q8_0 blocks can stay in them (`pack_quantized`, used by
+`loading.gguf_panels` for a CPU decode): the kernel dequantizes each block as it multiplies, to
+the same floats as gguf-py's dequantisation, so the product is bit for bit that of `pack_kernel`'s
+float32 panels, from about a sixth of the bytes.
 """
 from __future__ import annotations
 
@@ -24,7 +29,13 @@ from dflash_jax import host_arrays
 from dflash_jax.kernels.cpu_ffi import available
 
 TARGET_NAME = "dflash_rows_matmul"
+QUANTIZED_TARGET_NAME = "dflash_rows_matmul_quantized"
 PANEL = 16  # columns per panel of a packed kernel
+QUANT_BLOCK = 32  # k per block of a quantized kernel (GGML's Q4_1 and Q8_0)
+# GGML's block of 32 weights (bytes: float16 scale [and offset], then the values) and the panel
+# block the kernel reads for 16 columns (float32 scales [and offsets], then the values by k).
+GGML_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+PANEL_BLOCK_BYTES = {"Q4_1": 384, "Q8_0": 576}
 
 
 def packs_side_by_side(*widths: int) -> bool:
@@ -74,11 +85,75 @@ def pack_kernel(kernel, *more) -> jax.Array:
 
 
 def is_packed(w, stacked: bool = False) -> bool:
-    """Whether w is `pack_kernel`'s panels (of a stack of kernels when `stacked`)."""
+    """Whether w is `pack_kernel`'s or `pack_quantized`'s panels (of a stack of kernels when
+    `stacked`)."""
     return w.ndim == 3 + stacked
 
 
+def is_quantized(w) -> bool:
+    """Whether w is `pack_quantized`'s panels: [..., P, K / 32, 384 (Q4_1) or 576 (Q8_0)] bytes."""
+    return w.dtype == jnp.uint8
+
+
+def pack_quantized(blocks: np.ndarray, quant_type: str) -> jax.Array:
+    """A weight as a GGUF file stores it, GGML blocks [..., N, K / 32, block bytes] (Hugging Face's
+    [out, in] rows, so N output columns; `GGUFTensors.stored_blocks`), as panels of 16 columns the
+    rows kernel dequantizes as it multiplies: [..., ceil(N / 16), K / 32, PANEL_BLOCK_BYTES] uint8.
+    Panel p, block b holds the 16 columns' float32 scales d (Q4_1: then offsets m) and their
+    values k by k (Q4_1: byte j of a k = column j's 4 bits | column j + 8's << 4; Q8_0: the 16
+    int8). The weights are GGML's own floats: `dequantize_panels` of it equals gguf-py's
+    dequantisation (d * q + m, d * q) transposed into `pack_kernel`'s panels, bit for bit."""
+    if quant_type not in GGML_BLOCK_BYTES:
+        raise ValueError(f"pack_quantized reads {' or '.join(GGML_BLOCK_BYTES)} blocks, not {quant_type}")
+    if blocks.shape[-1] != GGML_BLOCK_BYTES[quant_type]:
+        raise ValueError(f"pack_quantized: {quant_type} blocks of {GGML_BLOCK_BYTES[quant_type]} bytes "
+                         f"expected, got [..., {blocks.shape[-1]}]")
+    blocks = np.asarray(blocks, np.uint8)
+    *lead, n, nb, _ = blocks.shape
+    if n % PANEL:
+        blocks = np.pad(blocks, [(0, 0)] * len(lead) + [(0, -n % PANEL), (0, 0), (0, 0)])  # zero scales: 0
+    p = blocks.shape[-3] // PANEL
+    panels = blocks.reshape(*lead, p, PANEL, nb, -1)
+    by_block = lambda a: np.swapaxes(a, -2, -3)  # [..., P, 16, nb, ...] -> [..., P, nb, 16, ...]
+
+    def scales(at):  # float16 at bytes [at, at + 2) of every block -> float32 bytes [..., P, nb, 64]
+        f16 = np.ascontiguousarray(panels[..., at:at + 2]).view(np.float16)[..., 0]  # [..., P, 16, nb]
+        f32 = np.ascontiguousarray(np.swapaxes(f16, -1, -2), np.float32)
+        return f32.view(np.uint8).reshape(*lead, p, nb, 4 * PANEL)
+
+    if quant_type == "Q4_1":
+        qs = panels[..., 4:]  # byte i: element i (low 4 bits), element i + 16 (high)
+        values = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [..., P, 16, nb, 32]
+        values = np.moveaxis(by_block(values), -2, -1)  # [..., P, nb, 32 k, 16 columns]
+        packed = values[..., :8] | (values[..., 8:] << 4)
+        parts = [scales(0), scales(2), packed.reshape(*lead, p, nb, -1)]
+    else:
+        values = np.moveaxis(by_block(panels[..., 2:]), -2, -1)  # int8 bytes [..., P, nb, 32 k, 16]
+        parts = [scales(0), values.reshape(*lead, p, nb, -1)]
+    out = host_arrays.empty((*lead, p, nb, PANEL_BLOCK_BYTES[quant_type]), np.uint8)
+    np.concatenate(parts, axis=-1, out=out)
+    return host_arrays.adopt(out)
+
+
+def dequantize_panels(w) -> jax.Array:
+    """`pack_quantized`'s panels [..., P, K / 32, bytes] -> float32 panels [..., P, K, 16] (what
+    `pack_kernel` makes of the dequantised weight): XLA's path where the kernel cannot run."""
+    *lead, p, nb, size = w.shape
+    as_f32 = lambda b: jax.lax.bitcast_convert_type(b.reshape(*lead, p, nb, PANEL, 4), jnp.float32)
+    d = as_f32(w[..., :64])[..., None, :]  # [..., P, nb, 1, 16]
+    if size == PANEL_BLOCK_BYTES["Q4_1"]:
+        q = w[..., 128:].reshape(*lead, p, nb, QUANT_BLOCK, 8)
+        values = jnp.concatenate([q & 15, q >> 4], axis=-1).astype(jnp.float32)
+        weights = values * d + as_f32(w[..., 64:128])[..., None, :]
+    else:
+        values = jax.lax.bitcast_convert_type(w[..., 64:], jnp.int8).reshape(*lead, p, nb, QUANT_BLOCK, PANEL)
+        weights = values.astype(jnp.float32) * d
+    return weights.reshape(*lead, p, nb * QUANT_BLOCK, PANEL)
+
+
 def _xla_panels(x, panels):
+    if is_quantized(panels):
+        panels = dequantize_panels(panels).astype(x.dtype)
     y = jax.lax.dot_general(x, panels, (((x.ndim - 1,), (1,)), ((), ())))  # [..., P, 16]
     return y.reshape(*x.shape[:-1], -1)
 
@@ -98,10 +173,14 @@ def rows_matmul(x: jax.Array, w: jax.Array, features: int, layer=None) -> jax.Ar
     if not is_packed(w, stacked):
         return jnp.dot(x, one(w))
     rows = int(np.prod(x.shape[:-1]))
-    if x.dtype == w.dtype == jnp.float32 and rows > 0 and available():
+    quantized = is_quantized(w)
+    if quantized and x.shape[-1] != w.shape[-2] * QUANT_BLOCK:
+        raise ValueError(f"rows_matmul: x [..., {x.shape[-1]}] against quantized panels of "
+                         f"K = {w.shape[-2] * QUANT_BLOCK}")
+    if x.dtype == jnp.float32 and (quantized or w.dtype == jnp.float32) and rows > 0 and available():
         def kernel(x, w):
             out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[-3] * PANEL,), jnp.float32)
-            return jax.ffi.ffi_call(TARGET_NAME, out)(x, w, index)
+            return jax.ffi.ffi_call(QUANTIZED_TARGET_NAME if quantized else TARGET_NAME, out)(x, w, index)
 
         if jax.default_backend() == "cpu":  # lowered for the CPU alone: no XLA branch to trace
             y = kernel(x, w)

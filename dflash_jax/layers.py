@@ -55,6 +55,8 @@ class DensePacked(nn.Module):
 
         if self.has_variable(STACKED, "kernel"):  # a loop over stacked layers: every layer's kernel, and which
             kernel, layer = self.get_variable(STACKED, "kernel"), self.get_variable(STACKED, "layer")
+        elif self.has_variable("params", "kernel"):  # float32 or narrow panels (`pack_kernel`)
+            kernel, layer = self.get_variable("params", "kernel"), None
         else:
             kernel, layer = self.param("kernel", init, (x.shape[-1], self.features), self.dtype), None
         y = rows_matmul(x.astype(self.dtype), kernel, self.features, layer)

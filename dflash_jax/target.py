@@ -25,7 +25,7 @@ from dflash_jax import masks
 from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.config import ModelConfig
-from dflash_jax.kernels.cpu_matmul import (PANEL, dequantize_panels, is_packed, is_quantized, pack_kernel,
+from dflash_jax.kernels.cpu_matmul import (PANEL, dequantize_panels, is_packed, is_narrow, pack_kernel,
                                          packs_side_by_side, rows_matmul)
 from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, fuse_stacked_projections,
                                pack_stacked_kernels, scan_stacked_layers)
@@ -196,7 +196,7 @@ class PackedTargetModel(TargetModel):
         if not self.config.tie_word_embeddings:
             return super().embed(tokens)
         head = self.head
-        if is_quantized(head):  # [P, D / 32, bytes]: the token's panel, dequantized, at lane t % 16
+        if is_narrow(head):  # [P, D / 32, bytes]: the token's panel, dequantized, at lane t % 16
             panels = dequantize_panels(head[tokens // PANEL])  # [..., D, 16]
             return jnp.take_along_axis(panels, (tokens % PANEL)[..., None, None], axis=-1)[..., 0].astype(self.dtype)
         if is_packed(head):  # [P, D, 16]: column t of [D, V] is panel t // 16, lane t % 16

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.kernels import cpu_ffi
-from dflash_jax.kernels.cpu_matmul import (GGML_BLOCK_BYTES, PANEL, PANEL_BLOCK_BYTES, QUANTIZED_TARGET_NAME,
+from dflash_jax.kernels.cpu_matmul import (GGML_BLOCK_BYTES, PANEL, PANEL_BLOCK_BYTES, NARROW_TARGET_NAME,
                                          TARGET_NAME, available, dequantize_panels, pack_kernel, pack_quantized,
                                          rows_matmul)
 
@@ -199,7 +199,7 @@ def test_quantized_panels_multiply_as_their_dequantised_floats(quant_type, n, k)
         x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
         got = np.asarray(jax.jit(_product(n))(x, panels))
         np.testing.assert_array_equal(got, np.asarray(jax.jit(_product(n))(x, floats)))
-        assert QUANTIZED_TARGET_NAME in jax.jit(_product(n)).lower(x, panels).compile().as_text()
+        assert NARROW_TARGET_NAME in jax.jit(_product(n)).lower(x, panels).compile().as_text()
         want = x.astype(np.float64) @ weight.T.astype(np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     stack = pack_quantized(np.stack([blocks, _ggml_blocks(quant_type, n, k, seed=1)]), quant_type)
@@ -217,3 +217,25 @@ def test_quantized_panels_reject_other_blocks_and_widths():
     panels = pack_quantized(_ggml_blocks("Q8_0", 16, 64), "Q8_0")
     with pytest.raises(ValueError, match="K = 64"):
         rows_matmul(jnp.ones((1, 32)), panels, 16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,n", [(64, 16), (576, 600), (1728, 40)])
+def test_bfloat16_weights_pack_narrow_and_multiply_bit_for_bit(k, n):
+    """A float32 kernel whose weights are all bfloat16 values (a bf16 checkpoint loaded as float32)
+    packs as bfloat16 panels: half the bytes, and the same products bit for bit as its float32
+    panels, through the kernel (1-6 rows in registers, more through a buffer) and through XLA."""
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((k, n)).astype(jnp.bfloat16).astype(np.float32)
+    narrow = pack_kernel(w)
+    floats = np.swapaxes(np.pad(w, ((0, 0), (0, -n % PANEL))).reshape(k, -1, PANEL), 0, 1)
+    assert narrow.dtype == np.uint8 and narrow.shape == (-(-n // PANEL), k // 32, PANEL_BLOCK_BYTES["BF16"])
+    np.testing.assert_array_equal(np.asarray(dequantize_panels(narrow)), floats)
+    for rows in (1, 2, 3, 6, 7, 16):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        got = np.asarray(jax.jit(_product(n))(x, narrow))
+        np.testing.assert_array_equal(got, np.asarray(jax.jit(_product(n))(x, jnp.asarray(floats))))
+    assert NARROW_TARGET_NAME in jax.jit(_product(n)).lower(x, narrow).compile().as_text()
+    assert pack_kernel(w[:40]).shape == (-(-n // PANEL), 40, PANEL)  # K not a multiple of 32: float32
+    w[-1, -1] += 1e-3  # one weight that bfloat16 cannot hold: float32 panels
+    assert pack_kernel(w).shape == (-(-n // PANEL), k, PANEL)

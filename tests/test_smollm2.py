@@ -141,14 +141,14 @@ def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_i
     import flax
     import jax.numpy as jnp
 
-    from dflash_jax.kernels.cpu_matmul import available, is_quantized
+    from dflash_jax.kernels.cpu_matmul import available, is_narrow
     from dflash_jax.loading.target_loader import load_target
     from dflash_jax.target import pack_layers
 
     if not available():
         pytest.skip("the CPU rows kernel is not built here")
     kernels = {p: w for p, w in flax.traverse_util.flatten_dict(target.params).items() if p[-1] in ("kernel", "head")}
-    assert len(kernels) == 5 and all(is_quantized(w) for w in kernels.values())
+    assert len(kernels) == 5 and all(is_narrow(w) for w in kernels.values())
     assert sum(w.nbytes for w in kernels.values()) < 120e6
     floats = pack_layers(load_target(gguf_path, "float32", tokenizer=False, layout="stacked").params)
     prompt, step = jnp.asarray([chat_ids], jnp.int32), jnp.asarray([[chat_ids[-1]]], jnp.int32)

@@ -29,13 +29,14 @@ from dflash_jax import host_arrays
 from dflash_jax.kernels.cpu_ffi import available
 
 TARGET_NAME = "dflash_rows_matmul"
-QUANTIZED_TARGET_NAME = "dflash_rows_matmul_quantized"
+NARROW_TARGET_NAME = "dflash_rows_matmul_narrow"
 PANEL = 16  # columns per panel of a packed kernel
 QUANT_BLOCK = 32  # k per block of a quantized kernel (GGML's Q4_1 and Q8_0)
-# GGML's block of 32 weights (bytes: float16 scale [and offset], then the values) and the panel
-# block the kernel reads for 16 columns (float32 scales [and offsets], then the values by k).
+# GGML's block of 32 weights (bytes: float16 scale [and offset], then the values) and the narrow
+# panel block the kernel reads for 32 k x 16 columns (float32 scales [and offsets], then the
+# values by k; bfloat16: the values alone).
 GGML_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-PANEL_BLOCK_BYTES = {"Q4_1": 384, "Q8_0": 576}
+PANEL_BLOCK_BYTES = {"Q4_1": 384, "Q8_0": 576, "BF16": 1024}
 
 
 def packs_side_by_side(*widths: int) -> bool:
@@ -49,7 +50,10 @@ def pack_kernel(kernel, *more) -> jax.Array:
     [ceil(N / 16), K, 16], panel p holding columns 16p .. 16p + 15 (zeros past N); a stack of
     kernels [L, K, N] (a scanned model's) -> [L, ceil(N / 16), K, 16]. With `more` kernels of the
     same leading shape, their columns follow the first kernel's, as one product of them all would
-    read them (every kernel but the last a whole number of panels wide). Left as it is (the kernels
+    read them (every kernel but the last a whole number of panels wide). Where every weight is a
+    bfloat16 value (a checkpoint stored in bfloat16, loaded as float32) and K a multiple of 32, the
+    panels are bfloat16 ([..., P, K / 32, 1024] bytes, `is_narrow`): the same products, bit for bit,
+    from half the bytes (SmolLM2's drafter: 47 MB -> 23). Left as it is (the kernels
     concatenated) where the rows kernel is unavailable or the dtype is not float32. Concrete
     arrays are packed with numpy into a buffer JAX adopts without another copy (`host_arrays`:
     packing SmolLM2's stacks took 0.70 s, 0.77 s with that copy, medians of 4 in one process);
@@ -81,18 +85,34 @@ def pack_kernel(kernel, *more) -> jax.Array:
     for w, count in zip(kernels, panels):
         out[..., start:start + count, :, :] = panels_of(w)
         start += count
-    return host_arrays.adopt(out)
+    narrow = _bfloat16_panels(out)
+    return host_arrays.adopt(out if narrow is None else narrow)
 
 
 def is_packed(w, stacked: bool = False) -> bool:
-    """Whether w is `pack_kernel`'s or `pack_quantized`'s panels (of a stack of kernels when
-    `stacked`)."""
+    """Whether w is `pack_kernel`'s or `pack_quantized`'s panels, float32 or narrow (of a stack of
+    kernels when `stacked`)."""
     return w.ndim == 3 + stacked
 
 
-def is_quantized(w) -> bool:
-    """Whether w is `pack_quantized`'s panels: [..., P, K / 32, 384 (Q4_1) or 576 (Q8_0)] bytes."""
+def is_narrow(w) -> bool:
+    """Whether w is narrow panels, [..., P, K / 32, bytes] uint8: `pack_quantized`'s (Q4_1: 384
+    bytes per block, Q8_0: 576) or `pack_kernel`'s bfloat16 ones (1024)."""
     return w.dtype == jnp.uint8
+
+
+def _bfloat16_panels(panels: np.ndarray) -> np.ndarray | None:
+    """float32 panels [..., P, K, 16] -> bfloat16 panel blocks [..., P, K / 32, 1024] uint8 where
+    every weight is a bfloat16 value (the low 16 bits of each float are zero: a checkpoint stored in
+    bfloat16) and K is a multiple of 32; None otherwise (checked on a sample first, so that float32
+    weights cost a glance, not a pass)."""
+    *lead, p, k, _ = panels.shape
+    bits = panels.view(np.uint32)
+    if k % QUANT_BLOCK or k == 0 or np.any(bits.reshape(-1)[:4096] & 0xFFFF) or np.any(bits & 0xFFFF):
+        return None
+    out = host_arrays.empty((*lead, p, k // QUANT_BLOCK, PANEL_BLOCK_BYTES["BF16"]), np.uint8)
+    out.view(np.uint16).reshape(bits.shape)[...] = bits >> 16
+    return out
 
 
 def pack_quantized(blocks: np.ndarray, quant_type: str) -> jax.Array:
@@ -136,9 +156,13 @@ def pack_quantized(blocks: np.ndarray, quant_type: str) -> jax.Array:
 
 
 def dequantize_panels(w) -> jax.Array:
-    """`pack_quantized`'s panels [..., P, K / 32, bytes] -> float32 panels [..., P, K, 16] (what
-    `pack_kernel` makes of the dequantised weight): XLA's path where the kernel cannot run."""
+    """Narrow panels [..., P, K / 32, bytes] (`pack_quantized`'s, or `pack_kernel`'s bfloat16 ones)
+    -> their float32 panels [..., P, K, 16], the floats the kernel multiplies by: XLA's path where
+    the kernel cannot run, and the embedding rows of a narrow tied head."""
     *lead, p, nb, size = w.shape
+    if size == PANEL_BLOCK_BYTES["BF16"]:
+        halves = jax.lax.bitcast_convert_type(w.reshape(*lead, p, nb * QUANT_BLOCK, PANEL, 2), jnp.uint16)
+        return jax.lax.bitcast_convert_type(halves.astype(jnp.uint32) << 16, jnp.float32)
     as_f32 = lambda b: jax.lax.bitcast_convert_type(b.reshape(*lead, p, nb, PANEL, 4), jnp.float32)
     d = as_f32(w[..., :64])[..., None, :]  # [..., P, nb, 1, 16]
     if size == PANEL_BLOCK_BYTES["Q4_1"]:
@@ -152,7 +176,7 @@ def dequantize_panels(w) -> jax.Array:
 
 
 def _xla_panels(x, panels):
-    if is_quantized(panels):
+    if is_narrow(panels):
         panels = dequantize_panels(panels).astype(x.dtype)
     y = jax.lax.dot_general(x, panels, (((x.ndim - 1,), (1,)), ((), ())))  # [..., P, 16]
     return y.reshape(*x.shape[:-1], -1)
@@ -173,14 +197,14 @@ def rows_matmul(x: jax.Array, w: jax.Array, features: int, layer=None) -> jax.Ar
     if not is_packed(w, stacked):
         return jnp.dot(x, one(w))
     rows = int(np.prod(x.shape[:-1]))
-    quantized = is_quantized(w)
-    if quantized and x.shape[-1] != w.shape[-2] * QUANT_BLOCK:
-        raise ValueError(f"rows_matmul: x [..., {x.shape[-1]}] against quantized panels of "
+    narrow = is_narrow(w)
+    if narrow and x.shape[-1] != w.shape[-2] * QUANT_BLOCK:
+        raise ValueError(f"rows_matmul: x [..., {x.shape[-1]}] against narrow panels of "
                          f"K = {w.shape[-2] * QUANT_BLOCK}")
-    if x.dtype == jnp.float32 and (quantized or w.dtype == jnp.float32) and rows > 0 and available():
+    if x.dtype == jnp.float32 and (narrow or w.dtype == jnp.float32) and rows > 0 and available():
         def kernel(x, w):
             out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[-3] * PANEL,), jnp.float32)
-            return jax.ffi.ffi_call(QUANTIZED_TARGET_NAME if quantized else TARGET_NAME, out)(x, w, index)
+            return jax.ffi.ffi_call(NARROW_TARGET_NAME if narrow else TARGET_NAME, out)(x, w, index)
 
         if jax.default_backend() == "cpu":  # lowered for the CPU alone: no XLA branch to trace
             y = kernel(x, w)

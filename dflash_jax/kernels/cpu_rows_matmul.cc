@@ -14,15 +14,16 @@
 // The output columns of a large enough product are split, panel-wise, between the calling thread
 // and a helper thread per further core (cpu_pool.h).
 //
-// A second entry point, "dflash_rows_matmul_quantized", reads panels kept in a GGUF file's Q4_1 or
-// Q8_0 blocks (`cpu_matmul.pack_quantized`) and dequantizes them as it multiplies, with the same
-// FMA chains: bit-identical to the float32 panels of the dequantised weights, from a sixth of the
-// bytes (SmolLM2-135M's 30 layers, 1 row: ffn_up 6.0-9.7 -> 2.4-3.2 ms, ffn_down 6.9-7.3 -> 2.5-2.7;
+// A second entry point, "dflash_rows_matmul_narrow", reads narrow panels: a GGUF file's Q4_1 or
+// Q8_0 blocks (`cpu_matmul.pack_quantized`) or bfloat16 (`cpu_matmul.pack_kernel`, where every
+// weight is a bfloat16 value), widened to their float32 values as it multiplies, with the same
+// FMA chains: bit-identical to the float32 panels, from a sixth (Q4_1) or half of the bytes
+// (SmolLM2-135M's 30 layers, Q4_1, 1 row: ffn_up 6.0-9.7 -> 2.4-3.2 ms, ffn_down 6.9-7.3 -> 2.5-2.7;
 // 16 rows 11-15 -> 10-13 ms; both forms in one process, called alternately, median of 15).
 //
 // Built by dflash_jax/kernels/cpu_ffi.py with the C++ compiler of the machine (-mavx2 -mfma
 // -ffp-contract=off) and called through XLA's FFI as the custom calls "dflash_rows_matmul" and
-// "dflash_rows_matmul_quantized".
+// "dflash_rows_matmul_narrow".
 #include <immintrin.h>
 
 #include <algorithm>
@@ -153,50 +154,25 @@ void RowsMatmulPanels(const float* x, const float* w, float* y, int64_t M, int64
   }
 }
 
-// Quantized panels: the weights as a GGUF file stores them (Q4_1, Q8_0), in blocks of 32 k of one
-// panel (`cpu_matmul.pack_quantized`), dequantized panel group by panel group into a buffer that
-// stays in L2 and multiplied from there by the same tiles. The dequantized floats are those of
-// GGML's reference (gguf-py: d * q + m for Q4_1, d * q for Q8_0, one rounding per operation; built
-// with -ffp-contract=off so that the compiler does not fuse them), so the products are bit for bit
-// those of the float32 panels, from about a sixth of the bytes (SmolLM2-135M Q4_1: ~100 MB a step
-// instead of 544).
-constexpr int64_t kQuantBlock = 32;  // k per block (GGML's QK4_1 and QK8_0)
+// Narrow panels: weights kept in fewer bytes than float32, in blocks of 32 k of one panel
+// (`cpu_matmul.pack_quantized`: a GGUF file's Q4_1 or Q8_0 blocks; `cpu_matmul.pack_kernel`:
+// bfloat16 where every weight is a bfloat16 value), turned back into their float32 values as the
+// tiles reach them. Those are exactly the floats of the float32 panels (gguf-py's dequantisation:
+// d * q + m for Q4_1, d * q for Q8_0, one rounding per operation, built with -ffp-contract=off so
+// that the compiler does not fuse them; bfloat16 widens exactly), so the products are bit for bit
+// those of the float32 panels, from a sixth (Q4_1) or half (bfloat16) of the bytes.
+constexpr int64_t kNarrowBlock = 32;  // k per block (GGML's QK4_1 and QK8_0)
 
-// One Q4_1 panel block (384 bytes): scales d[16] and offsets m[16] (float32), then per k (32) 8
-// bytes, byte j holding column j's 4 bits (low) and column j + 8's (high).
-inline void DequantizeQ4_1(const uint8_t* block, float* out) {
-  const float* f = reinterpret_cast<const float*>(block);
-  const __m256 d0 = _mm256_loadu_ps(f), d1 = _mm256_loadu_ps(f + 8);
-  const __m256 m0 = _mm256_loadu_ps(f + 16), m1 = _mm256_loadu_ps(f + 24);
-  const uint8_t* q = block + 128;
-  const __m256i nibble = _mm256_set1_epi32(15);
-  for (int k = 0; k < kQuantBlock; ++k) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k)));
-    const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
-    const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-    _mm256_storeu_ps(out + kPanel * k, _mm256_add_ps(_mm256_mul_ps(low, d0), m0));
-    _mm256_storeu_ps(out + kPanel * k + 8, _mm256_add_ps(_mm256_mul_ps(high, d1), m1));
-  }
+enum class Format { kF32, kQ4_1, kQ8_0, kBF16 };
+
+// Bytes per block of 32 k x 16 columns. Q4_1: scales d[16] and offsets m[16] (float32), then per k
+// 8 bytes, byte j holding column j's 4 bits (low) and column j + 8's (high). Q8_0: d[16], then per
+// k the 16 columns' int8. BF16: per k the 16 columns' bfloat16.
+constexpr int64_t BlockBytes(Format format) {
+  return format == Format::kQ4_1 ? 384 : format == Format::kQ8_0 ? 576 : format == Format::kBF16 ? 1024 : 0;
 }
 
-// One Q8_0 panel block (576 bytes): scales d[16] (float32), then per k (32) the 16 columns' int8.
-inline void DequantizeQ8_0(const uint8_t* block, float* out) {
-  const float* f = reinterpret_cast<const float*>(block);
-  const __m256 d0 = _mm256_loadu_ps(f), d1 = _mm256_loadu_ps(f + 8);
-  const uint8_t* q = block + 64;
-  for (int k = 0; k < kQuantBlock; ++k) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kPanel * k));
-    _mm256_storeu_ps(out + kPanel * k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d0));
-    _mm256_storeu_ps(out + kPanel * k + 8,
-                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), d1));
-  }
-}
-
-enum class Format { kF32, kQ4_1, kQ8_0 };
-
-constexpr int64_t BlockBytes(Format format) { return format == Format::kQ4_1 ? 384 : 576; }
-
-// The 16 weights of row k (0-31) of a panel block, as two vectors: the same floats as above.
+// The 16 weights of row k (0-31) of a panel block, as two vectors of float32.
 template <Format F>
 inline void DequantizeRow(const uint8_t* block, int k, __m256* w) {
   const float* f = reinterpret_cast<const float*>(block);
@@ -206,29 +182,45 @@ inline void DequantizeRow(const uint8_t* block, int k, __m256* w) {
                                        _mm256_loadu_ps(f)), _mm256_loadu_ps(f + 16));
     w[1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(f + 8)),
                          _mm256_loadu_ps(f + 24));
-  } else {
+  } else if constexpr (F == Format::kQ8_0) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + kPanel * k));
     w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_loadu_ps(f));
     w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), _mm256_loadu_ps(f + 8));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * kPanel * k));
+    w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+    w[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
   }
 }
 
-// Tile's twin for quantized panels (panel p's blocks at panels + p * stride): each weight is
-// dequantized in registers as the tile reaches it and used by all R rows; the same FMA chains.
+// A whole narrow panel [K / 32 blocks] -> float32 [K, 16].
+template <Format F>
+void DequantizePanel(const uint8_t* panel, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / kNarrowBlock; ++b)
+    for (int k = 0; k < kNarrowBlock; ++k) {
+      __m256 w[2];
+      DequantizeRow<F>(panel + b * BlockBytes(F), k, w);
+      _mm256_storeu_ps(out + (b * kNarrowBlock + k) * kPanel, w[0]);
+      _mm256_storeu_ps(out + (b * kNarrowBlock + k) * kPanel + 8, w[1]);
+    }
+}
+
+// Tile's twin for narrow panels (panel p's blocks at panels + p * stride): each weight is
+// widened in registers as the tile reaches it and used by all R rows; the same FMA chains.
 template <int R, int P, Format F>
-inline void QuantTile(const float* x, int64_t K, const uint8_t* panels, int64_t stride, float* y, int64_t ldy) {
+inline void NarrowTile(const float* x, int64_t K, const uint8_t* panels, int64_t stride, float* y, int64_t ldy) {
   __m256 acc[R][P][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / kQuantBlock; ++b) {
+  for (int64_t b = 0; b < K / kNarrowBlock; ++b) {
     const uint8_t* block = panels + b * BlockBytes(F);
-    for (int kk = 0; kk < kQuantBlock; ++kk) {
+    for (int kk = 0; kk < kNarrowBlock; ++kk) {
       __m256 w[P][2];
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) DequantizeRow<F>(block + p * stride, kk, w[p]);
-      const int64_t k = b * kQuantBlock + kk;
+      const int64_t k = b * kNarrowBlock + kk;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
@@ -249,48 +241,40 @@ inline void QuantTile(const float* x, int64_t K, const uint8_t* panels, int64_t 
     }
 }
 
-// R rows (one group) against quantized panels [p0, p1), P at a time, single panels at the end.
+// R rows (one group) against narrow panels [p0, p1), P at a time, single panels at the end.
 template <int R, int P, Format F>
-void QuantRowGroup(const float* x, const uint8_t* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1) {
-  const int64_t stride = K / kQuantBlock * BlockBytes(F);
+void NarrowRowGroup(const float* x, const uint8_t* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t stride = K / kNarrowBlock * BlockBytes(F);
   int64_t p = p0;
-  for (; p + P <= p1; p += P) QuantTile<R, P, F>(x, K, w + p * stride, stride, y + p * kPanel, ldy);
-  for (; p < p1; ++p) QuantTile<R, 1, F>(x, K, w + p * stride, stride, y + p * kPanel, ldy);
+  for (; p + P <= p1; p += P) NarrowTile<R, P, F>(x, K, w + p * stride, stride, y + p * kPanel, ldy);
+  for (; p < p1; ++p) NarrowTile<R, 1, F>(x, K, w + p * stride, stride, y + p * kPanel, ldy);
 }
 
 template <Format F>
-void QuantRows(int rows, const float* x, const uint8_t* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1) {
+void NarrowRows(int rows, const float* x, const uint8_t* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1) {
   switch (rows) {  // as Rows
-    case 1: return QuantRowGroup<1, 4, F>(x, w, y, K, ldy, p0, p1);
-    case 2: return QuantRowGroup<2, 2, F>(x, w, y, K, ldy, p0, p1);
-    case 3: return QuantRowGroup<3, 2, F>(x, w, y, K, ldy, p0, p1);
-    case 4: return QuantRowGroup<4, 1, F>(x, w, y, K, ldy, p0, p1);
-    case 5: return QuantRowGroup<5, 1, F>(x, w, y, K, ldy, p0, p1);
-    default: return QuantRowGroup<6, 1, F>(x, w, y, K, ldy, p0, p1);
+    case 1: return NarrowRowGroup<1, 4, F>(x, w, y, K, ldy, p0, p1);
+    case 2: return NarrowRowGroup<2, 2, F>(x, w, y, K, ldy, p0, p1);
+    case 3: return NarrowRowGroup<3, 2, F>(x, w, y, K, ldy, p0, p1);
+    case 4: return NarrowRowGroup<4, 1, F>(x, w, y, K, ldy, p0, p1);
+    case 5: return NarrowRowGroup<5, 1, F>(x, w, y, K, ldy, p0, p1);
+    default: return NarrowRowGroup<6, 1, F>(x, w, y, K, ldy, p0, p1);
   }
 }
 
-// Panels [p0, p1) of y = x . w for quantized panels w [P, K / 32, block bytes]: each group of
-// kGroup panels dequantized into a per-thread buffer, then RowsMatmulPanels over it.
-void QuantRowsMatmulPanels(Format format, const float* x, const uint8_t* w, float* y, int64_t M, int64_t K,
-                           int64_t ldy, int64_t p0, int64_t p1) {
-  if (M <= 6) {  // one row group: dequantized in registers (the scratch below is for several groups)
-    if (format == Format::kQ4_1) QuantRows<Format::kQ4_1>(static_cast<int>(M), x, w, y, K, ldy, p0, p1);
-    else QuantRows<Format::kQ8_0>(static_cast<int>(M), x, w, y, K, ldy, p0, p1);
-    return;
-  }
-  const int64_t blocks = K / kQuantBlock, bytes = BlockBytes(format);
+// Panels [p0, p1) of y = x . w for narrow panels w [P, K / 32, block bytes]. One row group (1-6
+// rows): widened in registers as the tiles reach them. More: each group of kGroup panels widened
+// once into a per-thread buffer that stays in L2, then RowsMatmulPanels over it.
+template <Format F>
+void NarrowRowsMatmulPanels(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t ldy,
+                            int64_t p0, int64_t p1) {
+  if (M <= 6) return NarrowRows<F>(static_cast<int>(M), x, w, y, K, ldy, p0, p1);
+  const int64_t stride = K / kNarrowBlock * BlockBytes(F);
   thread_local std::vector<float> scratch;
   scratch.resize(kGroup * K * kPanel);
   for (int64_t g0 = p0; g0 < p1; g0 += kGroup) {
     const int64_t g1 = std::min(p1, g0 + kGroup);
-    for (int64_t p = g0; p < g1; ++p)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = w + (p * blocks + b) * bytes;
-        float* out = scratch.data() + ((p - g0) * K + b * kQuantBlock) * kPanel;
-        if (format == Format::kQ4_1) DequantizeQ4_1(block, out);
-        else DequantizeQ8_0(block, out);
-      }
+    for (int64_t p = g0; p < g1; ++p) DequantizePanel<F>(w + p * stride, K, scratch.data() + (p - g0) * K * kPanel);
     RowsMatmulPanels(x, scratch.data(), y + g0 * kPanel, M, K, ldy, 0, g1 - g0);
   }
 }
@@ -316,8 +300,13 @@ void RowsMatmul(Format format, const float* x, const void* w, float* y, int64_t 
   pool.RunParts([](const void* context, int part, int parts) {
     const RowsJob& j = *static_cast<const RowsJob*>(context);
     const int64_t step = (j.P + parts - 1) / parts, p0 = std::min(j.P, part * step), p1 = std::min(j.P, (part + 1) * step);
-    if (j.format == Format::kF32) RowsMatmulPanels(j.x, static_cast<const float*>(j.w), j.y, j.M, j.K, j.ldy, p0, p1);
-    else QuantRowsMatmulPanels(j.format, j.x, static_cast<const uint8_t*>(j.w), j.y, j.M, j.K, j.ldy, p0, p1);
+    const uint8_t* narrow = static_cast<const uint8_t*>(j.w);
+    switch (j.format) {
+      case Format::kF32: return RowsMatmulPanels(j.x, static_cast<const float*>(j.w), j.y, j.M, j.K, j.ldy, p0, p1);
+      case Format::kQ4_1: return NarrowRowsMatmulPanels<Format::kQ4_1>(j.x, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
+      case Format::kQ8_0: return NarrowRowsMatmulPanels<Format::kQ8_0>(j.x, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
+      case Format::kBF16: return NarrowRowsMatmulPanels<Format::kBF16>(j.x, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
+    }
   }, &job, parts);
 }
 
@@ -344,28 +333,31 @@ ffi::Error RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
   return ffi::Error::Success();
 }
 
-// w: quantized panels [P, K / 32, B] or a stack [L, P, K / 32, B], B = 384 bytes (Q4_1) or 576 (Q8_0).
-ffi::Error QuantRowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
+// w: narrow panels [P, K / 32, B] or a stack [L, P, K / 32, B], B = 384 bytes (Q4_1), 576 (Q8_0) or
+// 1024 (bfloat16).
+ffi::Error NarrowRowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
                                ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const size_t stacked = wd.size() == 4 ? 1 : 0;
   const int64_t bytes = wd.size() == 0 ? 0 : wd.back();
-  const Format format = bytes == BlockBytes(Format::kQ4_1) ? Format::kQ4_1 : Format::kQ8_0;
-  if (xd.size() < 1 || wd.size() != 3 + stacked || (bytes != 384 && bytes != 576) ||
-      xd.back() != wd[1 + stacked] * kQuantBlock || layer.element_count() != 1) {
+  Format format = Format::kF32;
+  for (Format f : {Format::kQ4_1, Format::kQ8_0, Format::kBF16})
+    if (bytes == BlockBytes(f)) format = f;
+  if (xd.size() < 1 || wd.size() != 3 + stacked || format == Format::kF32 ||
+      xd.back() != wd[1 + stacked] * kNarrowBlock || layer.element_count() != 1) {
     return ffi::Error::InvalidArgument(
-        "dflash_rows_matmul_quantized: x [..., K] and w [P, K / 32, 384 or 576] or [L, P, K / 32, 384 or 576] "
+        "dflash_rows_matmul_narrow: x [..., K] and w [P, K / 32, 384, 576 or 1024] or [L, P, K / 32, ...] "
         "disagree, or layer is not a scalar");
   }
   const int64_t L = stacked ? wd[0] : 1, P = wd[stacked], K = xd.back();
   const int64_t l = stacked ? layer.typed_data()[0] : 0;
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("dflash_rows_matmul_quantized: layer out of range");
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("dflash_rows_matmul_narrow: layer out of range");
   const int64_t M = K == 0 ? 0 : static_cast<int64_t>(x.element_count()) / K;
   if (static_cast<int64_t>(y->element_count()) != M * P * kPanel) {
-    return ffi::Error::InvalidArgument("dflash_rows_matmul_quantized: output is not [..., P * 16]");
+    return ffi::Error::InvalidArgument("dflash_rows_matmul_narrow: output is not [..., P * 16]");
   }
-  RowsMatmul(format, x.typed_data(), w.typed_data() + l * P * (K / kQuantBlock) * bytes, y->typed_data(), M, P, K);
+  RowsMatmul(format, x.typed_data(), w.typed_data() + l * P * (K / kNarrowBlock) * bytes, y->typed_data(), M, P, K);
   return ffi::Error::Success();
 }
 
@@ -378,9 +370,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowsMatmul, RowsMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowsMatmulQuantized, QuantRowsMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowsMatmulNarrow, NarrowRowsMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // w (quantized panels)
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // w (narrow panels)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -14,10 +14,11 @@ kernel: XLA's product of the packed panels would copy them into a GEMM layout fi
 head at 128 rows: 241 ms through XLA on the panels, 124 ms XLA on [K, N], 102 ms here; one-off
 script).
 
-A weight a GGUF file stores in Q4_1 or Q8_0 blocks can stay in them (`pack_quantized`, used by
-`loading.gguf_panels` for a CPU decode): the kernel dequantizes each block as it multiplies, to
-the same floats as gguf-py's dequantisation, so the product is bit for bit that of `pack_kernel`'s
-float32 panels, from about a sixth of the bytes.
+Narrow panels hold the same weights in fewer bytes: a weight a GGUF file stores in Q4_1 or Q8_0
+blocks can stay in them (`pack_quantized`, used by `loading.gguf_panels` for a CPU decode), and
+`pack_kernel` keeps bfloat16 where every weight is a bfloat16 value. The kernel widens each block
+as it multiplies, to the same floats (gguf-py's dequantisation; bfloat16 widens exactly), so the
+product is bit for bit that of the float32 panels, from a sixth (Q4_1) or half of the bytes.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from dflash_jax.kernels.cpu_ffi import available
 TARGET_NAME = "dflash_rows_matmul"
 NARROW_TARGET_NAME = "dflash_rows_matmul_narrow"
 PANEL = 16  # columns per panel of a packed kernel
-QUANT_BLOCK = 32  # k per block of a quantized kernel (GGML's Q4_1 and Q8_0)
+QUANT_BLOCK = 32  # k per block of narrow panels (GGML's Q4_1 and Q8_0 blocks; bfloat16 too)
 # GGML's block of 32 weights (bytes: float16 scale [and offset], then the values) and the narrow
 # panel block the kernel reads for 32 k x 16 columns (float32 scales [and offsets], then the
 # values by k; bfloat16: the values alone).
@@ -183,11 +184,11 @@ def _xla_panels(x, panels):
 
 
 def rows_matmul(x: jax.Array, w: jax.Array, features: int, layer=None) -> jax.Array:
-    """x [..., K] @ W -> [..., features], W being a `pack_kernel` result: panels [P, K, 16] or a
-    plain [K, N]; with `layer` (an int32 scalar, traced or not), W is a stack of them ([L, P, K, 16]
-    or [L, K, N]) and the product uses W[layer], which the kernel reads in place. Panels go through
-    the kernel on a CPU for float32 inputs, through XLA otherwise; a plain kernel is XLA's
-    product (of a slice: a copy)."""
+    """x [..., K] @ W -> [..., features], W being a `pack_kernel` or `pack_quantized` result: panels
+    [P, K, 16], narrow panels [P, K / 32, bytes] or a plain [K, N]; with `layer` (an int32 scalar,
+    traced or not), W is a stack of them ([L, ...]) and the product uses W[layer], which the
+    kernel reads in place. Panels go through the kernel on a CPU for float32 inputs, through XLA
+    otherwise; a plain kernel is XLA's product (of a slice: a copy)."""
     stacked = layer is not None
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
 

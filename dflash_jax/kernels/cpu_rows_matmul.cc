@@ -19,7 +19,8 @@
 // weight is a bfloat16 value), widened to their float32 values as it multiplies, with the same
 // FMA chains: bit-identical to the float32 panels, from a sixth (Q4_1) or half of the bytes
 // (SmolLM2-135M's 30 layers, Q4_1, 1 row: ffn_up 6.0-9.7 -> 2.4-3.2 ms, ffn_down 6.9-7.3 -> 2.5-2.7;
-// 16 rows 11-15 -> 10-13 ms; both forms in one process, called alternately, median of 15).
+// 16 rows, compute-bound either way, about equal; both forms in one process, called alternately,
+// median of 15).
 //
 // Built by dflash_jax/kernels/cpu_ffi.py with the C++ compiler of the machine (-mavx2 -mfma
 // -ffp-contract=off) and called through XLA's FFI as the custom calls "dflash_rows_matmul" and

@@ -55,17 +55,50 @@ namespace {
 constexpr int64_t kPanel = 16;      // columns per panel: two AVX2 vectors
 constexpr int64_t kGroup = 4;       // panels that all row groups visit before the next ones (L2)
 
+// The accumulators of a tile of R rows x P panels: every output one chain of FMAs over k from
+// zero, whatever feeds it the weights (float32 panels or narrow ones).
+template <int R, int P>
+struct TileSums {
+  __m256 acc[R][P][2];
+
+  TileSums() {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+  }
+
+  // acc += x[:, k] * (row k of the P panels, w[p][0..1])
+  inline void Add(const float* x, int64_t K, int64_t k, const __m256 (&w)[P][2]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        acc[r][p][0] = _mm256_fmadd_ps(xr, w[p][0], acc[r][p][0]);
+        acc[r][p][1] = _mm256_fmadd_ps(xr, w[p][1], acc[r][p][1]);
+      }
+    }
+  }
+
+  inline void Store(float* y, int64_t ldy) const {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        _mm256_storeu_ps(y + r * ldy + p * kPanel, acc[r][p][0]);
+        _mm256_storeu_ps(y + r * ldy + p * kPanel + 8, acc[r][p][1]);
+      }
+  }
+};
+
 // Rows [0, R) of x (row stride K) times panels [0, P) at `panels` -> y (row stride ldy). With
 // Prefetch, every `every`-th k asks for one line of each of the P panels at `pf` (into L2), the
 // next line each time: the row groups of a panel group share out the lines of the panels kGroup
 // further on, so the weight stream runs while they compute, not only while the first one does.
 template <int R, int P, bool Prefetch>
 inline void Tile(const float* x, int64_t K, const float* panels, float* y, int64_t ldy, const float* pf, int every) {
-  __m256 acc[R][P][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+  TileSums<R, P> sums;
   int count = every;
   for (int64_t k = 0; k < K; ++k) {
     __m256 w[P][2];
@@ -81,23 +114,9 @@ inline void Tile(const float* x, int64_t K, const float* panels, float* y, int64
       for (int p = 0; p < P; ++p) _mm_prefetch(reinterpret_cast<const char*>(pf + p * K * kPanel), _MM_HINT_T1);
       pf += kPanel;
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
-#pragma GCC unroll 8
-      for (int p = 0; p < P; ++p) {
-        acc[r][p][0] = _mm256_fmadd_ps(xr, w[p][0], acc[r][p][0]);
-        acc[r][p][1] = _mm256_fmadd_ps(xr, w[p][1], acc[r][p][1]);
-      }
-    }
+    sums.Add(x, K, k, w);
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) {
-      _mm256_storeu_ps(y + r * ldy + p * kPanel, acc[r][p][0]);
-      _mm256_storeu_ps(y + r * ldy + p * kPanel + 8, acc[r][p][1]);
-    }
+  sums.Store(y, ldy);
 }
 
 // R rows, row group g of `groups`, against panels [p0, p1): `P` panels per tile (8-12
@@ -210,36 +229,17 @@ void DequantizePanel(const uint8_t* panel, int64_t K, float* out) {
 // widened in registers as the tile reaches it and used by all R rows; the same FMA chains.
 template <int R, int P, Format F>
 inline void NarrowTile(const float* x, int64_t K, const uint8_t* panels, int64_t stride, float* y, int64_t ldy) {
-  __m256 acc[R][P][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+  TileSums<R, P> sums;
   for (int64_t b = 0; b < K / kNarrowBlock; ++b) {
     const uint8_t* block = panels + b * BlockBytes(F);
     for (int kk = 0; kk < kNarrowBlock; ++kk) {
       __m256 w[P][2];
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) DequantizeRow<F>(block + p * stride, kk, w[p]);
-      const int64_t k = b * kNarrowBlock + kk;
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
-#pragma GCC unroll 8
-        for (int p = 0; p < P; ++p) {
-          acc[r][p][0] = _mm256_fmadd_ps(xr, w[p][0], acc[r][p][0]);
-          acc[r][p][1] = _mm256_fmadd_ps(xr, w[p][1], acc[r][p][1]);
-        }
-      }
+      sums.Add(x, K, b * kNarrowBlock + kk, w);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) {
-      _mm256_storeu_ps(y + r * ldy + p * kPanel, acc[r][p][0]);
-      _mm256_storeu_ps(y + r * ldy + p * kPanel + 8, acc[r][p][1]);
-    }
+  sums.Store(y, ldy);
 }
 
 // R rows (one group) against narrow panels [p0, p1), P at a time, single panels at the end.

@@ -17,39 +17,43 @@ import numpy as np
 from dflash_jax.kernels.cpu_ffi import available
 from dflash_jax.kernels.cpu_matmul import pack_quantized
 from dflash_jax.layers import FUSED_PROJECTIONS
+from dflash_jax.loading.names import target_rules
 
 
 def _stored(tensors, names: list[str]):
     """(quant type, blocks concatenated along the rows) of these tensors, or None unless all of
     them are stored in one type `stored_blocks` hands out."""
-    blocks = [tensors.stored_blocks(name) for name in names]
     types = {tensors.info(name).quant_type for name in names}
-    if any(b is None for b in blocks) or len(types) != 1:
+    blocks = [tensors.stored_blocks(name) for name in names]
+    if len(types) != 1 or any(b is None for b in blocks):
         return None
-    return types.pop(), np.concatenate(blocks, axis=0) if len(blocks) > 1 else np.asarray(blocks[0])
+    return types.pop(), np.concatenate(blocks, axis=0)
 
 
 def with_stored_blocks(params: dict, tensors, config) -> dict:
     """`pack_layers` params (float32) of a GGUF target with every kernel whose stored blocks the CPU
     rows kernel reads replaced by them (`pack_quantized`); the others (and everything where the
-    kernel cannot run) are left as they are. `tensors`: the checkpoint's `GGUFTensors`."""
+    kernel cannot run) are left as they are. `tensors`: the checkpoint's `GGUFTensors`; the tensors
+    of each packed kernel are found through the loader's name table (`names.target_rules`), a fused
+    product's (`layers.FUSED_PROJECTIONS`) as its parts side by side."""
     if not available():
         return params
+    hf_names = {rule.path: rule.hf_names(config.num_layers) for rule in target_rules(config)}
     fused = {name: parts for name, _, parts in FUSED_PROJECTIONS}
     layers = flax.traverse_util.flatten_dict(params["layers"])
     for path, kernel in list(layers.items()):
         if path[-1] != "kernel" or kernel.dtype != jnp.float32:
             continue
-        parent, name = path[-3], path[-2]
-        per_layer = [_stored(tensors, [f"model.layers.{i}.{parent}.{part}.weight" for part in fused.get(name, (name,))])
-                     for i in range(config.num_layers)]
+        parts = [hf_names[("layers", *path[:-2], part, "kernel")] for part in fused.get(path[-2], (path[-2],))]
+        per_layer = [_stored(tensors, list(names)) for names in zip(*parts)]  # layer i: its parts' tensors
         if any(s is None for s in per_layer) or len({s[0] for s in per_layer}) != 1:
             continue
         panels = pack_quantized(np.stack([s[1] for s in per_layer]), per_layer[0][0])
         if panels.shape[:2] == kernel.shape[:2]:  # the same columns, as pack_layers laid them out
             layers[path] = panels
-    head = _stored(tensors, ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
     out = {**params, "layers": flax.traverse_util.unflatten_dict(layers)}
+    head_path = ("embed_tokens", "embedding") if config.tie_word_embeddings else ("lm_head", "kernel")
+    head = _stored(tensors, hf_names[head_path])
     if head is not None and params["head"].dtype == jnp.float32:
         panels = pack_quantized(head[1], head[0])
         if panels.shape[0] == params["head"].shape[0]:

@@ -136,8 +136,8 @@ def test_cli_mismatched_drafter_and_long_prompt(target, tmp_path, monkeypatch, c
 
 def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_ids):  # noqa: F811
     """On a CPU the packed target keeps the GGUF's own Q4_1 / Q8_0 blocks (`loading.gguf_panels`),
-    ~100 MB instead of 544, and its logits (a prompt through a cache, then one token) are bit for
-    bit those of the float32 panels of the same (dequantised) weights."""
+    112 MB of params instead of 544, and its logits (a prompt through a cache, then one token) are
+    bit for bit those of the float32 panels of the same (dequantised) weights."""
     import flax
     import jax.numpy as jnp
 

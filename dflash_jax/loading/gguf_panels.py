@@ -4,9 +4,10 @@ A llama.cpp file holds most weights quantized (SmolLM2-135M-Instruct of `llm-smo
 a Q8_0 embedding that is also the LM head). `load_target` dequantises them to float32 and, for a CPU
 decode, packs them into the rows kernel's panels (`target.pack_layers`): 544 MB that every decode
 step reads once. `with_stored_blocks` replaces each packed kernel whose GGUF blocks the rows kernel
-reads (`kernels.cpu_matmul.pack_quantized`: Q4_1, Q8_0) by those blocks, ~100 MB, which the kernel
-dequantizes in registers as it multiplies. The dequantized floats are gguf-py's own and every
-product is the same chain of FMAs, so the logits are bit for bit those of the float32 panels.
+reads (`kernels.cpu_matmul.pack_quantized`: Q4_1, Q8_0) by those blocks (SmolLM2: 112 MB of params
+in all, the scales widened to float32), which the kernel dequantizes in registers as it
+multiplies. The dequantized floats are gguf-py's own and every product is the same chain of FMAs,
+so the logits are bit for bit those of the float32 panels.
 """
 from __future__ import annotations
 

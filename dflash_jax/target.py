@@ -232,7 +232,9 @@ def pack_layers(params, *, release: bool = False) -> dict:
     layers = pack_stacked_kernels(layers, release=release)
     head_entry = "lm_head" if "lm_head" in params else "embed_tokens"
     out = {k: v for k, v in params.items() if k not in ("layers", head_entry)}
-    head = params.pop(head_entry) if release else params[head_entry]
+    head = params.pop(head_entry, None) if release else params.get(head_entry)
+    if head is None:  # a loader that has the head's panels already (`loading.gguf_panels`) adds them
+        return {**out, "layers": layers}
     kernel = head["kernel"] if head_entry == "lm_head" else np.asarray(head["embedding"]).T
     del head
     return {**out, "layers": layers, "head": pack_kernel(kernel)}
@@ -251,14 +253,20 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
 
 
+def resolve_layout(layout: str) -> str:
+    """"stacked" or "packed": the layout asked for, "auto" resolved for JAX's default backend."""
+    check_layout(layout)
+    if layout == "auto":
+        return "packed" if jax.default_backend() == "cpu" else "stacked"
+    return layout
+
+
 def params_in_layout(params, layout: str = "auto", *, release: bool = False):
     """Stacked target params in the layout asked for: "stacked" as they are (what the scanned
     `TargetModel`, training, sharding and GPUs use), "packed" through `pack_layers` (what a CPU
     decodes with: `PackedTargetModel`), "auto" packed when JAX's default backend is the CPU,
     stacked elsewhere. release: see `pack_layers` (a loader's own params)."""
-    check_layout(layout)
-    if layout == "auto":
-        layout = "packed" if jax.default_backend() == "cpu" else "stacked"
+    layout = resolve_layout(layout)
     if layout == "packed":
         return pack_layers(params, release=release)
     if is_packed_layout(params):

@@ -134,14 +134,16 @@ def test_cli_mismatched_drafter_and_long_prompt(target, tmp_path, monkeypatch, c
     assert err[-1].startswith("error: prompt too long")
 
 
-def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_ids):  # noqa: F811
+def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_ids, monkeypatch):  # noqa: F811
     """On a CPU the packed target keeps the GGUF's own Q4_1 / Q8_0 blocks (`loading.gguf_panels`),
-    112 MB of params instead of 544, and its logits (a prompt through a cache, then one token) are
-    bit for bit those of the float32 panels of the same (dequantised) weights."""
+    112 MB of params instead of 544, without ever reading the float32 weights they stand for, and its
+    logits (a prompt through a cache, then one token) are bit for bit those of the float32 panels of
+    the same (dequantised) weights."""
     import flax
     import jax.numpy as jnp
 
     from dflash_jax.kernels.cpu_matmul import available, is_narrow
+    from dflash_jax.loading.gguf_reader import GGUFTensors
     from dflash_jax.loading.target_loader import load_target
     from dflash_jax.target import pack_layers
 
@@ -150,6 +152,14 @@ def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_i
     kernels = {p: w for p, w in flax.traverse_util.flatten_dict(target.params).items() if p[-1] in ("kernel", "head")}
     assert len(kernels) == 5 and all(is_narrow(w) for w in kernels.values())
     assert sum(w.nbytes for w in kernels.values()) < 120e6
+    read = []
+    original = GGUFTensors.__getitem__
+    monkeypatch.setattr(GGUFTensors, "__getitem__", lambda self, name: read.append(name) or original(self, name))
+    again = load_target(gguf_path, "float32", tokenizer=False)
+    assert read and all(name.endswith("norm.weight") for name in read), sorted(set(read))[:4]
+    monkeypatch.undo()
+    for path, w in flax.traverse_util.flatten_dict(again.params).items():
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(flax.traverse_util.flatten_dict(target.params)[path]))
     floats = pack_layers(load_target(gguf_path, "float32", tokenizer=False, layout="stacked").params)
     prompt, step = jnp.asarray([chat_ids], jnp.int32), jnp.asarray([[chat_ids[-1]]], jnp.int32)
 

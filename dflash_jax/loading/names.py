@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import jax
 import numpy as np
@@ -81,12 +81,15 @@ def _set(tree: dict, path, value):
 
 def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: Any, num_layers: int,
                  dtype, *, allow_extra: Callable[[str], bool] = lambda name: False,
-                 progress: Callable | None = None, source: str = "checkpoint") -> dict:
+                 progress: Callable | None = None, source: str = "checkpoint",
+                 skip: Collection[tuple[str, ...]] = ()) -> dict:
     """Build a Flax params dict from HF-named tensors, one tensor at a time.
 
     `shapes` is the expected params pytree (e.g. from jax.eval_shape). Every expected tensor must be
     present with the right shape and every tensor present must be mapped (or allowed): otherwise a
-    CheckpointError names `source` (the checkpoint's path) and the offenders.
+    CheckpointError names `source` (the checkpoint's path) and the offenders. `skip`: param paths
+    (`Rule.path`) the caller has in another form: their tensors must be present but are not read,
+    and the params returned lack them.
     """
     np_dtype = np.dtype(dtype)  # jnp.bfloat16 is ml_dtypes.bfloat16, a numpy dtype
     expected_names = {name for rule in rules for name in rule.hf_names(num_layers)}
@@ -100,6 +103,8 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
         raise CheckpointError(f"{source} has {len(unmapped)} tensor(s) this model does not use: {unmapped[:8]}")
     params: dict = {}
     for rule in rules:
+        if rule.path in skip:
+            continue
         want = _get(shapes, rule.path).shape
         layer_shape = want[1:] if rule.per_layer else want
         out = host_arrays.empty(want, np_dtype)
@@ -118,7 +123,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
                 progress(name)
         _set(params, rule.path, host_arrays.adopt(out))
     unfilled = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)
-                if not _has(params, tuple(k.key for k in p))]
+                if tuple(k.key for k in p) not in skip and not _has(params, tuple(k.key for k in p))]
     if unfilled:
         raise ValueError(f"name table leaves params unfilled: {unfilled}")
     return params

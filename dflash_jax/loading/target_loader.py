@@ -7,6 +7,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -15,9 +16,9 @@ from dflash_jax.errors import CheckpointError
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
 from dflash_jax.loading.names import hf_to_params, target_rules
+from dflash_jax.loading.gguf_panels import StoredPanels, stored_panels
 from dflash_jax.resources import smollm2_gguf_path
-from dflash_jax.loading.gguf_panels import with_stored_blocks
-from dflash_jax.target import Target, check_layout, is_packed_layout, params_in_layout, target_param_shapes
+from dflash_jax.target import Target, check_layout, params_in_layout, resolve_layout, target_param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,16 @@ def _tied_head_extra(config: ModelConfig, tensors, source: str):
     return lambda n: False
 
 
-def params_from_tensors(config: ModelConfig, tensors, dtype, source: str):
-    """Flax params of a target from HF-named tensors (`source` names the checkpoint in errors)."""
+def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=frozenset()):
+    """Flax params of a target from HF-named tensors (`source` names the checkpoint in errors),
+    without the param paths in `skip` (their tensors are checked, not read: `names.hf_to_params`)."""
     shapes = target_param_shapes(config, dtype)
     rules = target_rules(config)
-    total = sum(len(r.hf_names(config.num_layers)) for r in rules)
+    total = sum(len(r.hf_names(config.num_layers)) for r in rules if r.path not in skip)
     with tqdm(total=total, desc=f"loading {Path(source).name}", unit="tensor", leave=False, disable=None) as bar:
         return hf_to_params(rules, tensors, shapes, config.num_layers, dtype,
                             allow_extra=_tied_head_extra(config, tensors, source),
-                            progress=lambda _: bar.update(), source=source)
+                            progress=lambda _: bar.update(), source=source, skip=skip)
 
 
 def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:
@@ -91,14 +93,14 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
 
         checkpoint = read_gguf(path)
         config = ModelConfig.from_hf_config(checkpoint.hf_config, source=str(path))
-        params = params_from_tensors(config, checkpoint.tensors, dtype, str(path))
+        # a float32 CPU decode reads the file's own quantized blocks; the floats are not made
+        stored = (stored_panels(checkpoint.tensors, config)
+                  if resolve_layout(layout) == "packed" and jnp.dtype(dtype) == jnp.float32 else StoredPanels())
+        params = params_from_tensors(config, checkpoint.tensors, dtype, str(path), skip=stored.skip)
         tok = gguf_tokenizer(checkpoint) if tokenizer else None
-        tensors = checkpoint.tensors  # memory-mapped: the stored blocks are read from the file
         del checkpoint
         params = params_in_layout(params, layout, release=True)
-        if is_packed_layout(params):  # the rows kernel reads the file's own quantized blocks
-            params = with_stored_blocks(params, tensors, config)
-        return Target(config, params, tok, dtype, attn_impl)
+        return Target(config, stored.place(params), tok, dtype, attn_impl)
 
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_config_json(path), source=str(config_file))

@@ -36,6 +36,8 @@ class StoredPanels:
 
     def place(self, packed: dict) -> dict:
         """`pack_layers` params of the other weights, with these panels in their places."""
+        if not self.layers and self.head is None:
+            return packed
         layers = flax.traverse_util.flatten_dict(packed["layers"])
         layers.update(self.layers)
         out = {**packed, "layers": flax.traverse_util.unflatten_dict(layers)}

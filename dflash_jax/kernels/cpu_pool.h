@@ -7,7 +7,7 @@
 // helper woken from sleep each time (kSpin 0) cost SmolLM2's whole greedy decode (the Q4_1 target,
 // 2 cores) 14.1-16.4 ms per autoregressive step against 11.5-12.0 with a 1 ms spin, and 19.8-23.5
 // against 16.9-17.3 ms per speculative cycle of block 2 (one process, both builds called
-// alternately, 3 prompts x 96 tokens, median of 4-5 rounds, two runs; identical tokens). (Earlier,
+// alternately, 3 prompts x 96 tokens, median of 4-5 rounds, 2-3 runs; identical tokens). (Earlier,
 // spinning 300 us without yielding had slowed a step, 38 -> 47 ms, when XLA's own threads did
 // more of it; the kernels now do most of a step.)
 #pragma once

@@ -223,7 +223,8 @@ def pack_layers(params, *, release: bool = False) -> dict:
     ([L, K, N] -> [L, P, K, 16]), q/k/v and gate/up each fused into one product where their widths
     allow (`layers.fuse_stacked_projections`: "qkv_proj", "gate_up_proj"; `TargetLayer` fuses by
     the same rule), and the LM head packed as "head" (an untied lm_head moves there; a
-    tied embedding moves there too, and the model's `embed` reads it from there). Packed params are
+    tied embedding moves there too, and the model's `embed` reads it from there; params without
+    either leave "head" to their caller, as `load_target` does with a GGUF's own blocks). Packed params are
     returned as they are. release: the caller gives `params` up: each stacked weight leaves the dict
     once it is packed, so that the copy never holds all the weights twice."""
     if is_packed_layout(params):

@@ -15,8 +15,8 @@ from dflash_jax.config import ConfigFields, ModelConfig, read_config_json, read_
 from dflash_jax.errors import CheckpointError
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
-from dflash_jax.loading.names import hf_to_params, target_rules
 from dflash_jax.loading.gguf_panels import StoredPanels, stored_panels
+from dflash_jax.loading.names import hf_to_params, target_rules
 from dflash_jax.resources import smollm2_gguf_path
 from dflash_jax.target import Target, check_layout, params_in_layout, resolve_layout, target_param_shapes
 

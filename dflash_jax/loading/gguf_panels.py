@@ -48,19 +48,21 @@ class StoredPanels:
 
 def _stored(tensors, names: list[str]):
     """(quant type, blocks concatenated along the rows) of these tensors, or None unless all of
-    them are stored in one type `stored_blocks` hands out."""
+    them are stored in one type `stored_blocks` hands out, with one input width (else the float
+    load names the tensor whose shape is wrong)."""
     types = {tensors.info(name).quant_type for name in names}
     blocks = [tensors.stored_blocks(name) for name in names]
-    if len(types) != 1 or any(b is None for b in blocks):
+    if len(types) != 1 or any(b is None for b in blocks) or len({b.shape[1:] for b in blocks}) != 1:
         return None
     return types.pop(), np.concatenate(blocks, axis=0)
 
 
 def _stacked(tensors, names_per_part: list[list[str]]):
     """Panels [L, P, K / 32, bytes] of one packed product whose parts (their per-layer tensor
-    names) sit side by side, or None unless every layer's parts share one type it reads."""
+    names) sit side by side, or None unless every layer's parts share one type it reads and one
+    shape."""
     per_layer = [_stored(tensors, list(names)) for names in zip(*names_per_part)]  # layer i: its parts
-    if any(s is None for s in per_layer) or len({s[0] for s in per_layer}) != 1:
+    if any(s is None for s in per_layer) or len({(s[0], s[1].shape) for s in per_layer}) != 1:
         return None
     return pack_quantized(np.stack([s[1] for s in per_layer]), per_layer[0][0])
 

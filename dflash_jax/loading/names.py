@@ -82,14 +82,16 @@ def _set(tree: dict, path, value):
 def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: Any, num_layers: int,
                  dtype, *, allow_extra: Callable[[str], bool] = lambda name: False,
                  progress: Callable | None = None, source: str = "checkpoint",
-                 skip: Collection[tuple[str, ...]] = ()) -> dict:
+                 skip: Collection[tuple[str, ...]] = (),
+                 shape_of: Callable[[str], tuple[int, ...]] | None = None) -> dict:
     """Build a Flax params dict from HF-named tensors, one tensor at a time.
 
     `shapes` is the expected params pytree (e.g. from jax.eval_shape). Every expected tensor must be
     present with the right shape and every tensor present must be mapped (or allowed): otherwise a
     CheckpointError names `source` (the checkpoint's path) and the offenders. `skip`: param paths
-    (`Rule.path`) the caller has in another form: their tensors must be present but are not read,
-    and the params returned lack them.
+    (`Rule.path`) the caller has in another form: their tensors must be present with the right
+    shape, found by `shape_of(name)` (default: the tensor's own), but are not read, and the params
+    returned lack them.
     """
     np_dtype = np.dtype(dtype)  # jnp.bfloat16 is ml_dtypes.bfloat16, a numpy dtype
     expected_names = {name for rule in rules for name in rule.hf_names(num_layers)}
@@ -102,19 +104,22 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     if unmapped:
         raise CheckpointError(f"{source} has {len(unmapped)} tensor(s) this model does not use: {unmapped[:8]}")
     params: dict = {}
+    shape_of = shape_of or (lambda name: np.shape(tensors[name]))
     for rule in rules:
-        if rule.path in skip:
-            continue
         want = _get(shapes, rule.path).shape
-        layer_shape = want[1:] if rule.per_layer else want
+        layer_shape = tuple(want[1:] if rule.per_layer else want)
+        need = tuple(reversed(layer_shape)) if rule.transpose else layer_shape  # as the checkpoint holds it
+        if rule.path in skip:
+            for name in rule.hf_names(num_layers):
+                if tuple(shape_of(name)) != need:
+                    raise CheckpointError(f"{source}: tensor {name} has shape {tuple(shape_of(name))}, expected {need}")
+            continue
         out = host_arrays.empty(want, np_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
             value = np.asarray(tensors[name])
+            if value.shape != need:
+                raise CheckpointError(f"{source}: tensor {name} has shape {value.shape}, expected {need}")
             value = value.T if rule.transpose else value
-            if value.shape != tuple(layer_shape):
-                got = value.T.shape if rule.transpose else value.shape
-                need = tuple(reversed(layer_shape)) if rule.transpose else tuple(layer_shape)
-                raise CheckpointError(f"{source}: tensor {name} has shape {got}, expected {need}")
             if rule.per_layer:
                 out[i] = value.astype(np_dtype)
             else:

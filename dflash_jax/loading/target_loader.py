@@ -49,7 +49,8 @@ def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=f
     with tqdm(total=total, desc=f"loading {Path(source).name}", unit="tensor", leave=False, disable=None) as bar:
         return hf_to_params(rules, tensors, shapes, config.num_layers, dtype,
                             allow_extra=_tied_head_extra(config, tensors, source),
-                            progress=lambda _: bar.update(), source=source, skip=skip)
+                            progress=lambda _: bar.update(), source=source, skip=skip,
+                            shape_of=(lambda name: tensors.info(name).shape) if hasattr(tensors, "info") else None)
 
 
 def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:

@@ -27,9 +27,9 @@ Nothing here touches the network: the tokenizer is built from the file's own met
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
-import functools
 import json
 import math
 import mmap
@@ -406,10 +406,10 @@ def _parse_gguf(path: Path) -> tuple[GGUFCheckpoint, list[str]]:
 #
 # One file per GGUF: header (magic, manifest length, CRC32 of the manifest), the JSON manifest,
 # zero padding to _ALIGN, the float32 tensors, each starting at a multiple of _ALIGN from the data
-# start, then the CRC32 of each tensor's bytes (uint32, in the manifest's order). A tensor's checksum is
-# verified when it is first read: a CPU decode of a GGUF reads only a few of them as floats (the
-# rest from the file's own blocks), and checking the whole entry on every load read 544 MB for
-# SmolLM2 (0.2-0.3 s, and every page of it counted in the process's memory).
+# start, then the CRC32 of each tensor's bytes (uint32, in the manifest's order). A tensor's
+# checksum is verified when it is first read: a CPU decode of a GGUF reads only a few of them as
+# floats (the rest from the file's own blocks), and checking the whole entry on every load read
+# 544 MB for SmolLM2 (0.2-0.3 s, and every page of it counted in the process's memory).
 
 _CACHE_FORMAT = 3  # bump when what the cache stores or how the reader dequantises changes
 _MAGIC = b"DFJ-GGUF"

@@ -155,11 +155,9 @@ def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_i
     read = []
     original = GGUFTensors.__getitem__
     monkeypatch.setattr(GGUFTensors, "__getitem__", lambda self, name: read.append(name) or original(self, name))
-    again = load_target(gguf_path, "float32", tokenizer=False)
+    load_target(gguf_path, "float32", tokenizer=False)  # as `target` was loaded, reads recorded
     assert read and all(name.endswith("norm.weight") for name in read), sorted(set(read))[:4]
     monkeypatch.undo()
-    for path, w in flax.traverse_util.flatten_dict(again.params).items():
-        np.testing.assert_array_equal(np.asarray(w), np.asarray(flax.traverse_util.flatten_dict(target.params)[path]))
     floats = pack_layers(load_target(gguf_path, "float32", tokenizer=False, layout="stacked").params)
     prompt, step = jnp.asarray([chat_ids], jnp.int32), jnp.asarray([[chat_ids[-1]]], jnp.int32)
 

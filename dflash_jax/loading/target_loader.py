@@ -40,17 +40,17 @@ def _tied_head_extra(config: ModelConfig, tensors, source: str):
     return lambda n: False
 
 
-def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=frozenset()):
+def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=frozenset(), shape_of=None):
     """Flax params of a target from HF-named tensors (`source` names the checkpoint in errors),
-    without the param paths in `skip` (their tensors are checked, not read: `names.hf_to_params`)."""
+    without the param paths in `skip` (their tensors' shapes are checked through `shape_of`, the
+    tensors not read: `names.hf_to_params`)."""
     shapes = target_param_shapes(config, dtype)
     rules = target_rules(config)
     total = sum(len(r.hf_names(config.num_layers)) for r in rules if r.path not in skip)
     with tqdm(total=total, desc=f"loading {Path(source).name}", unit="tensor", leave=False, disable=None) as bar:
         return hf_to_params(rules, tensors, shapes, config.num_layers, dtype,
                             allow_extra=_tied_head_extra(config, tensors, source),
-                            progress=lambda _: bar.update(), source=source, skip=skip,
-                            shape_of=(lambda name: tensors.info(name).shape) if hasattr(tensors, "info") else None)
+                            progress=lambda _: bar.update(), source=source, skip=skip, shape_of=shape_of)
 
 
 def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:
@@ -97,7 +97,8 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         # a float32 CPU decode reads the file's own quantized blocks; the floats are not made
         stored = (stored_panels(checkpoint.tensors, config)
                   if resolve_layout(layout) == "packed" and jnp.dtype(dtype) == jnp.float32 else StoredPanels())
-        params = params_from_tensors(config, checkpoint.tensors, dtype, str(path), skip=stored.skip)
+        params = params_from_tensors(config, checkpoint.tensors, dtype, str(path), skip=stored.skip,
+                                     shape_of=lambda name: checkpoint.tensors.info(name).shape)
         tok = gguf_tokenizer(checkpoint) if tokenizer else None
         del checkpoint
         params = params_in_layout(params, layout, release=True)

@@ -133,7 +133,13 @@ inline __m256 Sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256
 // scores [0, n) -> exp(score - max) in place, lanes [n, n rounded up to 8) set to 0 (whatever they
 // held); returns 1 / the sum. Vectorised in groups of 8, so a score's weight does not depend on n.
 inline float ExpInPlace(float* scores, int64_t n) {
-  const float top = *std::max_element(scores, scores + n);
+  __m256 most = _mm256_set1_ps(scores[0]);  // the maximum, 8 lanes at a time (std::max_element is scalar)
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(scores + j));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, most);
+  float top = *std::max_element(lanes, lanes + 8);
+  for (; j < n; ++j) top = std::max(top, scores[j]);
   const int64_t padded = (n + 7) & ~int64_t{7};
   __m256 sum = _mm256_setzero_ps();
   for (int64_t i = 0; i < padded; i += 8) {

@@ -31,7 +31,10 @@ def _both(q, ck, cv, layer, cache_ranges, k, v, ranges):
 
 @needs_kernel
 @pytest.mark.parametrize("tq,hq,hkv,d,window", [(1, 4, 2, 16, 0), (3, 9, 3, 64, 0), (16, 4, 4, 12, 5),
-                                                (2, 4, 1, 128, 0), (5, 6, 2, 64, 3)])
+                                                (2, 4, 1, 128, 0), (5, 6, 2, 64, 3),
+                                                # 5, 7 and 8 query heads per kv head: the kernel's
+                                                # head groups 3 + 2, 3 + 2 + 2, 3 + 3 + 2
+                                                (3, 10, 2, 64, 0), (2, 7, 1, 64, 4), (4, 8, 1, 128, 0)])
 def test_kernel_equals_the_reference(tq, hq, hkv, d, window):
     """Decode-step ranges as the target builds them: row b has `offsets[b]` cached slots, the
     tq new tokens follow them (causal, optional sliding window)."""

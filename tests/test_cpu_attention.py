@@ -74,6 +74,25 @@ def test_a_querys_result_does_not_depend_on_the_other_queries():
 
 
 @needs_kernel
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128)])
+def test_over_a_long_cache_a_querys_result_is_the_same_alone_in_twos_and_in_sixteens(hq, hkv, d):
+    """One row over ~900 cached slots: alone or in twos the kernel shares one task's key blocks and
+    value vectors out over the threads, its heads one at a time; sixteen go as tasks of four queries
+    with their heads grouped. Every way gives the same bits, and the reference's values."""
+    q, ck, cv, k, v = _case(1, 16, hq, hkv, d, layers=1, slots=960)
+    offsets = jnp.asarray([900])
+    positions = offsets[:, None] + jnp.arange(16)[None]
+    ranges = masks.causal(positions)
+    cache_ranges, new_ranges = ranges.segment(0, offsets), ranges.segment(offsets, offsets + 16)
+    together, want = _both(q, ck, cv, 0, cache_ranges, k, v, new_ranges)
+    np.testing.assert_allclose(together, want, rtol=2e-5, atol=2e-5)
+    for t0, size in [(0, 1), (9, 1), (2, 2), (14, 2), (4, 4)]:
+        pick = lambda r: KeyRanges(r.start[:, t0:t0 + size], r.end[:, t0:t0 + size])
+        part = np.asarray(cache_attention(q[:, t0:t0 + size], ck, cv, 0, pick(cache_ranges), k, v, pick(new_ranges)))
+        np.testing.assert_array_equal(part, together[:, t0:t0 + size])
+
+
+@needs_kernel
 def test_the_compiled_step_calls_the_kernel_and_bf16_keeps_the_reference():
     q, ck, cv, k, v = _case(1, 2, 4, 2, 16)
     ranges = masks.causal(jnp.asarray([[5, 6]]))

@@ -116,6 +116,11 @@ struct KeyRows {
     n += hi - lo;
     end[runs++] = n;
   }
+  void Rows(std::vector<const float*>& rows) const {  // the row of every key, in order
+    rows.resize(n);
+    for (int r = 0; r < runs; ++r)
+      for (int64_t i = start[r]; i < end[r]; ++i) rows[i] = first[r] + (i - start[r]) * stride;
+  }
   const float* Row(int64_t i) const {  // i in [0, n)
     int r = 0;
     while (i >= end[r]) ++r;
@@ -162,12 +167,12 @@ inline float ExpInPlace(float* scores, int64_t n) {
 // the lanes (0 + 1) + (2 + 3), then half + half; Sum8's tree), so a score is the same whatever H,
 // KK and the key's place; the H heads share each key row's loads.
 template <int H, int KK, int DV>
-void ScoreKeys(const float* q, int64_t D, const KeyRows& k, int64_t i0, int64_t i1, float scale, float* scores,
-               int64_t stride) {
+void ScoreKeys(const float* q, int64_t D, const float* const* k, int64_t n, int64_t i0, int64_t i1, float scale,
+               float* scores, int64_t stride) {
   static_assert(KK == 4 || KK == 8, "keys per step: 4 or 8");
   for (int64_t i = i0; i < i1; i += KK) {
     const float* kr[KK];
-    for (int j = 0; j < KK; ++j) kr[j] = k.Row(std::min(i + j, k.n - 1));
+    for (int j = 0; j < KK; ++j) kr[j] = k[std::min(i + j, n - 1)];
     __m256 acc[H][KK];
 #pragma GCC unroll 8
     for (int h = 0; h < H; ++h) {
@@ -203,13 +208,14 @@ void ScoreKeys(const float* q, int64_t D, const KeyRows& k, int64_t i0, int64_t 
 }
 
 // For H heads: acc[h] [DV x 8] += sum over keys [i0, i1) of weights[h * stride + i] * v.Row(i),
-// DH of the DV vectors at a time; the heads share each value row's loads. Every output element is
+// for vectors [d_begin, d_end) of the DV (multiples of DH), DH at a time; the heads share each
+// value row's loads. Every output element is
 // one chain of FMAs over the keys in order, whatever H and DH.
 template <int H, int DH, int DV>
-void WeightValues(const float* weights, int64_t stride, const KeyRows& v, int64_t i0, int64_t i1, float* acc,
-                  int64_t D) {
+void WeightValues(const float* weights, int64_t stride, const float* const* v, int64_t i0, int64_t i1, float* acc,
+                  int64_t D, int d_begin, int d_end) {
   static_assert(DV % DH == 0, "DH divides DV");
-  for (int d0 = 0; d0 < DV; d0 += DH) {
+  for (int d0 = d_begin; d0 < d_end; d0 += DH) {
     __m256 a[H][DH];
 #pragma GCC unroll 8
     for (int h = 0; h < H; ++h)
@@ -219,7 +225,7 @@ void WeightValues(const float* weights, int64_t stride, const KeyRows& v, int64_
       __m256 w[H];
 #pragma GCC unroll 8
       for (int h = 0; h < H; ++h) w[h] = _mm256_set1_ps(weights[h * stride + i]);
-      const float* vi = v.Row(i) + 8 * d0;
+      const float* vi = v[i] + 8 * d0;
 #pragma GCC unroll 16
       for (int d = 0; d < DH; ++d) {
         const __m256 vv = _mm256_loadu_ps(vi + 8 * d);
@@ -238,8 +244,12 @@ void WeightValues(const float* weights, int64_t stride, const KeyRows& v, int64_
 // left over: 1), as many threes as leave no single head (G = 4: 2 + 2; 7: 3 + 2 + 2). H heads x
 // 4 keys (scores) or x 4 vectors of d (values) are 8-12 accumulators in the 16 AVX2 registers.
 template <typename F>
-inline void ForHeadGroups(int64_t G, F f) {
+inline void ForHeadGroups(int64_t G, bool grouped, F f) {
   int64_t g = 0;
+  if (!grouped) {
+    for (; g < G; ++g) f(g, std::integral_constant<int, 1>{});
+    return;
+  }
   for (; G - g >= 3 && G - g != 4; g += 3) f(g, std::integral_constant<int, 3>{});
   for (; G - g >= 2; g += 2) f(g, std::integral_constant<int, 2>{});
   if (g < G) f(g, std::integral_constant<int, 1>{});
@@ -254,7 +264,7 @@ struct QueryWork {
   const float* q;
   float* out;
   int64_t n = 0, padded = 0;
-  KeyRows k, v;
+  std::vector<const float*> k, v;  // the rows of visible key i
   std::vector<float> scores, acc, inv;
 };
 
@@ -275,45 +285,98 @@ struct QueryWork {
 // slots 37.3 -> 27.2 ms, over 500 8.3 -> 5.8, a 16-token verify over 1,000 0.94 -> 0.61, one
 // query over 300 0.025 -> 0.021 ms, two over 1,000 0.27 -> 0.16; outputs bit-identical. In a trace
 // of a 3000-token prefill the attention calls took 4.75 s against 5.58-6.07 s before.
+// A query's heads go through the scores and values 2-3 at a time (ForHeadGroups) only where a
+// block's key rows serve at least this many queries: there the first query brings them in and the
+// others find them in L1. With fewer (a decode step, a short verify), the rows come from memory
+// (the weights streamed past them since the last step) and one head at a time, eight keys per
+// step, keeps more of them in flight: in a C++ harness over 30 layers of a cold cache (SmolLM2's
+// shapes, median of 31), 1 query over 300 and 1,000 slots 2.65 / 9.1 ms one head at a time, 3.9 /
+// 12.8 ms grouped (and 2.9 / 9.6 ms for the kernel before either change).
+constexpr int64_t kMinQueriesToGroupHeads = 4;
+// One row with at most this many queries is attended as one task whose phases are shared out
+// (AttendShared) when its scores take at least kMinMultiplyAddsToShareKeys multiply-adds: the
+// same harness, against the task split before it, 1 query over 300 / 450 / 1,000 slots 0.70 /
+// 0.70 / 0.76x the time, 2 queries over 150 / 300 / 1,000 0.86 / 0.77 / 0.71x, 4 over 300 0.68-0.72x;
+// below the threshold (1 query over 150 slots) one thread. More queries go through the task
+// split (their own blocks of the keys: 16 queries over 300 slots 1.75x slower shared).
+constexpr int64_t kMaxQueriesToShareKeys = 4;
+
+// AttendBlock in three phases, each shared out as part `part` of `parts` so that the threads of a
+// call with few queries and many keys (a decode step or a short verify over a long cache) can take
+// a share each: the scores by blocks of keys, the softmax by (query, head), the weighted values by
+// vectors of d. Every number is computed as by one thread (the same chains, in the same order),
+// so the results do not depend on `parts`; each phase needs the previous one finished.
 template <int DV>
-void AttendBlock(int64_t G, QueryWork* work, int count, float scale) {
+void ScorePhase(int64_t G, bool grouped, QueryWork* work, int count, float scale, int part, int parts) {
   constexpr int64_t D = 8 * DV;
   int64_t most = 0;
   for (int j = 0; j < count; ++j) most = std::max(most, work[j].padded);
-  for (int64_t i0 = 0; i0 < most; i0 += kKeyBlock)
+  const int64_t key_blocks = (most + kKeyBlock - 1) / kKeyBlock;
+  for (int64_t kb = part * key_blocks / parts; kb < (part + 1) * key_blocks / parts; ++kb) {
+    const int64_t i0 = kb * kKeyBlock;
     for (int j = 0; j < count; ++j) {
       QueryWork& w = work[j];
       if (i0 >= w.padded) continue;
       const int64_t i1 = std::min(w.padded, i0 + kKeyBlock);
-      ForHeadGroups(G, [&](int64_t g, auto heads) {
+      ForHeadGroups(G, grouped, [&](int64_t g, auto heads) {
         constexpr int H = decltype(heads)::value;
-        ScoreKeys<H, H == 1 ? 8 : 4, DV>(w.q + g * D, D, w.k, i0, i1, scale, w.scores.data() + g * w.padded,
+        ScoreKeys<H, H == 1 ? 8 : 4, DV>(w.q + g * D, D, w.k.data(), w.n, i0, i1, scale, w.scores.data() + g * w.padded,
                                          w.padded);
       });
     }
+  }
+}
+
+inline void SoftmaxPhase(int64_t G, QueryWork* work, int count, int part, int parts) {
+  const int64_t pairs = count * G;
+  for (int64_t pair = part * pairs / parts; pair < (part + 1) * pairs / parts; ++pair) {
+    QueryWork& w = work[pair / G];
+    const int64_t g = pair % G;
+    w.inv[g] = ExpInPlace(w.scores.data() + g * w.padded, w.n);
+  }
+}
+
+template <int DV>
+void ValuePhase(int64_t G, bool grouped, QueryWork* work, int count, int part, int parts) {
+  constexpr int64_t D = 8 * DV;
+  constexpr int kStep = 4;  // vectors of d per share unit (and per WeightValues pass, DH)
+  const int units = DV / kStep, d_begin = part * units / parts * kStep, d_end = (part + 1) * units / parts * kStep;
+  if (d_begin == d_end) return;
+  int64_t most = 0;
   for (int j = 0; j < count; ++j) {
-    QueryWork& w = work[j];
-    for (int64_t g = 0; g < G; ++g) w.inv[g] = ExpInPlace(w.scores.data() + g * w.padded, w.n);
-    std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+    most = std::max(most, work[j].n);
+    for (int64_t g = 0; g < G; ++g)
+      std::fill(work[j].acc.data() + g * D + 8 * d_begin, work[j].acc.data() + g * D + 8 * d_end, 0.0f);
   }
   for (int64_t i0 = 0; i0 < most; i0 += kKeyBlock)
     for (int j = 0; j < count; ++j) {
       QueryWork& w = work[j];
       if (i0 >= w.n) continue;
       const int64_t i1 = std::min(w.n, i0 + kKeyBlock);
-      ForHeadGroups(G, [&](int64_t g, auto heads) {
+      ForHeadGroups(G, grouped, [&](int64_t g, auto heads) {
         constexpr int H = decltype(heads)::value;
-        WeightValues<H, H == 1 ? DV : 4, DV>(w.scores.data() + g * w.padded, w.padded, w.v, i0, i1,
-                                             w.acc.data() + g * D, D);
+        float* acc = w.acc.data() + g * D;
+        const float* weights = w.scores.data() + g * w.padded;
+        if constexpr (H == 1) {  // one head: 8 vectors at a time where the share allows (8 chains)
+          if ((d_end - d_begin) % 8 == 0) return WeightValues<1, 8, DV>(weights, w.padded, w.v.data(), i0, i1, acc, D, d_begin, d_end);
+        }
+        WeightValues<H, kStep, DV>(weights, w.padded, w.v.data(), i0, i1, acc, D, d_begin, d_end);
       });
     }
   for (int j = 0; j < count; ++j) {
     const QueryWork& w = work[j];
     for (int64_t g = 0; g < G; ++g)
-      for (int d = 0; d < DV; ++d)
+      for (int d = d_begin; d < d_end; ++d)
         _mm256_storeu_ps(w.out + g * D + 8 * d,
                          _mm256_mul_ps(_mm256_loadu_ps(w.acc.data() + g * D + 8 * d), _mm256_set1_ps(w.inv[g])));
   }
+}
+
+template <int DV>
+void AttendBlock(int64_t G, bool grouped, QueryWork* work, int count, float scale) {
+  ScorePhase<DV>(G, grouped, work, count, scale, 0, 1);
+  SoftmaxPhase(G, work, count, 0, 1);
+  ValuePhase<DV>(G, grouped, work, count, 0, 1);
 }
 
 struct Problem {
@@ -334,63 +397,139 @@ struct Problem {
 // 23.3 / 26.0 -> 21.6 / 22.3 ms, 1 token unchanged (17.1-18.5 ms; both forms in one process, called
 // alternately, median of 40, two runs; bit-identical). Prefetching the next key block in software
 // on top gained nothing there.
-void AttendTasks(const Problem& pr, int part, int parts) {
-  const int64_t G = pr.Hq / pr.Hkv, D = pr.D, S = pr.S, T = pr.T, Hkv = pr.Hkv, groups = Hkv / pr.kv_heads;
-  const int64_t blocks = (pr.Tq + pr.query_block - 1) / pr.query_block, tasks = pr.B * blocks * groups;
+// The queries [first, first + query_block) of row b with kv heads [h0, h0 + kv_heads): each
+// (query, kv head) with visible keys goes into `work` (returns how many) for AttendBlock; one
+// without any gets zeros, and so is the whole generic path (D neither 64 nor 128) computed here.
+int GatherTask(const Problem& pr, int64_t b, int64_t first, int64_t h0, std::vector<QueryWork>& work,
+               std::vector<float>& scores) {
+  const int64_t G = pr.Hq / pr.Hkv, D = pr.D, S = pr.S, T = pr.T, Hkv = pr.Hkv;
   const bool vectorised = D == 64 || D == 128;
+  int count = 0;
+  for (int64_t t = first; t < std::min(pr.Tq, first + pr.query_block); ++t) {
+    const int64_t query = b * pr.Tq + t;
+    const Visible cached(pr.cache_start + query * 2, pr.cache_end + query * 2, S);
+    const Visible fresh(pr.new_start + query * 2, pr.new_end + query * 2, T);
+    for (int64_t h = h0; h < h0 + pr.kv_heads; ++h) {
+      KeyRows k, v;  // cache slots first, then new keys, as the ranges list them
+      k.stride = v.stride = Hkv * D;
+      const int64_t cache_row = (b * S * Hkv + h) * D, new_row = (b * T * Hkv + h) * D;
+      cached.ForEachRun([&](int64_t lo, int64_t hi) { k.Add(pr.ck + cache_row, lo, hi); v.Add(pr.cv + cache_row, lo, hi); });
+      fresh.ForEachRun([&](int64_t lo, int64_t hi) { k.Add(pr.nk + new_row, lo, hi); v.Add(pr.nv + new_row, lo, hi); });
+      const int64_t n = k.n, padded = (n + 7) & ~int64_t{7};
+      const float* qh = pr.q + (query * pr.Hq + h * G) * D;
+      float* oh = pr.out + (query * pr.Hq + h * G) * D;
+      if (n == 0) {
+        std::fill(oh, oh + G * D, 0.0f);
+        continue;
+      }
+      if (vectorised) {
+        QueryWork& w = work[count++];
+        w.q = qh;
+        w.out = oh;
+        w.n = n;
+        w.padded = padded;
+        k.Rows(w.k);
+        v.Rows(w.v);
+        w.scores.resize(G * padded);
+        w.acc.resize(G * D);
+        w.inv.resize(G);
+        continue;
+      }
+      scores.assign(G * padded, 0.0f);
+      std::fill(oh, oh + G * D, 0.0f);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < G; ++g) scores[g * padded + i] = Dot(qh + g * D, k.Row(i), D) * pr.scale;
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * padded;
+        const float inv = ExpInPlace(s, n);
+        for (int64_t i = 0; i < n; ++i) Axpy(s[i] * inv, v.Row(i), oh + g * D, D);
+      }
+    }
+  }
+  return count;
+}
+
+void AttendTasks(const Problem& pr, int part, int parts) {
+  const int64_t G = pr.Hq / pr.Hkv, groups = pr.Hkv / pr.kv_heads;
+  const int64_t blocks = (pr.Tq + pr.query_block - 1) / pr.query_block, tasks = pr.B * blocks * groups;
   std::vector<QueryWork> work(kQueryBlock * pr.kv_heads);
   std::vector<float> scores;  // the generic path's [G, keys]
   for (int64_t task = part; task < tasks; task += parts) {
     const int64_t h0 = task % groups * pr.kv_heads, first = (task / groups) % blocks * pr.query_block;
-    const int64_t b = task / (groups * blocks);
-    int count = 0;
-    for (int64_t t = first; t < std::min(pr.Tq, first + pr.query_block); ++t) {
-      const int64_t query = b * pr.Tq + t;
-      const Visible cached(pr.cache_start + query * 2, pr.cache_end + query * 2, S);
-      const Visible fresh(pr.new_start + query * 2, pr.new_end + query * 2, T);
-      for (int64_t h = h0; h < h0 + pr.kv_heads; ++h) {
-        KeyRows k, v;  // cache slots first, then new keys, as the ranges list them
-        k.stride = v.stride = Hkv * D;
-        const int64_t cache_row = (b * S * Hkv + h) * D, new_row = (b * T * Hkv + h) * D;
-        cached.ForEachRun([&](int64_t lo, int64_t hi) { k.Add(pr.ck + cache_row, lo, hi); v.Add(pr.cv + cache_row, lo, hi); });
-        fresh.ForEachRun([&](int64_t lo, int64_t hi) { k.Add(pr.nk + new_row, lo, hi); v.Add(pr.nv + new_row, lo, hi); });
-        const int64_t n = k.n, padded = (n + 7) & ~int64_t{7};
-        const float* qh = pr.q + (query * pr.Hq + h * G) * D;
-        float* oh = pr.out + (query * pr.Hq + h * G) * D;
-        if (n == 0) {
-          std::fill(oh, oh + G * D, 0.0f);
-          continue;
-        }
-        if (vectorised) {
-          QueryWork& w = work[count++];
-          w.q = qh;
-          w.out = oh;
-          w.n = n;
-          w.padded = padded;
-          w.k = k;
-          w.v = v;
-          w.scores.resize(G * padded);
-          w.acc.resize(G * D);
-          w.inv.resize(G);
-          continue;
-        }
-        scores.assign(G * padded, 0.0f);
-        std::fill(oh, oh + G * D, 0.0f);
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t g = 0; g < G; ++g) scores[g * padded + i] = Dot(qh + g * D, k.Row(i), D) * pr.scale;
-        for (int64_t g = 0; g < G; ++g) {
-          float* s = scores.data() + g * padded;
-          const float inv = ExpInPlace(s, n);
-          for (int64_t i = 0; i < n; ++i) Axpy(s[i] * inv, v.Row(i), oh + g * D, D);
-        }
-      }
-    }
-    if (count > 0 && D == 64) AttendBlock<8>(G, work.data(), count, pr.scale);
-    if (count > 0 && D == 128) AttendBlock<16>(G, work.data(), count, pr.scale);
+    const int count = GatherTask(pr, task / (groups * blocks), first, h0, work, scores);
+    const bool grouped = std::min(pr.Tq - first, pr.query_block) >= kMinQueriesToGroupHeads;
+    if (count > 0 && pr.D == 64) AttendBlock<8>(G, grouped, work.data(), count, pr.scale);
+    if (count > 0 && pr.D == 128) AttendBlock<16>(G, grouped, work.data(), count, pr.scale);
   }
 }
 
+// The queries of one row (at most kQueryBlock: a decode step, a verify) with all kv heads, their
+// phases shared out over the threads (ScorePhase, SoftmaxPhase, ValuePhase): each key block read
+// once, the key blocks split between the threads, then the value vectors.
+struct SharedWork {
+  int64_t G;
+  bool grouped;
+  QueryWork* work;
+  int count;
+  float scale;
+};
+
+template <int DV>
+void AttendShared(dflash::Pool& pool, const SharedWork& shared, int parts) {
+  pool.RunParts([](const void* c, int part, int parts) {
+    const SharedWork& s = *static_cast<const SharedWork*>(c);
+    ScorePhase<DV>(s.G, s.grouped, s.work, s.count, s.scale, part, parts);
+  }, &shared, parts);
+  pool.RunParts([](const void* c, int part, int parts) {
+    const SharedWork& s = *static_cast<const SharedWork*>(c);
+    SoftmaxPhase(s.G, s.work, s.count, part, parts);
+  }, &shared, parts);
+  pool.RunParts([](const void* c, int part, int parts) {
+    const SharedWork& s = *static_cast<const SharedWork*>(c);
+    ValuePhase<DV>(s.G, s.grouped, s.work, s.count, part, parts);
+  }, &shared, parts);
+}
+
 constexpr int64_t kMinMultiplyAddsToSplit = int64_t{1} << 21;  // less: one thread, no helper wakes
+constexpr int64_t kMinMultiplyAddsToShareKeys = int64_t{1} << 17;  // one row's few queries: less, one thread
+
+// Attention for the whole call: how it is shared out over the threads.
+void Attend(Problem problem) {
+  const int64_t B = problem.B, Tq = problem.Tq, Hq = problem.Hq, Hkv = problem.Hkv, D = problem.D;
+  const int64_t S = problem.S, T = problem.T;
+  const float scale = problem.scale;
+  dflash::Pool& pool = dflash::SharedPool();
+  if (B == 1 && Tq <= kMaxQueriesToShareKeys && (D == 64 || D == 128)) {  // one row, few queries: one task
+    problem.query_block = kQueryBlock;
+    problem.kv_heads = Hkv;
+    std::vector<QueryWork> work(kQueryBlock * Hkv);
+    std::vector<float> unused;
+    const SharedWork shared{Hq / Hkv, Tq >= kMinQueriesToGroupHeads, work.data(), GatherTask(problem, 0, 0, 0, work, unused),
+                            scale};
+    int64_t multiply_adds = 0;  // of the scores
+    for (int j = 0; j < shared.count; ++j) multiply_adds += work[j].n * Hq / Hkv * D;
+    const int parts = multiply_adds < kMinMultiplyAddsToShareKeys ? 1 : pool.helpers() + 1;
+    if (D == 64) AttendShared<8>(pool, shared, parts);
+    else AttendShared<16>(pool, shared, parts);
+    return;
+  }
+  // at least 4 tasks per thread where the queries allow (a 16-token verify: blocks of 4 queries)
+  int64_t query_block = kQueryBlock;
+  auto tasks_of = [&](int64_t block) { return B * ((Tq + block - 1) / block) * Hkv; };
+  while (query_block > 1 && tasks_of(query_block) < 4 * (pool.helpers() + 1)) query_block = (query_block + 1) / 2;
+  problem.query_block = query_block;
+  problem.kv_heads = 1;
+  const int64_t tasks = tasks_of(query_block);
+  const int64_t work = B * Tq * Hq * (S + T) * D;  // an upper bound of the multiply-adds of the scores
+  const int parts = work < kMinMultiplyAddsToSplit ? 1 : static_cast<int>(std::min<int64_t>(pool.helpers() + 1, tasks));
+  if (parts == 1) {  // one task of every query and kv head: each key block read once, by all of them
+    problem.query_block = kQueryBlock;
+    problem.kv_heads = Hkv;
+  }
+  pool.RunParts([](const void* context, int part, int parts) {
+    AttendTasks(*static_cast<const Problem*>(context), part, parts);
+  }, &problem, parts);
+}
 
 ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k, ffi::Buffer<ffi::F32> cache_v,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> cache_start,
@@ -417,23 +556,7 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cac
                   new_k.typed_data(), new_v.typed_data(), cache_start.typed_data(), cache_end.typed_data(),
                   new_start.typed_data(), new_end.typed_data(), out->typed_data(), B, Tq, Hq, Hkv, D, S, T,
                   scale};
-  dflash::Pool& pool = dflash::SharedPool();
-  // at least 4 tasks per thread where the queries allow (a 16-token verify: blocks of 4 queries)
-  int64_t query_block = kQueryBlock;
-  auto tasks_of = [&](int64_t block) { return B * ((Tq + block - 1) / block) * Hkv; };
-  while (query_block > 1 && tasks_of(query_block) < 4 * (pool.helpers() + 1)) query_block = (query_block + 1) / 2;
-  problem.query_block = query_block;
-  problem.kv_heads = 1;
-  const int64_t tasks = tasks_of(query_block);
-  const int64_t work = B * Tq * Hq * (S + T) * D;  // an upper bound of the multiply-adds of the scores
-  const int parts = work < kMinMultiplyAddsToSplit ? 1 : static_cast<int>(std::min<int64_t>(pool.helpers() + 1, tasks));
-  if (parts == 1) {  // one task of every query and kv head: each key block read once, by all of them
-    problem.query_block = kQueryBlock;
-    problem.kv_heads = Hkv;
-  }
-  pool.RunParts([](const void* context, int part, int parts) {
-    AttendTasks(*static_cast<const Problem*>(context), part, parts);
-  }, &problem, parts);
+  Attend(problem);
   return ffi::Error::Success();
 }
 

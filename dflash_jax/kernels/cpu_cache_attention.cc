@@ -101,7 +101,9 @@ struct Visible {
 };
 
 // The rows of one query's visible keys (K or V, one kv head), key i of the visible list first to
-// last: at most 6 runs of consecutive rows (3 per source), so a key's row is found, not stored.
+// last, as at most 6 runs of consecutive rows (3 per source): `Rows` lists them (the vectorised
+// path reads the list: finding each row from the runs as it goes was slower over a cold cache),
+// `Row` finds one (the generic path).
 struct KeyRows {
   static constexpr int kMaxRuns = 6;
   int runs = 0;
@@ -278,13 +280,13 @@ struct QueryWork {
 // 1-2 tokens 4-9% faster. Each head's scores, softmax and weighted sum are still computed key by
 // key in the same order as for that head alone, so a query's result depends only on the query
 // and its keys, not on the block.
-// The G heads of a query go through ScoreKeys / WeightValues 2-3 at a time, sharing each K and V
-// row's loads, and a query's keys are found from its runs (KeyRows), not from a list of row
-// pointers built per query and head: in a C++ harness timing both forms alternately (SmolLM2's
-// shapes, 9 heads over 3 kv heads, median of 41 calls) a 256-query prefill chunk over 2,744
-// slots 37.3 -> 27.2 ms, over 500 8.3 -> 5.8, a 16-token verify over 1,000 0.94 -> 0.61, one
-// query over 300 0.025 -> 0.021 ms, two over 1,000 0.27 -> 0.16; outputs bit-identical. In a trace
-// of a 3000-token prefill the attention calls took 4.75 s against 5.58-6.07 s before.
+// Where a key block serves several queries (kMinQueriesToGroupHeads), the G heads of a query go
+// through ScoreKeys / WeightValues 2-3 at a time, sharing each K and V row's loads, and the row
+// lists are filled from the runs (KeyRows) rather than key by key: in a C++ harness timing both
+// forms alternately (SmolLM2's shapes, 9 heads over 3 kv heads, median of 41 calls) a 256-query
+// prefill chunk over 2,744 slots 37.3 -> 27.2 ms, over 500 8.3 -> 5.8, a 16-token verify over
+// 1,000 0.94 -> 0.61 ms; outputs bit-identical. In a trace of a 3000-token prefill the attention
+// calls took 4.75 s against 5.58-6.07 s before.
 // A query's heads go through the scores and values 2-3 at a time (ForHeadGroups) only where a
 // block's key rows serve at least this many queries: there the first query brings them in and the
 // others find them in L1. With fewer (a decode step, a short verify), the rows come from memory

@@ -15,8 +15,9 @@
 // in [new_start, new_end)[b, t, r], r = 0, 1 (a key in both ranges counts once), as
 // `masks.KeyRanges`. A query that sees no key yields zeros.
 //
-// Large calls (a verify over a long cache, a prefill chunk) split their (row, query block, kv head)
-// tasks over the helper threads of cpu_pool.h. Built with cpu_rows_matmul.cc by
+// One row's few queries (a decode step, a short verify) over enough keys share the phases of one
+// task out over the helper threads of cpu_pool.h (AttendShared); other large calls (a batch, a
+// prefill chunk) split their (row, query block, kv head) tasks over them (AttendTasks). Built with cpu_rows_matmul.cc by
 // dflash_jax/kernels/cpu_ffi.py and called through XLA's FFI as "dflash_cache_attention".
 #include <immintrin.h>
 
@@ -162,8 +163,8 @@ inline float ExpInPlace(float* scores, int64_t n) {
   return 1.0f / HorizontalSum(sum);
 }
 
-// Scores of H query heads (rows q + h * D) against visible keys [i0, i1) of n (rows k.Row(i) of
-// DV x 8 floats, D = 8 * DV), KK keys at a time (i0, i1 multiples of 8; the tail repeats the last
+// Scores of H query heads (rows q + h * D) against visible keys [i0, i1) of n (rows k[i] of DV x 8
+// floats, D = 8 * DV), KK keys at a time (i0, i1 multiples of 8; the tail repeats the last
 // key, whose extra scores ExpInPlace drops), times scale, into scores[h * stride + i]. Each
 // (head, key) pair is one 8-lane FMA chain over d, summed by one pairwise tree (in either half of
 // the lanes (0 + 1) + (2 + 3), then half + half; Sum8's tree), so a score is the same whatever H,
@@ -209,10 +210,9 @@ void ScoreKeys(const float* q, int64_t D, const float* const* k, int64_t n, int6
   }
 }
 
-// For H heads: acc[h] [DV x 8] += sum over keys [i0, i1) of weights[h * stride + i] * v.Row(i),
-// for vectors [d_begin, d_end) of the DV (multiples of DH), DH at a time; the heads share each
-// value row's loads. Every output element is
-// one chain of FMAs over the keys in order, whatever H and DH.
+// For H heads: acc[h] [DV x 8] += sum over keys [i0, i1) of weights[h * stride + i] * v[i], for
+// vectors [d_begin, d_end) of the DV (multiples of DH), DH at a time; the heads share each value
+// row's loads. Every output element is one chain of FMAs over the keys in order, whatever H and DH.
 template <int H, int DH, int DV>
 void WeightValues(const float* weights, int64_t stride, const float* const* v, int64_t i0, int64_t i1, float* acc,
                   int64_t D, int d_begin, int d_end) {
@@ -242,9 +242,10 @@ void WeightValues(const float* weights, int64_t stride, const float* const* v, i
   }
 }
 
-// f(g, integral_constant<int, H>) over the G query heads of a kv head in groups of 3 or 2 (one
-// left over: 1), as many threes as leave no single head (G = 4: 2 + 2; 7: 3 + 2 + 2). H heads x
-// 4 keys (scores) or x 4 vectors of d (values) are 8-12 accumulators in the 16 AVX2 registers.
+// f(g, integral_constant<int, H>) over the G query heads of a kv head: grouped, in groups of 3 or
+// 2 (one left over: 1), as many threes as leave no single head (G = 4: 2 + 2; 7: 3 + 2 + 2; H
+// heads x 4 keys (scores) or x 4 vectors of d (values) are 8-12 accumulators in the 16 AVX2
+// registers); else one head at a time (see kMinQueriesToGroupHeads).
 template <typename F>
 inline void ForHeadGroups(int64_t G, bool grouped, F f) {
   int64_t g = 0;
@@ -260,8 +261,8 @@ inline void ForHeadGroups(int64_t G, bool grouped, F f) {
 constexpr int64_t kKeyBlock = 64;   // keys per block: 16 kB of K (or V) rows at D = 64, kept in L1 while read
 constexpr int64_t kQueryBlock = 16;  // at most this many queries of one row and kv head read each key block in turn
 
-// One query's G heads (the query heads that share a kv head) and its n visible keys (rows
-// k.Row(i), v.Row(i)), with room for its scores [G, n rounded up to 8], sums [G, D] and 1 / softmax sums [G].
+// One query's G heads (the query heads that share a kv head) and its n visible keys (rows k[i],
+// v[i]), with room for its scores [G, n rounded up to 8], sums [G, D] and 1 / softmax sums [G].
 struct QueryWork {
   const float* q;
   float* out;
@@ -322,8 +323,8 @@ void ScorePhase(int64_t G, bool grouped, QueryWork* work, int count, float scale
       const int64_t i1 = std::min(w.padded, i0 + kKeyBlock);
       ForHeadGroups(G, grouped, [&](int64_t g, auto heads) {
         constexpr int H = decltype(heads)::value;
-        ScoreKeys<H, H == 1 ? 8 : 4, DV>(w.q + g * D, D, w.k.data(), w.n, i0, i1, scale, w.scores.data() + g * w.padded,
-                                         w.padded);
+        ScoreKeys<H, H == 1 ? 8 : 4, DV>(w.q + g * D, D, w.k.data(), w.n, i0, i1, scale,
+                                         w.scores.data() + g * w.padded, w.padded);
       });
     }
   }
@@ -360,7 +361,8 @@ void ValuePhase(int64_t G, bool grouped, QueryWork* work, int count, int part, i
         float* acc = w.acc.data() + g * D;
         const float* weights = w.scores.data() + g * w.padded;
         if constexpr (H == 1) {  // one head: 8 vectors at a time where the share allows (8 chains)
-          if ((d_end - d_begin) % 8 == 0) return WeightValues<1, 8, DV>(weights, w.padded, w.v.data(), i0, i1, acc, D, d_begin, d_end);
+          if ((d_end - d_begin) % 8 == 0)
+            return WeightValues<1, 8, DV>(weights, w.padded, w.v.data(), i0, i1, acc, D, d_begin, d_end);
         }
         WeightValues<H, kStep, DV>(weights, w.padded, w.v.data(), i0, i1, acc, D, d_begin, d_end);
       });
@@ -415,8 +417,14 @@ int GatherTask(const Problem& pr, int64_t b, int64_t first, int64_t h0, std::vec
       KeyRows k, v;  // cache slots first, then new keys, as the ranges list them
       k.stride = v.stride = Hkv * D;
       const int64_t cache_row = (b * S * Hkv + h) * D, new_row = (b * T * Hkv + h) * D;
-      cached.ForEachRun([&](int64_t lo, int64_t hi) { k.Add(pr.ck + cache_row, lo, hi); v.Add(pr.cv + cache_row, lo, hi); });
-      fresh.ForEachRun([&](int64_t lo, int64_t hi) { k.Add(pr.nk + new_row, lo, hi); v.Add(pr.nv + new_row, lo, hi); });
+      cached.ForEachRun([&](int64_t lo, int64_t hi) {
+        k.Add(pr.ck + cache_row, lo, hi);
+        v.Add(pr.cv + cache_row, lo, hi);
+      });
+      fresh.ForEachRun([&](int64_t lo, int64_t hi) {
+        k.Add(pr.nk + new_row, lo, hi);
+        v.Add(pr.nv + new_row, lo, hi);
+      });
       const int64_t n = k.n, padded = (n + 7) & ~int64_t{7};
       const float* qh = pr.q + (query * pr.Hq + h * G) * D;
       float* oh = pr.out + (query * pr.Hq + h * G) * D;
@@ -465,9 +473,10 @@ void AttendTasks(const Problem& pr, int part, int parts) {
   }
 }
 
-// The queries of one row (at most kQueryBlock: a decode step, a verify) with all kv heads, their
-// phases shared out over the threads (ScorePhase, SoftmaxPhase, ValuePhase): each key block read
-// once, the key blocks split between the threads, then the value vectors.
+// The queries of one row (at most kMaxQueriesToShareKeys: a decode step, a short verify) with all
+// kv heads as one task, its phases shared out over the threads (ScorePhase, SoftmaxPhase,
+// ValuePhase): each key block read once, the key blocks split between the threads, then the
+// vectors of d.
 struct SharedWork {
   int64_t G;
   bool grouped;
@@ -506,8 +515,8 @@ void Attend(Problem problem) {
     problem.kv_heads = Hkv;
     std::vector<QueryWork> work(kQueryBlock * Hkv);
     std::vector<float> unused;
-    const SharedWork shared{Hq / Hkv, Tq >= kMinQueriesToGroupHeads, work.data(), GatherTask(problem, 0, 0, 0, work, unused),
-                            scale};
+    const int count = GatherTask(problem, 0, 0, 0, work, unused);
+    const SharedWork shared{Hq / Hkv, Tq >= kMinQueriesToGroupHeads, work.data(), count, scale};
     int64_t multiply_adds = 0;  // of the scores
     for (int j = 0; j < shared.count; ++j) multiply_adds += work[j].n * Hq / Hkv * D;
     const int parts = multiply_adds < kMinMultiplyAddsToShareKeys ? 1 : pool.helpers() + 1;

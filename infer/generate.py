@@ -2,10 +2,10 @@
 `dflash-generate`); the program itself is `dflash_jax.cli.generate`, see its --help."""
 from __future__ import annotations
 
-import sys
 from typing import Sequence
 
 from dflash_jax.cli import generate as _cli
+from dflash_jax.cli.common import exit_process
 
 PROG = "python -m infer.generate"
 
@@ -15,4 +15,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

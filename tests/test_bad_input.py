@@ -3,6 +3,7 @@ PyTorch .bin checkpoints load and convert: damaged safetensors, bad config.json,
 sharded .bin, unused tensors, damaged Orbax checkpoints, conversions that would overwrite, and the
 demo's arguments."""
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -283,6 +284,16 @@ def test_damaged_orbax_is_one_readable_line(drafter_dir, tmp_path, capsys, damag
 
 
 # -------------------------------------------------------------------------------- CLI bits
+
+
+def test_exit_process_flushes_piped_output_and_keeps_the_status():
+    code = ("import logging, sys; from dflash_jax.cli.common import exit_process; "
+            "logging.basicConfig(stream=sys.stderr); logging.warning('last words'); "
+            "print('answer', end=''); sys.stderr.write('note'); exit_process(3)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 3
+    assert out.stdout == "answer" and "last words" in out.stderr and out.stderr.endswith("note")
 
 
 def test_demo_help_does_not_run_the_demo():

@@ -44,12 +44,13 @@ import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Sequence  # noqa: E402
+from typing import NoReturn, Sequence  # noqa: E402
 
 from dflash_jax.resources import package_file  # noqa: E402
 from dflash_jax.cli.common import (  # noqa: E402
     add_compile_cache_flag,
     enable_compile_cache,
+    exit_process,
     DTYPE_CHOICES,
     CLIError,
     default_stop_ids,
@@ -800,5 +801,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     return run_cli(build_parser, _check_args, run, argv, prog)
 
 
+def console_main() -> NoReturn:
+    """The `dflash-benchmark` console script: `main`, then `exit_process`."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

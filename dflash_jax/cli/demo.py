@@ -11,7 +11,6 @@ speedup, which is called a slowdown when it is one. Without a drafter it decodes
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Sequence
 
@@ -23,6 +22,7 @@ from dflash_jax.cli.common import (
     describe,
     enable_compile_cache,
     encode_prompt,
+    exit_process,
     generate_measured,
     load_models,
     notice,
@@ -105,4 +105,4 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from dflash_jax.cli.common import (
     add_compile_cache_flag,
@@ -23,6 +23,7 @@ from dflash_jax.cli.common import (
     describe,
     enable_compile_cache,
     encode_prompt,
+    exit_process,
     generate_measured,
     histogram_text,
     load_models,
@@ -159,5 +160,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     return run_cli(build_parser, _check_args, run, argv, prog)
 
 
+def console_main() -> NoReturn:
+    """The `dflash-generate` console script: `main`, then `exit_process`."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -6,8 +6,10 @@ a `DrafterSpec` or None (static and hashable; the weights come in as `target_par
 timing, results, streaming) is `dflash_jax.speculative`.
 
 One cycle per row (DESIGN.md §2): draft a block [anchor, MASK x (G-1)] against the row's draft
-context cache, verify it in one target pass, accept a prefix, emit the correction/bonus token,
-roll the target cache back by length and append the accepted tokens' features to the draft cache.
+context cache (with `lookup`, tokens that followed an earlier occurrence of the row's last few take
+the slots they fill: `dflash_jax.lookup`), verify it in one target pass, accept a prefix, emit the
+correction/bonus token, roll the target cache back by length and append the accepted tokens'
+features to the draft cache.
 `drafter=None` runs plain autoregressive decoding through the same cycle with a block of 1.
 
 Invariants at the start of every cycle, for row b with L = lengths[b] committed tokens:
@@ -27,6 +29,7 @@ from flax import struct
 from dflash_jax import sampling
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
+from dflash_jax.lookup import with_lookup
 
 ACCEPTANCE_RULES = ("exact", "match")
 
@@ -41,6 +44,7 @@ class GenerationConfig:
     top_k: int = 0
     use_top_p: bool = False
     acceptance: str = "exact"  # sampling rule: "exact" (speculative sampling) or "match" (official)
+    lookup: int = 0  # 0: the drafter's drafts; n >= 2: looked-up tokens where a 2..n-token match exists
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -51,6 +55,8 @@ class GenerationConfig:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.lookup == 1 or self.lookup < 0:
+            raise ValueError(f"lookup must be 0 (off) or >= 2 (the longest match), got {self.lookup}")
 
 
 @struct.dataclass
@@ -160,6 +166,8 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     if drafter is not None:
         drafts, draft_probs = _propose(target, drafter, cfg, target_params, drafter_params, anchors,
                                        state.draft_cache, draft_key, params)
+        if cfg.lookup:
+            drafts, draft_probs = with_lookup(drafts, draft_probs, state.tokens, state.lengths, cfg.lookup)
     else:
         drafts, draft_probs = jnp.zeros((anchors.shape[0], 0), jnp.int32), None
     block = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [B, G]

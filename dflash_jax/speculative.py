@@ -278,7 +278,7 @@ def _block_size(drafter, block_size) -> int:
 
 
 def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
-             block_size, seed, acceptance):
+             block_size, seed, acceptance, lookup=0):
     """Check every argument -> (GenerationConfig, executable args, stop ids)."""
     if drafter is not None:
         validate_pair(drafter.config, target)
@@ -293,6 +293,11 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, to
     _check_int("seed", seed)
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    _check_int("lookup", lookup, 0)
+    if lookup == 1:
+        raise ValueError("lookup must be 0 (off) or >= 2 (the longest run of tokens to match), got 1")
+    if lookup and drafter is None:
+        raise ValueError("lookup fills a drafter's slots; it needs a drafter (got drafter=None)")
     block_size = _block_size(drafter, block_size)
     stops = _stop_ids(target, stop_token_ids)
     rows = _prompt_rows(prompts, vocab)
@@ -304,7 +309,7 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, to
     sampled = temperature > 0
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size, sampling=sampled,
                            top_k=top_k if sampled else 0, use_top_p=sampled and top_p < 1.0,
-                           acceptance=acceptance)
+                           acceptance=acceptance, lookup=lookup)
     tokens = np.zeros((len(rows), prompt_bucket(longest)), np.int32)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
@@ -333,7 +338,8 @@ def _cut(tokens: np.ndarray, start: int, end: int, max_new: int, stops: Sequence
 
 def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
-             block_size: int | None = None, seed: int = 0, acceptance: str = "exact") -> GenerationResult:
+             block_size: int | None = None, seed: int = 0, acceptance: str = "exact",
+             lookup: int = 0) -> GenerationResult:
     """Generate from a target, speculatively with a DFlash drafter (or plainly with drafter=None).
 
     prompts: a list of prompts, each a list of token ids (ragged; one prompt is `[ids]`), or a
@@ -342,12 +348,15 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     (1 = off), lossless under `acceptance="exact"` (speculative sampling) or "match" (the official
     rule: the target's sample must equal the greedy draft). stop_token_ids: one id or a sequence;
     None = the target's EOS ids; () disables stopping. block_size defaults to the drafter's
-    (larger than that warns). Bad arguments raise TypeError/ValueError naming the argument.
+    (larger than that warns). lookup (0 = off): n >= 2 drafts, where a row's last 2..n tokens
+    occurred earlier in it, the tokens that followed them instead of the drafter's
+    (`dflash_jax.lookup`; still lossless). Bad arguments raise TypeError/ValueError naming the
+    argument.
     """
     cfg, args, stops = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p,
                                 stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-                                acceptance=acceptance)
+                                acceptance=acceptance, lookup=lookup)
     prefill_fn, decode_fn, compile_seconds = _executables(target, drafter, cfg, args, "decode")
     start = time.perf_counter()
     state = jax.block_until_ready(prefill_fn(*args))
@@ -400,7 +409,7 @@ def _stream_chunks(prefill_fn, cycle_fn, cfg, args, stops) -> Iterator[list[list
 def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: int | Sequence[int] | None = None, block_size: int | None = None,
-                    seed: int = 0, acceptance: str = "exact") -> GenerationStream:
+                    seed: int = 0, acceptance: str = "exact", lookup: int = 0) -> GenerationStream:
     """Like `generate`, but yields each row's newly committed tokens after prefill and after every
     cycle (a host loop over the same cycle, compiled ahead of time). Tokens past a stop token are
     never yielded. Arguments are checked and the executables compiled at the call, not at the first
@@ -408,6 +417,6 @@ def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temp
     cfg, args, stops = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p,
                                 stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-                                acceptance=acceptance)
+                                acceptance=acceptance, lookup=lookup)
     prefill_fn, cycle_fn, compile_seconds = _executables(target, drafter, cfg, args, "cycle")
     return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, cfg, args, stops), compile_seconds)

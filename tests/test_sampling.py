@@ -50,12 +50,12 @@ def _next_token_probs_fn(target, temperature, top_k, top_p):
     return _PROBS_FNS[key]
 
 
-def exact_joint(target, temperature=1.0, top_k=0, top_p=1.0, depth=3):
-    """p(x1..x_depth | PROMPT) by enumeration, with the same filters applied to every step."""
+def exact_joint(target, temperature=1.0, top_k=0, top_p=1.0, depth=3, prompt=PROMPT):
+    """p(x1..x_depth | prompt) by enumeration, with the same filters applied to every step."""
     seqs = [tuple()]
     probs = {tuple(): 1.0}
     for _ in range(depth):
-        batch = jnp.asarray([PROMPT + list(s) for s in seqs], jnp.int32)
+        batch = jnp.asarray([prompt + list(s) for s in seqs], jnp.int32)
         probs_fn = _next_token_probs_fn(target, temperature, top_k, top_p if top_p < 1 else None)
         p = np.asarray(probs_fn(target.params, batch))
         nxt = {}
@@ -90,8 +90,8 @@ def chi_square_pvalue(samples, probs, min_expected=5.0):
     return stats.chisquare(observed, expected).pvalue
 
 
-def sample_sequences(target, drafter, depth=3, **kw):
-    result = generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=depth, stop_token_ids=(), **kw)
+def sample_sequences(target, drafter, depth=3, prompt=PROMPT, **kw):
+    result = generate(target, drafter, [prompt] * SAMPLES, max_new_tokens=depth, stop_token_ids=(), **kw)
     assert all(len(t) == depth for t in result.tokens)
     return [tuple(t) for t in result.tokens], result
 
@@ -108,6 +108,21 @@ def test_speculative_sampling_matches_target_distribution(pair, kw):
     assert chi_square_pvalue(samples, exact) > 1e-3
     # The drafter really drafted and was sometimes accepted (the rule was exercised).
     assert result.tau > 1.05
+
+
+def test_sampling_with_looked_up_drafts_matches_target_distribution(pair):
+    """A prompt that repeats itself: its last two tokens occurred before, so the first cycle's
+    slots hold looked-up tokens (point-mass drafts) and later cycles often do too."""
+    target, drafter = pair
+    prompt = [1, 4, 2, 1, 4, 2, 1, 4]
+    samples, result = sample_sequences(target, drafter, prompt=prompt, seed=14, temperature=1.0, lookup=2)
+    assert chi_square_pvalue(samples, exact_joint(target, prompt=prompt)) > 1e-3
+    assert result.tau > 1.05
+    # the first cycle drafted the looked-up 2, 1, 4: its acceptance differs from the drafter's
+    plain = generate(target, drafter, [prompt] * 200, max_new_tokens=3, stop_token_ids=(), seed=14, temperature=1.0)
+    looked = generate(target, drafter, [prompt] * 200, max_new_tokens=3, stop_token_ids=(), seed=14, temperature=1.0,
+                      lookup=2)
+    assert [a[0] for a in plain.acceptance_lengths] != [a[0] for a in looked.acceptance_lengths]
 
 
 def test_baseline_sampling_matches_and_test_has_power(pair):

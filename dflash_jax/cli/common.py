@@ -19,6 +19,9 @@ EXIT_ERROR = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, for an editable or in-repo run
 SHIPPED_DRAFTER_DIR = REPO_ROOT / "checkpoints" / "smollm2-dflash"
 DTYPE_CHOICES = ("float32", "bfloat16")
+# `generate(lookup=...)` with the shipped SmolLM2 drafter unless --lookup says otherwise: 20
+# MT-Bench first turns, block 2, three interleaved rounds, tau 1.31 -> 1.39, 0.95x -> 1.00x.
+SHIPPED_DRAFTER_LOOKUP = 3
 
 
 class CLIError(Exception):
@@ -35,6 +38,30 @@ def notice(message: str) -> None:
 def shipped_drafter_dir() -> Path | None:
     """The DFlash drafter for the embedded SmolLM2 target, when the repository ships one."""
     return SHIPPED_DRAFTER_DIR if (SHIPPED_DRAFTER_DIR / "config.json").is_file() else None
+
+
+def add_lookup_flag(parser) -> None:
+    parser.add_argument("--lookup", type=int, metavar="N",
+                        help="where the row's last 2..N tokens occurred earlier in its prompt or answer, "
+                             "draft the tokens that followed them instead of the drafter's (lossless; "
+                             f"0 = off; default: {SHIPPED_DRAFTER_LOOKUP} with the shipped SmolLM2 "
+                             "drafter, 0 with any other)")
+
+
+def check_lookup_flag(parser, args) -> None:
+    if args.lookup is not None and (args.lookup < 0 or args.lookup == 1):
+        parser.error("--lookup must be 0 (off) or >= 2 (the longest run of tokens to match)")
+
+
+def lookup_for(args, drafter_path: Path | None) -> int:
+    """What `generate(lookup=...)` gets: --lookup, else its default for this drafter."""
+    if drafter_path is None:
+        if args.lookup:
+            notice("--lookup only applies with a drafter: ignored")
+        return 0
+    if args.lookup is not None:
+        return args.lookup
+    return SHIPPED_DRAFTER_LOOKUP if drafter_path == shipped_drafter_dir() else 0
 
 
 def resolve_target_path(path: str | None) -> tuple[Path, bool]:

@@ -17,6 +17,8 @@ from typing import Sequence
 from dflash_jax.cli.common import (
     CLIError,
     add_compile_cache_flag,
+    add_lookup_flag,
+    check_lookup_flag,
     compare_outputs,
     default_stop_ids,
     describe,
@@ -25,6 +27,7 @@ from dflash_jax.cli.common import (
     exit_process,
     generate_measured,
     load_models,
+    lookup_for,
     notice,
     resolve_drafter_path,
     resolve_target_path,
@@ -44,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DFlash drafter directory for SmolLM2 (default: checkpoints/smollm2-dflash when "
                         "it ships; otherwise plain decoding)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: %(default)s")
+    add_lookup_flag(p)
     add_compile_cache_flag(p)
     return p
 
@@ -53,6 +57,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--max-new-tokens must be >= 1")
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
         parser.error("--prompt must not be empty")
+    check_lookup_flag(parser, args)
 
 
 NOISE = 0.05  # two timed runs of the same decode differ by about this much here: no verdict inside it
@@ -72,19 +77,23 @@ def run(args) -> int:
     start = time.perf_counter()
     drafter_path = resolve_drafter_path(args.drafter, False, target_is_default=True)
     target_path, _ = resolve_target_path(None)
+    lookup = lookup_for(args, drafter_path)
     enable_compile_cache(args)
     target, drafter = load_models(target_path, drafter_path, "float32")
     stops = default_stop_ids(target)
     mode = "speculative (DFlash)" if drafter is not None else "autoregressive"
+    if drafter is not None and lookup:
+        mode = f"speculative (DFlash, lookup {lookup})"
     print(f"target: {target_path.name} ({target.config.num_layers} layers, hidden {target.config.hidden_size})"
           f"\ndrafter: {drafter_path if drafter is not None else 'none (plain decoding)'}"
+          + (f" (with --lookup {lookup}: repeated text drafted from the text itself)" if drafter and lookup else "")
           f"\nloaded in {time.perf_counter() - start:.1f} s\n", flush=True)
     for prompt in args.prompt or DEFAULT_PROMPTS:
         ids = encode_prompt(target.tokenizer, prompt)
         print(f">>> {prompt}", flush=True)
-        streamed = stream_answer(target, drafter, ids, max_new_tokens=args.max_new_tokens)
+        streamed = stream_answer(target, drafter, ids, max_new_tokens=args.max_new_tokens, lookup=lookup)
         print()
-        result = generate_measured(target, drafter, ids, True, max_new_tokens=args.max_new_tokens)
+        result = generate_measured(target, drafter, ids, True, max_new_tokens=args.max_new_tokens, lookup=lookup)
         if result.tokens[0] != streamed.tokens:  # both greedy: a difference would be a bug
             raise CLIError("the streamed answer differs from the measured run's answer")
         print("\n".join(describe(f"{mode}, measured again without streaming", result, stops)))

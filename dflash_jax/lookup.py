@@ -1,0 +1,63 @@
+"""Draft tokens looked up in a row's own text (n-gram / prompt lookup), to stand in for the
+drafter's where the text repeats itself.
+
+Where the last n committed tokens of a row occurred earlier in it (prompt or answer), the tokens
+that followed that earlier occurrence are proposed for the next slots: answers quote their prompt
+and repeat their own phrases. The target verifies them like any draft, so the output stays the
+target's (greedy: bit-identical; sampling: a looked-up token is a draft whose distribution is a
+point mass, which the exact rule accepts with probability p_target(token)).
+
+Measured with the shipped SmolLM2 drafter (block 2) over 20 MT-Bench first turns, 96 new tokens,
+on the 2-core CPU (one-off scripts): replaying the 1,413 cycles' committed text, a 3- or 2-token
+match existed in 26% of the cycles and named the target's next token in 67% of those, where the
+drafter named it in 4-62% by its confidence (32% over all cycles); 1-grams were right too seldom
+(43%). In `generate`, every question run by each variant in turn, three rounds: tokens per cycle
+1.313 -> 1.387, speed against autoregressive decoding 0.947x -> 1.005x, outputs identical.
+Verifying more tokens in the cycles where a match exists (3-5 instead of 2, no drafter run) raised
+tokens per cycle to 1.45-1.50 but cost as much (0.97-1.00x): a verified row costs this CPU 0.2-0.3
+of a step, so it is not done.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def lookup_drafts(tokens, lengths, longest: int, count: int):
+    """Drafts for the `count` slots after each row's committed text.
+
+    tokens [B, C] int32, lengths [B]: row b's committed tokens are tokens[b, :lengths[b]]. For
+    n = longest, ..., 2 (the longest that occurs wins), find the latest j < L = lengths[b] with
+    tokens[j - n:j] == tokens[L - n:L]; propose tokens[j + k] for slot k, where j + k < L.
+    Returns (drafts [B, count] int32, found [B, count] bool: False where nothing matched or the
+    earlier text runs out).
+    """
+    b, capacity = tokens.shape
+    position = jnp.arange(capacity)[None, :]  # j: where an earlier occurrence ends (exclusive)
+    lengths = lengths[:, None]
+    best = jnp.full((b, 1), -1, jnp.int32)
+    for n in range(2, longest + 1):  # a longer match overrides a shorter one
+        match = (position >= n) & (position < lengths) & (lengths >= n)
+        for k in range(n):  # tokens[j - n + k] == tokens[L - n + k]
+            key = jnp.take_along_axis(tokens, jnp.maximum(lengths - n + k, 0), axis=1)
+            shift = n - k
+            earlier = jnp.pad(tokens, ((0, 0), (shift, 0)))[:, :capacity]  # earlier[j] = tokens[j - shift]
+            match &= earlier == key
+        latest = jnp.max(jnp.where(match, position, -1), axis=1, keepdims=True).astype(jnp.int32)
+        best = jnp.where(latest >= 0, latest, best)
+    slots = best + jnp.arange(count)[None, :]  # [B, count]
+    found = (best >= 0) & (slots < lengths)
+    drafts = jnp.take_along_axis(tokens, jnp.clip(slots, 0, capacity - 1), axis=1)
+    return jnp.where(found, drafts, 0).astype(jnp.int32), found
+
+
+def with_lookup(drafts, draft_probs, tokens, lengths, longest: int):
+    """The drafter's drafts [B, G-1] (and, for exact sampling, their distributions [B, G-1, V],
+    else None) with the looked-up tokens in the slots where a lookup found one; a looked-up
+    slot's distribution is a point mass on its token."""
+    looked_up, found = lookup_drafts(tokens, lengths, longest, drafts.shape[1])
+    drafts = jnp.where(found, looked_up, drafts)
+    if draft_probs is not None:
+        point = jax.nn.one_hot(looked_up, draft_probs.shape[-1], dtype=draft_probs.dtype)
+        draft_probs = jnp.where(found[..., None], point, draft_probs)
+    return drafts, draft_probs

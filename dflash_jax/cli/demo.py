@@ -84,7 +84,8 @@ def run(args) -> int:
     mode = "speculative (DFlash)" if drafter is not None else "autoregressive"
     if drafter is not None and lookup:
         mode = f"speculative (DFlash, lookup {lookup})"
-    looked_up = f" (--lookup {lookup}: where the text repeats, it drafts from itself)" if drafter and lookup else ""
+    looked_up = (f" (--lookup {lookup}: where the text repeats, it drafts from itself)"
+                 if drafter is not None and lookup else "")
     print(f"target: {target_path.name} ({target.config.num_layers} layers, hidden {target.config.hidden_size})"
           f"\ndrafter: {drafter_path if drafter is not None else 'none (plain decoding)'}{looked_up}"
           f"\nloaded in {time.perf_counter() - start:.1f} s\n", flush=True)

@@ -107,7 +107,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 def _generation_kwargs(args, drafter) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, block_size=args.block_size if drafter is not None else None,
-                seed=args.seed, acceptance=args.acceptance, lookup=args.lookup if drafter is not None else 0)
+                seed=args.seed, acceptance=args.acceptance,
+                lookup=args.lookup if drafter is not None else 0)
 
 
 def _stream(target, drafter, ids, args) -> list[str]:

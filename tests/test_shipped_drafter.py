@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_jax.cli.common import SHIPPED_DRAFTER_DIR, encode_prompt
+from dflash_jax.cli.common import SHIPPED_DRAFTER_DIR, SHIPPED_DRAFTER_LOOKUP, encode_prompt
 from dflash_jax.speculative import generate
 
 # Chat prompts of the kind the drafter was trained on (not MT-Bench, whose first turns the benchmark uses).
@@ -60,6 +60,11 @@ def test_greedy_equals_plain_decoding_and_tau_clears_the_floor(models):
     # prompts and on MT-Bench (stage 3, block 2). The floor below is what an untrained drafter
     # (tau ~1.0) fails; the 1.5 is not reached yet.
     assert spec.tau > 1.2
+    # What the CLIs run with this drafter: its slots filled from the text where it repeats (tau 1.36
+    # against 1.32 on these prompts when measured), the output still plain greedy decoding's.
+    looked_up = generate(target, drafter, prompts, max_new_tokens=MAX_NEW_TOKENS, lookup=SHIPPED_DRAFTER_LOOKUP)
+    assert looked_up.tokens == plain.tokens
+    assert looked_up.tau > 1.2
 
 
 def test_demo_streams_and_compares_with_the_shipped_drafter(capsys):

@@ -64,6 +64,13 @@ def lookup_for(args, drafter_path: Path | None) -> int:
     return SHIPPED_DRAFTER_LOOKUP if drafter_path == shipped_drafter_dir() else 0
 
 
+def decoding_mode(drafter, lookup: int) -> str:
+    """How a run decodes, as the CLIs print it."""
+    if drafter is None:
+        return "autoregressive"
+    return f"speculative (DFlash, lookup {lookup})" if lookup else "speculative (DFlash)"
+
+
 def resolve_target_path(path: str | None) -> tuple[Path, bool]:
     """(path, is_the_embedded_default). Fails early, before anything heavy is imported."""
     if path is None:

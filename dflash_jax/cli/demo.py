@@ -20,6 +20,7 @@ from dflash_jax.cli.common import (
     add_lookup_flag,
     check_lookup_flag,
     compare_outputs,
+    decoding_mode,
     default_stop_ids,
     describe,
     enable_compile_cache,
@@ -81,9 +82,7 @@ def run(args) -> int:
     enable_compile_cache(args)
     target, drafter = load_models(target_path, drafter_path, "float32")
     stops = default_stop_ids(target)
-    mode = "speculative (DFlash)" if drafter is not None else "autoregressive"
-    if drafter is not None and lookup:
-        mode = f"speculative (DFlash, lookup {lookup})"
+    mode = decoding_mode(drafter, lookup)
     looked_up = (f" (--lookup {lookup}: where the text repeats, it drafts from itself)"
                  if drafter is not None and lookup else "")
     print(f"target: {target_path.name} ({target.config.num_layers} layers, hidden {target.config.hidden_size})"

@@ -21,6 +21,7 @@ from dflash_jax.cli.common import (
     check_lookup_flag,
     DTYPE_CHOICES,
     compare_outputs,
+    decoding_mode,
     default_stop_ids,
     describe,
     enable_compile_cache,
@@ -143,9 +144,7 @@ def run(args) -> int:
     target, drafter = load_models(target_path, drafter_path, args.dtype)
     ids = encode_prompt(target.tokenizer, args.prompt, args.raw)
     stops = default_stop_ids(target)
-    mode = "speculative (DFlash)" if drafter is not None else "autoregressive"
-    if drafter is not None and args.lookup:
-        mode = f"speculative (DFlash, lookup {args.lookup})"
+    mode = decoding_mode(drafter, args.lookup)
     print(f"[{target_path.name}{' + ' + drafter_path.name if drafter_path else ''}, {mode}, "
           f"{len(ids)} prompt tokens]", file=sys.stderr, flush=True)
     if args.stream:

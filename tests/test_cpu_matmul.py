@@ -187,21 +187,27 @@ def _dequantized(blocks: np.ndarray, quant_type: str) -> np.ndarray:
 @pytest.mark.parametrize("quant_type", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k", [(48, 64), (40, 576), (96, 1536)])
 def test_quantized_panels_multiply_as_their_dequantised_floats(quant_type, n, k):
-    """`pack_quantized` keeps a GGUF weight's own blocks; the kernel dequantizes them as it multiplies
-    (in registers for 1-6 rows, through a buffer for more) and gives, bit for bit, the product of
-    the float32 panels of gguf-py's dequantisation; so does XLA's path (`dequantize_panels`)."""
+    """`pack_quantized` keeps a GGUF weight's own blocks, whose floats (`dequantize_panels`, XLA's
+    path) are bit for bit gguf-py's dequantisation. The kernel multiplies them in factored form,
+    d (x . q) + m (sum of x) per block: the product of those floats to float rounding, and every
+    row's result bit for bit the same whatever rows share the call (1-3 rows in registers, 4-6 in
+    two passes, more through a buffer of widened values), so a verify and a decode step agree."""
     blocks = _ggml_blocks(quant_type, n, k, seed=n + k)
     weight = _dequantized(blocks, quant_type)  # [out, in]
     panels, floats = pack_quantized(blocks, quant_type), pack_kernel(weight.T.copy())
     assert panels.dtype == np.uint8 and panels.shape == (-(-n // PANEL), k // 32, PANEL_BLOCK_BYTES[quant_type])
     np.testing.assert_array_equal(np.asarray(dequantize_panels(panels)), np.asarray(floats))
-    for rows in (1, 2, 3, 6, 7, 16):
-        x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-        got = np.asarray(jax.jit(_product(n))(x, panels))
-        np.testing.assert_array_equal(got, np.asarray(jax.jit(_product(n))(x, floats)))
-        assert NARROW_TARGET_NAME in jax.jit(_product(n)).lower(x, panels).compile().as_text()
-        want = x.astype(np.float64) @ weight.T.astype(np.float64)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    x = np.random.default_rng(k).standard_normal((16, k)).astype(np.float32)
+    want = x.astype(np.float64) @ weight.T.astype(np.float64)
+    alone = [np.asarray(jax.jit(_product(n))(x[m:m + 1], panels))[0] for m in range(16)]
+    for rows in (1, 2, 3, 4, 5, 6, 7, 16):
+        got = np.asarray(jax.jit(_product(n))(x[:rows], panels))
+        assert NARROW_TARGET_NAME in jax.jit(_product(n)).lower(x[:rows], panels).compile().as_text()
+        np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        for m in range(rows):  # a row's result does not depend on the rows beside it
+            np.testing.assert_array_equal(got[m], alone[m], err_msg=f"row {m} of {rows}")
+    xla = np.asarray(jax.jit(_product(n))(x, floats))  # the float32 panels: the same weights
+    np.testing.assert_allclose(np.stack(alone), xla, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     stack = pack_quantized(np.stack([blocks, _ggml_blocks(quant_type, n, k, seed=1)]), quant_type)
     x = np.ones((2, k), np.float32)
     for layer in (0, 1):

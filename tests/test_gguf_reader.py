@@ -421,8 +421,9 @@ def test_unwritable_cache_falls_back_with_a_warning(tmp_path):
 def test_a_cpu_load_keeps_the_stored_blocks_it_can_and_checks_their_shapes(tmp_path, monkeypatch):
     """load_target of a GGUF for a CPU decode keeps the kernels whose blocks are all Q4_1 or all Q8_0
     (gate/up, o, down, the tied head) without reading their floats, loads q/k/v (Q4_1 and Q8_0
-    mixed) as float32 panels, and computes the logits of the float32 panels bit for bit; a stored
-    kernel of the wrong shape is named like any other."""
+    mixed) as float32 panels, and computes the logits of the float32 panels to float rounding (the
+    kernel multiplies the blocks in factored form); a stored kernel of the wrong shape is named like
+    any other."""
     import flax
     import jax.numpy as jnp
 
@@ -451,8 +452,8 @@ def test_a_cpu_load_keeps_the_stored_blocks_it_can_and_checks_their_shapes(tmp_p
         "head", "layers/mlp/gate_up_proj/kernel", "layers/mlp/down_proj/kernel", "layers/self_attn/o_proj/kernel"}
     floats = pack_layers(load_target(gguf_file, tokenizer=False, layout="stacked").params)
     tokens = jnp.asarray([[1, 5, 7, 30, 2]], jnp.int32)
-    got, want = (target.logits(p, target.forward(p, tokens)[0]) for p in (target.params, floats))
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    got, want = (np.asarray(target.logits(p, target.forward(p, tokens)[0])) for p in (target.params, floats))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
     _write_tiny_llama(tmp_path / "bad.gguf", up_inputs=32)
     with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.up_proj.weight has shape \(128, 32\), "

@@ -137,8 +137,9 @@ def test_cli_mismatched_drafter_and_long_prompt(target, tmp_path, monkeypatch, c
 def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_ids, monkeypatch):  # noqa: F811
     """On a CPU the packed target keeps the GGUF's own Q4_1 / Q8_0 blocks (`loading.gguf_panels`),
     112 MB of params instead of 544, without ever reading the float32 weights they stand for, and its
-    logits (a prompt through a cache, then one token) are bit for bit those of the float32 panels of
-    the same (dequantised) weights."""
+    logits (a prompt through a cache, then one token) are those of the float32 panels of the same
+    (dequantised) weights to float rounding (the kernel multiplies the blocks in factored form) and
+    pick the same tokens."""
     import flax
     import jax.numpy as jnp
 
@@ -167,4 +168,6 @@ def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_i
         return first, target.logits(params, target.forward(params, step, cache)[0])
 
     for got, want in zip(logits(target.params), logits(floats)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))

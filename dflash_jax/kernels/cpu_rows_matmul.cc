@@ -281,11 +281,14 @@ void NarrowRowsMatmulPanels(const float* x, const uint8_t* w, float* y, int64_t 
 // autoregressive step, 13.5-14.0 -> 10.7-11.1 ms per speculative cycle of block 2, the same tokens.
 // The results are the same weights' products to float rounding, no longer bit for bit those of
 // the dequantised floats (SmolLM2's logits over a 41-token prompt through all 30 layers: within
-// 1.5e-4, 4e-6 of the largest logit, of the float32 panels', the same argmax at every position). What stays exact is that a row's result does not
-// depend on the rows that share the call, so a verify and a decode step agree and greedy
-// speculative decoding still reproduces plain decoding token for token: every row, in any tile,
-// sums each block in two chains from zero (even k, odd k), then acc += d * even, acc += d * odd
-// (Q4_1: acc += m * xs), block by block from zero.
+// 1.5e-4, 4e-6 of the largest logit, of the float32 panels', the same argmax at every position).
+// What stays exact is that a row's result does not depend on the rows that share the call, so a
+// verify and a decode step agree and greedy speculative decoding still reproduces plain decoding
+// token for token: every row, in any tile, sums each block in two chains from zero (even k, odd
+// k), then acc += d * even, acc += d * odd (Q4_1: acc += m * xs), block by block from zero.
+// Many rows pay for the per-block totals: a 16-token verify (`infer.profile_cycle --fill 300
+// --block 16`, old and new kernels in alternating runs) 40.5-41.6 -> 48.4-49.6 ms.
+
 // xs [M, K / 32]: each block of 32 of a row of x [M, K] summed in order (Q4_1's offsets multiply it).
 void BlockSums(const float* x, int64_t M, int64_t K, float* xs) {
   for (int64_t i = 0; i < M * (K / kNarrowBlock); ++i) {
@@ -508,8 +511,10 @@ void RowsMatmul(Format format, const float* x, const void* w, float* y, int64_t 
     const uint8_t* narrow = static_cast<const uint8_t*>(j.w);
     switch (j.format) {
       case Format::kF32: return RowsMatmulPanels(j.x, static_cast<const float*>(j.w), j.y, j.M, j.K, j.ldy, p0, p1);
-      case Format::kQ4_1: return FactoredRowsMatmulPanels<Format::kQ4_1>(j.x, j.xs, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
-      case Format::kQ8_0: return FactoredRowsMatmulPanels<Format::kQ8_0>(j.x, j.xs, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
+      case Format::kQ4_1:
+        return FactoredRowsMatmulPanels<Format::kQ4_1>(j.x, j.xs, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
+      case Format::kQ8_0:
+        return FactoredRowsMatmulPanels<Format::kQ8_0>(j.x, j.xs, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
       case Format::kBF16: return NarrowRowsMatmulPanels<Format::kBF16>(j.x, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
     }
   }, &job, parts);

@@ -191,16 +191,17 @@ def test_quantized_panels_multiply_as_their_dequantised_floats(quant_type, n, k)
     path) are bit for bit gguf-py's dequantisation. The kernel multiplies them in factored form,
     d (x . q) + m (sum of x) per block: the product of those floats to float rounding, and every
     row's result bit for bit the same whatever rows share the call (1-3 rows in registers, 4-6 in
-    two passes, more through a buffer of widened values), so a verify and a decode step agree."""
+    two passes, groups of them, from a buffer of widened values past 30 rows), so a verify and a
+    decode step agree."""
     blocks = _ggml_blocks(quant_type, n, k, seed=n + k)
     weight = _dequantized(blocks, quant_type)  # [out, in]
     panels, floats = pack_quantized(blocks, quant_type), pack_kernel(weight.T.copy())
     assert panels.dtype == np.uint8 and panels.shape == (-(-n // PANEL), k // 32, PANEL_BLOCK_BYTES[quant_type])
     np.testing.assert_array_equal(np.asarray(dequantize_panels(panels)), np.asarray(floats))
-    x = np.random.default_rng(k).standard_normal((16, k)).astype(np.float32)
+    x = np.random.default_rng(k).standard_normal((40, k)).astype(np.float32)
     want = x.astype(np.float64) @ weight.T.astype(np.float64)
-    alone = [np.asarray(jax.jit(_product(n))(x[m:m + 1], panels))[0] for m in range(16)]
-    for rows in (1, 2, 3, 4, 5, 6, 7, 16):
+    alone = [np.asarray(jax.jit(_product(n))(x[m:m + 1], panels))[0] for m in range(40)]
+    for rows in (1, 2, 3, 4, 5, 6, 7, 16, 40):
         got = np.asarray(jax.jit(_product(n))(x[:rows], panels))
         assert NARROW_TARGET_NAME in jax.jit(_product(n)).lower(x[:rows], panels).compile().as_text()
         np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -286,8 +286,10 @@ void NarrowRowsMatmulPanels(const float* x, const uint8_t* w, float* y, int64_t 
 // verify and a decode step agree and greedy speculative decoding still reproduces plain decoding
 // token for token: every row, in any tile, sums each block in two chains from zero (even k, odd
 // k), then acc += d * even, acc += d * odd (Q4_1: acc += m * xs), block by block from zero.
-// Many rows pay for the per-block totals: a 16-token verify (`infer.profile_cycle --fill 300
-// --block 16`, old and new kernels in alternating runs) 40.5-41.6 -> 48.4-49.6 ms.
+// A 16-token verify (`infer.profile_cycle --fill 300 --block 16`, old and new kernels in
+// alternating runs) costs about what it did, 4.5-4.7 steps of the old kernel against 5.7-6.3 of
+// the new, 1.3x faster one: many rows gain nothing from the factored form and pay for its
+// per-block totals.
 
 // xs [M, K / 32]: each block of 32 of a row of x [M, K] summed in order (Q4_1's offsets multiply it).
 void BlockSums(const float* x, int64_t M, int64_t K, float* xs) {
@@ -453,29 +455,32 @@ void WidenValues(const uint8_t* panel, int64_t K, float* out) {
     }
 }
 
-// Panels [p0, p1) of y = x . w, w quantized panels [P, K / 32, block bytes]. One row group (1-6
-// rows) reads the blocks as they are. More rows (a prefill chunk, a batch's verify) go in near-equal
-// groups of at most 6 over kGroup panels at a time, whose values are widened once into a per-thread
-// buffer that stays in L2; the arithmetic is the same either way. Many rows are compute-bound, and
-// there the per-block totals cost: 128-256 rows 1.1-1.3x the time of the float32 panels' tiles
-// (one-off script, SmolLM2's shapes), but a 2,048-token prefill (`infer.profile_cycle --prefill
-// 2048 --prefill-only`) 4.57 s against 4.49, its attention weighing more.
+// Panels [p0, p1) of y = x . w, w quantized panels [P, K / 32, block bytes]. Rows go in near-equal
+// groups of at most 6 over kGroup panels at a time (still in L1/L2 for the next group). With more
+// than 5 groups (31 rows and more: a prefill chunk) those panels' values are widened once into a
+// per-thread buffer rather than unpacked again by every group (with 8-16 rows unpacking in every
+// group took 0.82-0.96x the time, with 128 rows 1.01-1.06x; one-off script). The arithmetic is the
+// same either way. Many rows are compute-bound, and there the per-block totals cost: 128-256 rows
+// 1.1-1.3x the time of the float32 panels' tiles (one-off script, SmolLM2's shapes), but a
+// 2,048-token prefill (`infer.profile_cycle --prefill 2048 --prefill-only`) 4.57 s against 4.49,
+// its attention weighing more.
 template <Format F>
 void FactoredRowsMatmulPanels(const float* x, const float* xs, const uint8_t* w, float* y, int64_t M, int64_t K,
                               int64_t ldy, int64_t p0, int64_t p1) {
   const int64_t stride = K / kNarrowBlock * BlockBytes(F), blocks = K / kNarrowBlock;
   const int64_t groups = (M + 5) / 6;
+  const bool widen = groups > 5;
   thread_local std::vector<float> scratch;
-  if (groups > 1) scratch.resize(kGroup * K * kPanel);
+  if (widen) scratch.resize(kGroup * K * kPanel);
   for (int64_t g0 = p0; g0 < p1; g0 += kGroup) {
     const int64_t g1 = std::min(p1, g0 + kGroup);
-    if (groups > 1)
+    if (widen)
       for (int64_t p = g0; p < g1; ++p) WidenValues<F>(w + p * stride, K, scratch.data() + (p - g0) * K * kPanel);
     for (int64_t g = 0, m = 0; g < groups; ++g) {
       const int64_t rows = (M - m) / (groups - g);  // near-equal: 16 rows -> 5, 5, 6
       for (int64_t p = g0; p < g1; ++p)
         FactoredRows<F>(rows, x + m * K, xs + m * blocks, K, w + p * stride,
-                        groups > 1 ? scratch.data() + (p - g0) * K * kPanel : nullptr, y + m * ldy + p * kPanel, ldy);
+                        widen ? scratch.data() + (p - g0) * K * kPanel : nullptr, y + m * ldy + p * kPanel, ldy);
       m += rows;
     }
   }

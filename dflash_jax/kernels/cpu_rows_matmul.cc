@@ -479,7 +479,7 @@ void FactoredRowsMatmulPanels(const float* x, const float* xs, const uint8_t* w,
     for (int64_t g = 0, m = 0; g < groups; ++g) {
       const int64_t rows = (M - m) / (groups - g);  // near-equal: 16 rows -> 5, 5, 6
       for (int64_t p = g0; p < g1; ++p)
-        FactoredRows<F>(rows, x + m * K, xs + m * blocks, K, w + p * stride,
+        FactoredRows<F>(rows, x + m * K, F == Format::kQ4_1 ? xs + m * blocks : nullptr, K, w + p * stride,
                         widen ? scratch.data() + (p - g0) * K * kPanel : nullptr, y + m * ldy + p * kPanel, ldy);
       m += rows;
     }
@@ -504,12 +504,12 @@ void RowsMatmul(Format format, const float* x, const void* w, float* y, int64_t 
   const int64_t ldy = P * kPanel;
   int parts = std::min<int64_t>(pool.helpers() + 1, std::max<int64_t>(P / kMinPanelsPerPart, 1));
   if (M * ldy * K < kMinMultiplyAddsToSplit) parts = 1;
-  thread_local std::vector<float> sums;
+  thread_local std::vector<float> sums;  // Q4_1's block sums of x (the offsets multiply them)
   if (format == Format::kQ4_1) {
     sums.resize(M * (K / kNarrowBlock));
     BlockSums(x, M, K, sums.data());
   }
-  const RowsJob job{x, sums.data(), w, y, M, K, ldy, P, format};
+  const RowsJob job{x, format == Format::kQ4_1 ? sums.data() : nullptr, w, y, M, K, ldy, P, format};
   pool.RunParts([](const void* context, int part, int parts) {
     const RowsJob& j = *static_cast<const RowsJob*>(context);
     const int64_t step = (j.P + parts - 1) / parts, p0 = std::min(j.P, part * step), p1 = std::min(j.P, (part + 1) * step);

@@ -314,6 +314,49 @@ inline void BlockValues(const uint8_t* block, int k, __m256* q) {
   }
 }
 
+// Row k of block b's values: from the block, or from `widened` (WidenValues's buffer of the panel).
+template <Format F, bool kWidened>
+inline void RowValues(const uint8_t* block, const float* widened, int64_t b, int k, __m256* q) {
+  if constexpr (kWidened) {
+    q[0] = _mm256_loadu_ps(widened + (b * kNarrowBlock + k) * kPanel);
+    q[1] = _mm256_loadu_ps(widened + (b * kNarrowBlock + k) * kPanel + 8);
+  } else {
+    BlockValues<F>(block, k, q);
+  }
+}
+
+// A tile's totals over block b: acc[r] += d * s[r] (one half of the block's k).
+template <int R>
+inline void AddScaled(const uint8_t* block, const __m256 (&s)[R][2], __m256 (&acc)[R][2]) {
+  const float* d = reinterpret_cast<const float*>(block);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * c), s[r][c], acc[r][c]);
+}
+
+// Q4_1's offsets of block b: acc[r] += m * (row r's sum of x over the block).
+template <Format F, int R>
+inline void AddOffsets(const uint8_t* block, const float* xs, int64_t blocks, int64_t b, __m256 (&acc)[R][2]) {
+  if constexpr (F == Format::kQ4_1) {
+    const float* m = reinterpret_cast<const float*>(block) + kPanel;
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c)
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8 * c), _mm256_broadcast_ss(xs + r * blocks + b), acc[r][c]);
+  }
+}
+
+template <int R>
+inline void StoreRows(const __m256 (&acc)[R][2], float* y, int64_t ldy) {
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+  }
+}
+
 // Rows [0, R) of x (stride K; block sums xs, stride K / 32) times one quantized panel -> y (stride ldy).
 template <Format F, int R, bool kWidened>
 inline void FactoredTile(const float* x, const float* xs, int64_t K, const uint8_t* panel, const float* widened,
@@ -332,12 +375,7 @@ inline void FactoredTile(const float* x, const float* xs, int64_t K, const uint8
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256 q[2];
-        if constexpr (kWidened) {
-          q[0] = _mm256_loadu_ps(widened + (b * kNarrowBlock + k + h) * kPanel);
-          q[1] = _mm256_loadu_ps(widened + (b * kNarrowBlock + k + h) * kPanel + 8);
-        } else {
-          BlockValues<F>(block, k + h, q);
-        }
+        RowValues<F, kWidened>(block, widened, b, k + h, q);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m256 xr = _mm256_broadcast_ss(xb + r * K + k + h);
@@ -346,23 +384,11 @@ inline void FactoredTile(const float* x, const float* xs, int64_t K, const uint8
         }
       }
     }
-    const float* d = reinterpret_cast<const float*>(block);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-      for (int c = 0; c < 2; ++c) {
-        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * c), s[0][r][c], acc[r][c]);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * c), s[1][r][c], acc[r][c]);
-        if constexpr (F == Format::kQ4_1)
-          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(d + kPanel + 8 * c), _mm256_broadcast_ss(xs + r * blocks + b),
-                                      acc[r][c]);
-      }
+    AddScaled<R>(block, s[0], acc);
+    AddScaled<R>(block, s[1], acc);
+    AddOffsets<F, R>(block, xs, blocks, b, acc);
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-  }
+  StoreRows<R>(acc, y, ldy);
 }
 
 // FactoredTile's arithmetic for 4-6 rows, whose 2 x R x 2 partial sums would not fit the registers:
@@ -384,12 +410,7 @@ inline void FactoredTileTwoPass(const float* x, const float* xs, int64_t K, cons
       for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
       for (int k = h; k < kNarrowBlock; k += 2) {
         __m256 q[2];
-        if constexpr (kWidened) {
-          q[0] = _mm256_loadu_ps(widened + (b * kNarrowBlock + k) * kPanel);
-          q[1] = _mm256_loadu_ps(widened + (b * kNarrowBlock + k) * kPanel + 8);
-        } else {
-          BlockValues<F>(block, k, q);
-        }
+        RowValues<F, kWidened>(block, widened, b, k, q);
 #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
           const __m256 xr = _mm256_broadcast_ss(xb + r * K + k);
@@ -397,26 +418,11 @@ inline void FactoredTileTwoPass(const float* x, const float* xs, int64_t K, cons
           s[r][1] = _mm256_fmadd_ps(xr, q[1], s[r][1]);
         }
       }
-      const float* d = reinterpret_cast<const float*>(block);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-        for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * c), s[r][c], acc[r][c]);
+      AddScaled<R>(block, s, acc);
     }
-    if constexpr (F == Format::kQ4_1) {
-      const float* m = reinterpret_cast<const float*>(block) + kPanel;
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-        for (int c = 0; c < 2; ++c)
-          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8 * c), _mm256_broadcast_ss(xs + r * blocks + b), acc[r][c]);
-    }
+    AddOffsets<F, R>(block, xs, blocks, b, acc);
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-  }
+  StoreRows<R>(acc, y, ldy);
 }
 
 // `widened`: the panel's values q as float32 [K, 16] (WidenValues), read instead of the blocks, or null.

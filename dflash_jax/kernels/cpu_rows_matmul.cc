@@ -176,7 +176,7 @@ void RowsMatmulPanels(const float* x, const float* w, float* y, int64_t M, int64
 
 // Narrow panels: weights kept in fewer bytes than float32, in blocks of 32 k of one panel:
 // `cpu_matmul.pack_quantized`'s (a GGUF file's Q4_1 or Q8_0 blocks), multiplied in factored form
-// below (FactoredTile), and `cpu_matmul.pack_kernel`'s bfloat16 ones (where every weight is a
+// below (FactoredTile), and `cpu_matmul.pack_kernel`'s bfloat16 ones (BF16Tile) (where every weight is a
 // bfloat16 value), widened exactly to their float32 values as the tiles reach them, so that their
 // products are bit for bit those of the float32 panels, from half of the bytes.
 constexpr int64_t kNarrowBlock = 32;  // k per block (GGML's QK4_1 and QK8_0)
@@ -194,77 +194,68 @@ constexpr int64_t BlockBytes(Format format) {
 // of the row with its own load widened in one instruction (vpmovzxwd from memory), not one load
 // split by a shuffle (the products are instruction-bound: in a C++ harness, both forms alternately,
 // median of 41, the shipped drafter's bfloat16 products 9-14% less).
-template <Format F>
-inline void DequantizeRow(const uint8_t* block, int k, __m256* w) {
-  static_assert(F == Format::kBF16, "quantized panels multiply in factored form (FactoredTile)");
+inline void WidenBF16Row(const uint8_t* block, int k, __m256* w) {
   const __m128i* v = reinterpret_cast<const __m128i*>(block + 2 * kPanel * k);
   w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(v)), 16));
   w[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(v + 1)), 16));
 }
 
-// A whole narrow panel [K / 32 blocks] -> float32 [K, 16].
-template <Format F>
-void DequantizePanel(const uint8_t* panel, int64_t K, float* out) {
+// A whole bfloat16 panel [K / 32 blocks] -> float32 [K, 16].
+void WidenBF16Panel(const uint8_t* panel, int64_t K, float* out) {
   for (int64_t b = 0; b < K / kNarrowBlock; ++b)
     for (int k = 0; k < kNarrowBlock; ++k) {
       __m256 w[2];
-      DequantizeRow<F>(panel + b * BlockBytes(F), k, w);
+      WidenBF16Row(panel + b * BlockBytes(Format::kBF16), k, w);
       _mm256_storeu_ps(out + (b * kNarrowBlock + k) * kPanel, w[0]);
       _mm256_storeu_ps(out + (b * kNarrowBlock + k) * kPanel + 8, w[1]);
     }
 }
 
-// Tile's twin for narrow panels (panel p's blocks at panels + p * stride): each weight is
+// Tile's twin for bfloat16 panels (panel p's blocks at panels + p * stride): each weight is
 // widened in registers as the tile reaches it and used by all R rows; the same FMA chains.
-template <int R, int P, Format F>
-inline void NarrowTile(const float* x, int64_t K, const uint8_t* panels, int64_t stride, float* y, int64_t ldy) {
+template <int R, int P>
+inline void BF16Tile(const float* x, int64_t K, const uint8_t* panels, int64_t stride, float* y, int64_t ldy) {
   TileSums<R, P> sums;
   for (int64_t b = 0; b < K / kNarrowBlock; ++b) {
-    const uint8_t* block = panels + b * BlockBytes(F);
+    const uint8_t* block = panels + b * BlockBytes(Format::kBF16);
     for (int kk = 0; kk < kNarrowBlock; ++kk) {
       __m256 w[P][2];
 #pragma GCC unroll 8
-      for (int p = 0; p < P; ++p) DequantizeRow<F>(block + p * stride, kk, w[p]);
+      for (int p = 0; p < P; ++p) WidenBF16Row(block + p * stride, kk, w[p]);
       sums.Add(x, K, b * kNarrowBlock + kk, w);
     }
   }
   sums.Store(y, ldy);
 }
 
-// R rows (one group) against narrow panels [p0, p1), P at a time, single panels at the end.
-template <int R, int P, Format F>
-void NarrowRowGroup(const float* x, const uint8_t* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1) {
-  const int64_t stride = K / kNarrowBlock * BlockBytes(F);
+// R rows (one group) against bfloat16 panels [p0, p1), P at a time, single panels at the end.
+template <int R, int P>
+void BF16RowGroup(const float* x, const uint8_t* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t stride = K / kNarrowBlock * BlockBytes(Format::kBF16);
   int64_t p = p0;
-  for (; p + P <= p1; p += P) NarrowTile<R, P, F>(x, K, w + p * stride, stride, y + p * kPanel, ldy);
-  for (; p < p1; ++p) NarrowTile<R, 1, F>(x, K, w + p * stride, stride, y + p * kPanel, ldy);
+  for (; p + P <= p1; p += P) BF16Tile<R, P>(x, K, w + p * stride, stride, y + p * kPanel, ldy);
+  for (; p < p1; ++p) BF16Tile<R, 1>(x, K, w + p * stride, stride, y + p * kPanel, ldy);
 }
 
-template <Format F>
-void NarrowRows(int rows, const float* x, const uint8_t* w, float* y, int64_t K, int64_t ldy, int64_t p0, int64_t p1) {
-  switch (rows) {  // as Rows
-    case 1: return NarrowRowGroup<1, 4, F>(x, w, y, K, ldy, p0, p1);
-    case 2: return NarrowRowGroup<2, 2, F>(x, w, y, K, ldy, p0, p1);
-    case 3: return NarrowRowGroup<3, 2, F>(x, w, y, K, ldy, p0, p1);
-    case 4: return NarrowRowGroup<4, 1, F>(x, w, y, K, ldy, p0, p1);
-    case 5: return NarrowRowGroup<5, 1, F>(x, w, y, K, ldy, p0, p1);
-    default: return NarrowRowGroup<6, 1, F>(x, w, y, K, ldy, p0, p1);
+// Panels [p0, p1) of y = x . w for bfloat16 panels w [P, K / 32, 1024]. One row group (1-6 rows):
+// widened in registers as the tiles reach them, as Rows tiles them. More: each group of kGroup
+// panels widened once into a per-thread buffer that stays in L2, then RowsMatmulPanels over it.
+void BF16RowsMatmulPanels(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t ldy,
+                          int64_t p0, int64_t p1) {
+  switch (M) {
+    case 1: return BF16RowGroup<1, 4>(x, w, y, K, ldy, p0, p1);
+    case 2: return BF16RowGroup<2, 2>(x, w, y, K, ldy, p0, p1);
+    case 3: return BF16RowGroup<3, 2>(x, w, y, K, ldy, p0, p1);
+    case 4: return BF16RowGroup<4, 1>(x, w, y, K, ldy, p0, p1);
+    case 5: return BF16RowGroup<5, 1>(x, w, y, K, ldy, p0, p1);
+    case 6: return BF16RowGroup<6, 1>(x, w, y, K, ldy, p0, p1);
   }
-}
-
-// Panels [p0, p1) of y = x . w for narrow panels w [P, K / 32, block bytes]. One row group (1-6
-// rows): widened in registers as the tiles reach them. More: each group of kGroup panels widened
-// once into a per-thread buffer that stays in L2, then RowsMatmulPanels over it.
-template <Format F>
-void NarrowRowsMatmulPanels(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t ldy,
-                            int64_t p0, int64_t p1) {
-  if (M <= 6) return NarrowRows<F>(static_cast<int>(M), x, w, y, K, ldy, p0, p1);
-  const int64_t stride = K / kNarrowBlock * BlockBytes(F);
+  const int64_t stride = K / kNarrowBlock * BlockBytes(Format::kBF16);
   thread_local std::vector<float> scratch;
   scratch.resize(kGroup * K * kPanel);
   for (int64_t g0 = p0; g0 < p1; g0 += kGroup) {
     const int64_t g1 = std::min(p1, g0 + kGroup);
-    for (int64_t p = g0; p < g1; ++p) DequantizePanel<F>(w + p * stride, K, scratch.data() + (p - g0) * K * kPanel);
+    for (int64_t p = g0; p < g1; ++p) WidenBF16Panel(w + p * stride, K, scratch.data() + (p - g0) * K * kPanel);
     RowsMatmulPanels(x, scratch.data(), y + g0 * kPanel, M, K, ldy, 0, g1 - g0);
   }
 }
@@ -276,9 +267,12 @@ void NarrowRowsMatmulPanels(const float* x, const uint8_t* w, float* y, int64_t 
 // every weight to d q + m first (until 2026-12, the float32 panels' products bit for bit), this
 // drops a multiply and an add per weight, and a tile of a few rows reads ONE panel, a single
 // stream the hardware prefetcher follows (the tiles of 2-4 panels before read as many interleaved
-// streams). SmolLM2's greedy decode (Q4_1 target, 2 cores; one process, both kernels called
-// alternately, 6 MT-Bench questions x 96 tokens, 2 rounds): 9.2-9.6 -> 6.7-7.0 ms per
-// autoregressive step, 13.5-14.0 -> 10.7-11.1 ms per speculative cycle of block 2, the same tokens.
+// streams): in a C++ harness over SmolLM2's 30 layers of Q4_1 products from memory (one thread,
+// both forms alternately, median of 21) 1 row 10.9-11.0 -> 6.9 ms, 2 rows 16.2-16.3 -> 9.6.
+// SmolLM2's greedy decode (Q4_1 target, 2 cores; one process, both kernels called alternately,
+// 6 MT-Bench questions x 96 tokens, three runs over the kernel's drafts): 9.2-9.6 -> 6.6-7.0 ms
+// per autoregressive step, 13.5-14.0 -> 10.7-11.1 ms per speculative cycle of block 2, the same
+// tokens.
 // The results are the same weights' products to float rounding, no longer bit for bit those of
 // the dequantised floats (SmolLM2's logits over a 41-token prompt through all 30 layers: within
 // 1.5e-4, 4e-6 of the largest logit, of the float32 panels', the same argmax at every position).
@@ -357,45 +351,15 @@ inline void StoreRows(const __m256 (&acc)[R][2], float* y, int64_t ldy) {
   }
 }
 
-// Rows [0, R) of x (stride K; block sums xs, stride K / 32) times one quantized panel -> y (stride ldy).
+// Rows [0, R) of x (stride K; block sums xs, stride K / 32) times one quantized panel -> y (stride
+// ldy); `widened`: the panel's values as float32 [K, 16] (WidenValues), read instead of the blocks.
+// Each block's k are summed in two chains per row and column vector, even k and odd k, both from
+// zero; up to 3 rows keep both chains in registers side by side, 4-6 rows (whose 2 x R x 2 sums
+// would not fit the 16 AVX2 registers) run them one after the other: the same arithmetic.
 template <Format F, int R, bool kWidened>
 inline void FactoredTile(const float* x, const float* xs, int64_t K, const uint8_t* panel, const float* widened,
                          float* y, int64_t ldy) {
-  const int64_t blocks = K / kNarrowBlock;
-  __m256 acc[R][2];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = panel + b * BlockBytes(F);
-    const float* xb = x + b * kNarrowBlock;
-    __m256 s[2][R][2];  // [even / odd k][row][columns 0-7 / 8-15]
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) s[0][r][0] = s[0][r][1] = s[1][r][0] = s[1][r][1] = _mm256_setzero_ps();
-    for (int k = 0; k < kNarrowBlock; k += 2) {
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        __m256 q[2];
-        RowValues<F, kWidened>(block, widened, b, k + h, q);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m256 xr = _mm256_broadcast_ss(xb + r * K + k + h);
-          s[h][r][0] = _mm256_fmadd_ps(xr, q[0], s[h][r][0]);
-          s[h][r][1] = _mm256_fmadd_ps(xr, q[1], s[h][r][1]);
-        }
-      }
-    }
-    AddScaled<R>(block, s[0], acc);
-    AddScaled<R>(block, s[1], acc);
-    AddOffsets<F, R>(block, xs, blocks, b, acc);
-  }
-  StoreRows<R>(acc, y, ldy);
-}
-
-// FactoredTile's arithmetic for 4-6 rows, whose 2 x R x 2 partial sums would not fit the registers:
-// each block in two passes, the even k then the odd k (R x 2 sums each), each added in as it ends.
-template <Format F, int R, bool kWidened>
-inline void FactoredTileTwoPass(const float* x, const float* xs, int64_t K, const uint8_t* panel, const float* widened,
-                                float* y, int64_t ldy) {
+  constexpr int kTogether = R <= 3 ? 2 : 1;  // chains summed side by side
   const int64_t blocks = K / kNarrowBlock;
   __m256 acc[R][2];
 #pragma GCC unroll 6
@@ -404,21 +368,27 @@ inline void FactoredTileTwoPass(const float* x, const float* xs, int64_t K, cons
     const uint8_t* block = panel + b * BlockBytes(F);
     const float* xb = x + b * kNarrowBlock;
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256 s[R][2];
+    for (int h0 = 0; h0 < 2; h0 += kTogether) {
+      __m256 s[kTogether][R][2];  // [chain][row][columns 0-7 / 8-15]
 #pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
-      for (int k = h; k < kNarrowBlock; k += 2) {
-        __m256 q[2];
-        RowValues<F, kWidened>(block, widened, b, k, q);
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int t = 0; t < kTogether; ++t) s[t][r][0] = s[t][r][1] = _mm256_setzero_ps();
+      for (int k = 0; k < kNarrowBlock; k += 2) {
+#pragma GCC unroll 2
+        for (int t = 0; t < kTogether; ++t) {
+          __m256 q[2];
+          RowValues<F, kWidened>(block, widened, b, k + h0 + t, q);
 #pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) {
-          const __m256 xr = _mm256_broadcast_ss(xb + r * K + k);
-          s[r][0] = _mm256_fmadd_ps(xr, q[0], s[r][0]);
-          s[r][1] = _mm256_fmadd_ps(xr, q[1], s[r][1]);
+          for (int r = 0; r < R; ++r) {
+            const __m256 xr = _mm256_broadcast_ss(xb + r * K + k + h0 + t);
+            s[t][r][0] = _mm256_fmadd_ps(xr, q[0], s[t][r][0]);
+            s[t][r][1] = _mm256_fmadd_ps(xr, q[1], s[t][r][1]);
+          }
         }
       }
-      AddScaled<R>(block, s, acc);
+#pragma GCC unroll 2
+      for (int t = 0; t < kTogether; ++t) AddScaled<R>(block, s[t], acc);
     }
     AddOffsets<F, R>(block, xs, blocks, b, acc);
   }
@@ -426,26 +396,16 @@ inline void FactoredTileTwoPass(const float* x, const float* xs, int64_t K, cons
 }
 
 // `widened`: the panel's values q as float32 [K, 16] (WidenValues), read instead of the blocks, or null.
-template <Format F>
+template <Format F, bool kWidened>
 inline void FactoredRows(int64_t rows, const float* x, const float* xs, int64_t K, const uint8_t* panel,
                          const float* widened, float* y, int64_t ldy) {
-  if (widened) {
-    switch (rows) {
-      case 1: return FactoredTile<F, 1, true>(x, xs, K, panel, widened, y, ldy);
-      case 2: return FactoredTile<F, 2, true>(x, xs, K, panel, widened, y, ldy);
-      case 3: return FactoredTile<F, 3, true>(x, xs, K, panel, widened, y, ldy);
-      case 4: return FactoredTileTwoPass<F, 4, true>(x, xs, K, panel, widened, y, ldy);
-      case 5: return FactoredTileTwoPass<F, 5, true>(x, xs, K, panel, widened, y, ldy);
-      default: return FactoredTileTwoPass<F, 6, true>(x, xs, K, panel, widened, y, ldy);
-    }
-  }
   switch (rows) {
-    case 1: return FactoredTile<F, 1, false>(x, xs, K, panel, widened, y, ldy);
-    case 2: return FactoredTile<F, 2, false>(x, xs, K, panel, widened, y, ldy);
-    case 3: return FactoredTile<F, 3, false>(x, xs, K, panel, widened, y, ldy);
-    case 4: return FactoredTileTwoPass<F, 4, false>(x, xs, K, panel, widened, y, ldy);
-    case 5: return FactoredTileTwoPass<F, 5, false>(x, xs, K, panel, widened, y, ldy);
-    default: return FactoredTileTwoPass<F, 6, false>(x, xs, K, panel, widened, y, ldy);
+    case 1: return FactoredTile<F, 1, kWidened>(x, xs, K, panel, widened, y, ldy);
+    case 2: return FactoredTile<F, 2, kWidened>(x, xs, K, panel, widened, y, ldy);
+    case 3: return FactoredTile<F, 3, kWidened>(x, xs, K, panel, widened, y, ldy);
+    case 4: return FactoredTile<F, 4, kWidened>(x, xs, K, panel, widened, y, ldy);
+    case 5: return FactoredTile<F, 5, kWidened>(x, xs, K, panel, widened, y, ldy);
+    default: return FactoredTile<F, 6, kWidened>(x, xs, K, panel, widened, y, ldy);
   }
 }
 
@@ -484,9 +444,13 @@ void FactoredRowsMatmulPanels(const float* x, const float* xs, const uint8_t* w,
       for (int64_t p = g0; p < g1; ++p) WidenValues<F>(w + p * stride, K, scratch.data() + (p - g0) * K * kPanel);
     for (int64_t g = 0, m = 0; g < groups; ++g) {
       const int64_t rows = (M - m) / (groups - g);  // near-equal: 16 rows -> 5, 5, 6
-      for (int64_t p = g0; p < g1; ++p)
-        FactoredRows<F>(rows, x + m * K, F == Format::kQ4_1 ? xs + m * blocks : nullptr, K, w + p * stride,
-                        widen ? scratch.data() + (p - g0) * K * kPanel : nullptr, y + m * ldy + p * kPanel, ldy);
+      const float* xsg = F == Format::kQ4_1 ? xs + m * blocks : nullptr;
+      for (int64_t p = g0; p < g1; ++p) {
+        float* yp = y + m * ldy + p * kPanel;
+        const uint8_t* wp = w + p * stride;
+        if (widen) FactoredRows<F, true>(rows, x + m * K, xsg, K, wp, scratch.data() + (p - g0) * K * kPanel, yp, ldy);
+        else FactoredRows<F, false>(rows, x + m * K, xsg, K, wp, nullptr, yp, ldy);
+      }
       m += rows;
     }
   }
@@ -526,7 +490,7 @@ void RowsMatmul(Format format, const float* x, const void* w, float* y, int64_t 
         return FactoredRowsMatmulPanels<Format::kQ4_1>(j.x, j.xs, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
       case Format::kQ8_0:
         return FactoredRowsMatmulPanels<Format::kQ8_0>(j.x, j.xs, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
-      case Format::kBF16: return NarrowRowsMatmulPanels<Format::kBF16>(j.x, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
+      case Format::kBF16: return BF16RowsMatmulPanels(j.x, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
     }
   }, &job, parts);
 }

@@ -35,14 +35,14 @@ def lookup_drafts(tokens, lengths, longest: int, count: int):
     b, capacity = tokens.shape
     position = jnp.arange(capacity)[None, :]  # j: where an earlier occurrence ends (exclusive)
     lengths = lengths[:, None]
+    # earlier[s][:, j] = tokens[:, j - s], one shifted copy per distance s = 1..longest
+    earlier = {s: jnp.pad(tokens, ((0, 0), (s, 0)))[:, :capacity] for s in range(1, longest + 1)}
     best = jnp.full((b, 1), -1, jnp.int32)
     for n in range(2, longest + 1):  # a longer match overrides a shorter one
         match = (position >= n) & (position < lengths) & (lengths >= n)
         for k in range(n):  # tokens[j - n + k] == tokens[L - n + k]
             key = jnp.take_along_axis(tokens, jnp.maximum(lengths - n + k, 0), axis=1)
-            shift = n - k
-            earlier = jnp.pad(tokens, ((0, 0), (shift, 0)))[:, :capacity]  # earlier[j] = tokens[j - shift]
-            match &= earlier == key
+            match &= earlier[n - k] == key
         latest = jnp.max(jnp.where(match, position, -1), axis=1, keepdims=True).astype(jnp.int32)
         best = jnp.where(latest >= 0, latest, best)
     slots = best + jnp.arange(count)[None, :]  # [B, count]

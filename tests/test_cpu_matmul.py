@@ -200,14 +200,15 @@ def test_quantized_panels_multiply_as_their_dequantised_floats(quant_type, n, k)
     np.testing.assert_array_equal(np.asarray(dequantize_panels(panels)), np.asarray(floats))
     x = np.random.default_rng(k).standard_normal((40, k)).astype(np.float32)
     want = x.astype(np.float64) @ weight.T.astype(np.float64)
-    alone = [np.asarray(jax.jit(_product(n))(x[m:m + 1], panels))[0] for m in range(40)]
+    product = jax.jit(_product(n))
+    alone = [np.asarray(product(x[m:m + 1], panels))[0] for m in range(40)]
     for rows in (1, 2, 3, 4, 5, 6, 7, 16, 40):
-        got = np.asarray(jax.jit(_product(n))(x[:rows], panels))
-        assert NARROW_TARGET_NAME in jax.jit(_product(n)).lower(x[:rows], panels).compile().as_text()
+        got = np.asarray(product(x[:rows], panels))
+        assert NARROW_TARGET_NAME in product.lower(x[:rows], panels).compile().as_text()
         np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5 * np.abs(want).max())
         for m in range(rows):  # a row's result does not depend on the rows beside it
             np.testing.assert_array_equal(got[m], alone[m], err_msg=f"row {m} of {rows}")
-    xla = np.asarray(jax.jit(_product(n))(x, floats))  # the float32 panels: the same weights
+    xla = np.asarray(product(x, floats))  # the float32 panels: the same weights
     np.testing.assert_allclose(np.stack(alone), xla, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     stack = pack_quantized(np.stack([blocks, _ggml_blocks(quant_type, n, k, seed=1)]), quant_type)
     x = np.ones((2, k), np.float32)

@@ -19,7 +19,7 @@ blocks can stay in them (`pack_quantized`, used by `loading.gguf_panels` for a C
 `pack_kernel` keeps bfloat16 where every weight is a bfloat16 value. bfloat16 widens exactly as the
 kernel multiplies: the product is bit for bit that of the float32 panels, from half of the bytes.
 Quantized blocks multiply in factored form, d (x . q) + m (sum of x) per block of 32 (SmolLM2's
-autoregressive step 9.2-9.6 -> 6.7-7.0 ms): the product of gguf-py's dequantised floats to float
+autoregressive step 9.2-9.6 -> 6.6-7.0 ms): the product of gguf-py's dequantised floats to float
 rounding, from a sixth (Q4_1) of the bytes. Either way a row's result does not depend on the other
 rows of the call (a verify and a decode step agree).
 """

@@ -7,9 +7,12 @@ timing, results, streaming) is `dflash_jax.speculative`.
 
 One cycle per row (DESIGN.md §2): draft a block [anchor, MASK x (G-1)] against the row's draft
 context cache (with `lookup`, tokens that followed an earlier occurrence of the row's last few take
-the slots they fill: `dflash_jax.lookup`), verify it in one target pass, accept a prefix, emit the
-correction/bonus token, roll the target cache back by length and append the accepted tokens'
-features to the draft cache.
+the slots they fill: `dflash_jax.lookup`; where they fill every slot of every live row the drafter
+does not run), verify it in one target pass, accept a prefix, emit the correction/bonus token,
+write the anchor's and accepted tokens' keys to the target cache and append their features to the
+draft cache. With `gate_drafts`, a cycle in which no live row's first draft reached
+`min_draft_probability` verifies the anchor alone (`_verify_anchor`): an autoregressive step,
+cheaper than verifying a draft that would most likely be rejected.
 `drafter=None` runs plain autoregressive decoding through the same cycle with a block of 1.
 
 Invariants at the start of every cycle, for row b with L = lengths[b] committed tokens:
@@ -29,7 +32,7 @@ from flax import struct
 from dflash_jax import sampling
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
-from dflash_jax.lookup import with_lookup
+from dflash_jax.lookup import lookup_drafts, merge_lookup
 
 ACCEPTANCE_RULES = ("exact", "match")
 
@@ -45,6 +48,9 @@ class GenerationConfig:
     use_top_p: bool = False
     acceptance: str = "exact"  # sampling rule: "exact" (speculative sampling) or "match" (official)
     lookup: int = 0  # 0: the drafter's drafts; n >= 2: looked-up tokens where a 2..n-token match exists
+    # True: a cycle verifies its drafts only where some live row's first draft is likely enough
+    # (SamplingParams.min_draft_probability), else the anchor alone (`_verify_anchor`)
+    gate_drafts: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -64,6 +70,9 @@ class SamplingParams:
     temperature: jax.Array  # [] float32 (unused when greedy)
     top_p: jax.Array  # [] float32
     stop_token_ids: jax.Array  # [S] int32, padded with -1
+    # [] float32: with GenerationConfig.gate_drafts, the least probability (the drafter's own, 1 for a
+    # looked-up token) of a row's first draft for the cycle to verify it
+    min_draft_probability: jax.Array | None = None
 
 
 @struct.dataclass
@@ -128,9 +137,18 @@ def prefill(target, drafter, cfg: GenerationConfig, target_params, drafter_param
                        emitted_per_cycle=jnp.zeros((b, cfg.max_new_tokens), jnp.int32))
 
 
+def _first_draft_probability(logits, draft):
+    """The probability of draft [B] under softmax(logits [B, V]) (float32)."""
+    logits = logits.astype(jnp.float32)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    chosen = jnp.take_along_axis(logits, draft[:, None], axis=-1)
+    return (jnp.exp(chosen - top) / jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))[:, 0]
+
+
 def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft_cache, key, params):
-    """Draft tokens [B, G-1] (target ids) and their distributions over the target vocabulary
-    [B, G-1, V] (None unless exact sampling).
+    """Draft tokens [B, G-1] (target ids), their distributions over the target vocabulary
+    [B, G-1, V] (None unless exact sampling) and the probability [B] the drafter gave its first
+    draft (None unless cfg.gate_drafts).
 
     A reduced draft vocabulary (drafter_params = {"drafter", "draft_head"}, see `Drafter`) drafts
     with its own head over Vd ids and maps the draft back through draft_to_target. Its distribution
@@ -141,20 +159,77 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
     block = jnp.concatenate([anchors[:, None], mask], axis=1)
     hidden = drafter.draft_hidden(drafter_params, target.embed(target_params, block), draft_cache)[:, 1:]
     exact = cfg.sampling and cfg.acceptance == "exact"
-    if drafter.config.draft_vocab_size is None:
+    reduced = drafter.config.draft_vocab_size is not None
+    if reduced:
+        logits = drafter.draft_head_logits(drafter_params, hidden)  # [B, G-1, Vd] float32
+    else:
         logits = target.logits(target_params, hidden)
-        if exact:
-            probs = _target_probs(cfg, params, logits)
-            return sampling.sample(key, probs), probs
-        return sampling.greedy(logits), None
-    head = drafter_params["draft_head"]
-    to_target = head["draft_to_target"]  # [Vd]
-    logits = drafter.draft_head_logits(drafter_params, hidden)  # [B, G-1, Vd] float32
-    if not exact:
-        return to_target[sampling.greedy(logits)], None
-    probs = _target_probs(cfg, params, logits)  # [B, G-1, Vd]
-    full = jnp.zeros((*probs.shape[:-1], drafter.config.vocab_size), probs.dtype).at[..., to_target].set(probs)
-    return to_target[sampling.sample(key, probs)], full
+    if exact:
+        probs = _target_probs(cfg, params, logits)
+        drafts = sampling.sample(key, probs)
+        first = jnp.take_along_axis(probs[:, 0], drafts[:, :1], axis=-1)[:, 0] if cfg.gate_drafts else None
+    else:
+        probs, drafts = None, sampling.greedy(logits)
+        first = _first_draft_probability(logits[:, 0], drafts[:, 0]) if cfg.gate_drafts else None
+    if not reduced:
+        return drafts, probs, first
+    to_target = drafter_params["draft_head"]["draft_to_target"]  # [Vd]
+    if exact:
+        probs = jnp.zeros((*probs.shape[:-1], drafter.config.vocab_size), probs.dtype).at[..., to_target].set(probs)
+    return to_target[drafts], probs, first
+
+
+def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, key, params):
+    """`_propose`'s drafts, distributions and first-draft probability, with `lookup`'s tokens in
+    the slots it fills (their probability 1). Where the lookup fills every slot of every live row
+    the drafter does not run (its drafts would all be replaced)."""
+    propose = lambda: _propose(target, drafter, cfg, target_params, drafter_params, anchors,
+                               state.draft_cache, key, params)
+    if not cfg.lookup:
+        return propose()
+    looked_up, found = lookup_drafts(state.tokens, state.lengths, cfg.lookup, cfg.block_size - 1)
+    shapes = jax.eval_shape(propose)
+    unused = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    everywhere = jnp.all(found | state.done[:, None])
+    drafts, probs, first = jax.lax.cond(everywhere, unused, propose)
+    drafts, probs = merge_lookup(drafts, probs, looked_up, found)
+    if first is not None:
+        first = jnp.where(found[:, 0], 1.0, first)
+    return drafts, probs, first
+
+
+def _verify(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params):
+    """The target on the whole block and the acceptance rule -> (num_accepted [B], next_token [B],
+    the captured features [B, G, ...] or None, the block's keys and values [L, B, G, Hkv, Dh] each,
+    for the target cache)."""
+    capture = drafter.config.target_layer_ids if drafter is not None else ()
+    hidden, features, new_kv = target.forward(target_params, block, state.target_cache, capture=capture,
+                                              write_cache=False)
+    logits = target.logits(target_params, hidden)  # [B, G, V]
+    if not cfg.sampling:
+        num_accepted, next_token = sampling.accept_greedy(drafts, logits)
+    elif cfg.acceptance == "match" or drafter is None:
+        num_accepted, next_token = sampling.accept_match(key, drafts, _target_probs(cfg, params, logits))
+    else:
+        num_accepted, next_token = sampling.accept_exact(key, drafts, draft_probs,
+                                                         _target_probs(cfg, params, logits))
+    return num_accepted, next_token, features, new_kv
+
+
+def _verify_anchor(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params):
+    """`_verify` of the anchor alone (an autoregressive step): no draft is accepted and the next
+    token is the target's own, greedy or sampled. Lossless whatever made the choice, as long as the
+    choice does not look at the target's outputs. Features, keys and values padded to the block's G
+    slots (past the one token the row commits, the caches' slots are overwritten later)."""
+    del draft_probs  # nothing is verified against it
+    num_accepted, next_token, features, new_kv = _verify(
+        target, drafter, dataclasses.replace(cfg, acceptance="match"), target_params, state, block[:, :1],
+        drafts[:, :0], None, key, params)
+    pad = block.shape[1] - 1
+    if features is not None:
+        features = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
+    new_kv = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in new_kv)
+    return num_accepted, next_token, features, new_kv
 
 
 def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params, state: DecodeState,
@@ -164,25 +239,18 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     rng, draft_key, accept_key = jax.random.split(state.rng, 3)
     anchors = sampling.gather_rows(state.tokens, state.lengths - 1)
     if drafter is not None:
-        drafts, draft_probs = _propose(target, drafter, cfg, target_params, drafter_params, anchors,
-                                       state.draft_cache, draft_key, params)
-        if cfg.lookup:
-            drafts, draft_probs = with_lookup(drafts, draft_probs, state.tokens, state.lengths, cfg.lookup)
+        drafts, draft_probs, first = _draft(target, drafter, cfg, target_params, drafter_params, state,
+                                            anchors, draft_key, params)
     else:
-        drafts, draft_probs = jnp.zeros((anchors.shape[0], 0), jnp.int32), None
+        drafts, draft_probs, first = jnp.zeros((anchors.shape[0], 0), jnp.int32), None, None
     block = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [B, G]
-    capture = drafter.config.target_layer_ids if drafter is not None else ()
-    hidden, features, target_cache = target.forward(target_params, block, state.target_cache,
-                                                    capture=capture)
-    logits = target.logits(target_params, hidden)  # [B, G, V]
-    if not cfg.sampling:
-        num_accepted, next_token = sampling.accept_greedy(drafts, logits)
-    elif cfg.acceptance == "match" or drafter is None:
-        num_accepted, next_token = sampling.accept_match(accept_key, drafts,
-                                                         _target_probs(cfg, params, logits))
+    verify_args = (target, drafter, cfg, target_params, state, block, drafts, draft_probs, accept_key, params)
+    if first is not None:  # cfg.gate_drafts: the anchor alone where no live row's first draft is likely enough
+        likely = jnp.any(~state.done & (first >= params.min_draft_probability))
+        num_accepted, next_token, features, new_kv = jax.lax.cond(
+            likely, lambda: _verify(*verify_args), lambda: _verify_anchor(*verify_args))
     else:
-        num_accepted, next_token = sampling.accept_exact(accept_key, drafts, draft_probs,
-                                                         _target_probs(cfg, params, logits))
+        num_accepted, next_token, features, new_kv = _verify(*verify_args)
     live = ~state.done
     num_emitted = jnp.where(live, num_accepted + 1, 0)
     slot = jnp.arange(cfg.block_size)[None, :]
@@ -192,7 +260,7 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     tokens = jnp.where(live[:, None], tokens, state.tokens)
     lengths = state.lengths + num_emitted
     # The target cache keeps anchor + accepted drafts; the draft cache gains their features.
-    target_cache = target_cache.with_lengths(state.target_cache.lengths + num_emitted)
+    target_cache = state.target_cache.append(*new_kv, num_emitted)
     draft_cache = state.draft_cache
     if drafter is not None:
         draft_cache = drafter.append_context(drafter_params, draft_cache, features, num_new=num_emitted)

@@ -278,7 +278,7 @@ def _block_size(drafter, block_size) -> int:
 
 
 def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
-             block_size, seed, acceptance, lookup=0):
+             block_size, seed, acceptance, lookup=0, min_draft_probability=0.0):
     """Check every argument -> (GenerationConfig, executable args, stop ids)."""
     if drafter is not None:
         validate_pair(drafter.config, target)
@@ -298,6 +298,10 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, to
         raise ValueError("lookup must be 0 (off) or >= 2 (the longest run of tokens to match), got 1")
     if lookup and drafter is None:
         raise ValueError("lookup fills a drafter's slots; it needs a drafter (got drafter=None)")
+    _check_number("min_draft_probability", min_draft_probability, "in [0, 1] (0 = verify every draft)",
+                  lambda p: 0 <= p <= 1)
+    if min_draft_probability and drafter is None:
+        raise ValueError("min_draft_probability gates a drafter's drafts; it needs a drafter (got drafter=None)")
     block_size = _block_size(drafter, block_size)
     stops = _stop_ids(target, stop_token_ids)
     rows = _prompt_rows(prompts, vocab)
@@ -309,7 +313,7 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, to
     sampled = temperature > 0
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size, sampling=sampled,
                            top_k=top_k if sampled else 0, use_top_p=sampled and top_p < 1.0,
-                           acceptance=acceptance, lookup=lookup)
+                           acceptance=acceptance, lookup=lookup, gate_drafts=min_draft_probability > 0)
     tokens = np.zeros((len(rows), prompt_bucket(longest)), np.int32)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
@@ -317,7 +321,8 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, to
     padded_stops = np.full(max(_STOP_ID_SLOTS, round_up(len(stops), _STOP_ID_SLOTS)), -1, np.int32)
     padded_stops[: len(stops)] = stops
     params = SamplingParams(temperature=jnp.float32(max(temperature, 1e-6)), top_p=jnp.float32(top_p),
-                            stop_token_ids=jnp.asarray(padded_stops))
+                            stop_token_ids=jnp.asarray(padded_stops),
+                            min_draft_probability=jnp.float32(min_draft_probability))
     drafter_params = decode_drafter_params(drafter) if drafter is not None else None
     args = (decode_params(target), drafter_params, jnp.asarray(tokens), jnp.asarray(lengths),
             jax.random.PRNGKey(seed), params)
@@ -339,7 +344,7 @@ def _cut(tokens: np.ndarray, start: int, end: int, max_new: int, stops: Sequence
 def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
              block_size: int | None = None, seed: int = 0, acceptance: str = "exact",
-             lookup: int = 0) -> GenerationResult:
+             lookup: int = 0, min_draft_probability: float = 0.0) -> GenerationResult:
     """Generate from a target, speculatively with a DFlash drafter (or plainly with drafter=None).
 
     prompts: a list of prompts, each a list of token ids (ragged; one prompt is `[ids]`), or a
@@ -350,13 +355,17 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     None = the target's EOS ids; () disables stopping. block_size defaults to the drafter's
     (larger than that warns). lookup (0 = off): n >= 2 drafts, where a row's last 2..n tokens
     occurred earlier in it, the tokens that followed them instead of the drafter's
-    (`dflash_jax.lookup`; still lossless). Bad arguments raise TypeError/ValueError naming the
+    (`dflash_jax.lookup`; still lossless). min_draft_probability (0 = off): a cycle verifies its
+    drafts only where some live row's first draft had at least this probability under the drafter
+    (1 for a looked-up one), else it runs the anchor alone, an autoregressive step (still lossless:
+    the choice never looks at the target). Bad arguments raise TypeError/ValueError naming the
     argument.
     """
     cfg, args, stops = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p,
                                 stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-                                acceptance=acceptance, lookup=lookup)
+                                acceptance=acceptance, lookup=lookup,
+                                min_draft_probability=min_draft_probability)
     prefill_fn, decode_fn, compile_seconds = _executables(target, drafter, cfg, args, "decode")
     start = time.perf_counter()
     state = jax.block_until_ready(prefill_fn(*args))
@@ -409,7 +418,8 @@ def _stream_chunks(prefill_fn, cycle_fn, cfg, args, stops) -> Iterator[list[list
 def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: int | Sequence[int] | None = None, block_size: int | None = None,
-                    seed: int = 0, acceptance: str = "exact", lookup: int = 0) -> GenerationStream:
+                    seed: int = 0, acceptance: str = "exact", lookup: int = 0,
+                    min_draft_probability: float = 0.0) -> GenerationStream:
     """Like `generate`, but yields each row's newly committed tokens after prefill and after every
     cycle (a host loop over the same cycle, compiled ahead of time). Tokens past a stop token are
     never yielded. Arguments are checked and the executables compiled at the call, not at the first
@@ -417,6 +427,7 @@ def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temp
     cfg, args, stops = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p,
                                 stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-                                acceptance=acceptance, lookup=lookup)
+                                acceptance=acceptance, lookup=lookup,
+                                min_draft_probability=min_draft_probability)
     prefill_fn, cycle_fn, compile_seconds = _executables(target, drafter, cfg, args, "cycle")
     return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, cfg, args, stops), compile_seconds)

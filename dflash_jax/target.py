@@ -98,11 +98,14 @@ class TargetModel(nn.Module):
         self.rotary = Rotary(cfg)
 
     def __call__(self, tokens, cache: KVCache | None = None, *, positions=None,
-                 capture: Sequence[int] = (), num_new=None):
+                 capture: Sequence[int] = (), num_new=None, write_cache: bool = True):
         """tokens [B, T] -> (hidden [B, T, D], features [B, T, len(capture) * D] | None, cache).
 
         With a cache, row b's tokens go to positions lengths[b] .. lengths[b] + T - 1, and the
         returned cache has lengths + num_new (default T: pass fewer for right-padded rows).
+        write_cache=False returns the tokens' keys and values (k, v), each [L, B, T, Hkv, Dh], in
+        place of the cache, which is only read (for `KVCache.append` later: a `lax.cond` that
+        returned the whole cache would copy it).
         Without a cache, `positions` defaults to 0..T-1 and attention is causal over the T tokens.
         """
         cfg = self.config
@@ -130,6 +133,8 @@ class TargetModel(nn.Module):
         if capture:
             features = jnp.concatenate(
                 [hidden if layer == last else buffer[:, :, slots[layer]] for layer in capture], axis=-1)
+        if cache is not None and not write_cache:
+            return hidden, features, new_kv
         if cache is not None:
             cache = cache.append(*new_kv, t if num_new is None else num_new)
         return hidden, features, cache
@@ -299,17 +304,19 @@ class TargetSpec:
         return cls(self.config, self.dtype, self.attn_impl)
 
     def forward(self, params, tokens, cache=None, *, positions=None, capture: Sequence[int] = (),
-                num_new=None):
+                num_new=None, write_cache: bool = True):
         """See `TargetModel.__call__`. With a cache, more than PREFILL_CHUNK tokens go through
-        `prefill` (same results, chunk by chunk)."""
+        `prefill` (same results, chunk by chunk; not with write_cache=False)."""
         if cache is None:
             return self.module_for(params).apply({"params": params}, tokens, positions=positions,
                                                  capture=capture)
         check_fits(cache, tokens.shape[1])
         if positions is None and tokens.shape[1] > PREFILL_CHUNK:
+            if not write_cache:
+                raise ValueError(f"write_cache=False takes at most {PREFILL_CHUNK} tokens, got {tokens.shape[1]}")
             return self.prefill(params, tokens, cache, capture=capture, num_new=num_new)
         return self.module_for(params).apply({"params": params}, tokens, cache, positions=positions,
-                                             capture=capture, num_new=num_new)
+                                             capture=capture, num_new=num_new, write_cache=write_cache)
 
     def prefill(self, params, tokens, cache: KVCache, *, capture: Sequence[int] = (), num_new=None,
                 chunk_size: int = PREFILL_CHUNK):

@@ -61,7 +61,8 @@ def test_draft_distribution_lives_on_the_kept_ids(fitted, prompts):
     target, drafter = fitted
     ids = HALF_IDS
     small = reduced(drafter, target, ids)
-    cfg = GenerationConfig(max_new_tokens=4, block_size=small.block_size, sampling=True, top_k=30)
+    cfg = GenerationConfig(max_new_tokens=4, block_size=small.block_size, sampling=True, top_k=30,
+                           gate_drafts=True)
     params = SamplingParams(temperature=jnp.float32(1.0), top_p=jnp.float32(1.0),
                             stop_token_ids=jnp.full((8,), -1, jnp.int32))
     tokens = jnp.asarray([p + [0] * (9 - len(p)) for p in prompts], jnp.int32)
@@ -75,13 +76,15 @@ def test_draft_distribution_lives_on_the_kept_ids(fitted, prompts):
         return _propose(target, small, cfg, target_params, drafter_params, anchors, state.draft_cache,
                         jax.random.PRNGKey(1), params)
 
-    drafts, probs = jax.device_get(first_proposal(target.params, small.loop_params))
+    drafts, probs, first = jax.device_get(first_proposal(target.params, small.loop_params))
     assert probs.shape == (3, small.block_size - 1, target.config.vocab_size)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
     outside = np.setdiff1d(np.arange(target.config.vocab_size), ids)
     assert np.all(probs[..., outside] == 0) and np.all(probs[..., ids] > 0)
     assert np.isin(drafts, ids).all()
     assert np.all(np.take_along_axis(probs, drafts[..., None], -1) > 0)
+    # what gated verification compares with its threshold: the first draft's own probability
+    np.testing.assert_allclose(first, np.take_along_axis(probs[:, 0], drafts[:, :1], -1)[:, 0], rtol=1e-6)
 
 
 def test_cpu_decode_packs_the_draft_head(fitted):

@@ -99,6 +99,6 @@ def test_cli_lookup_default_follows_the_drafter(tmp_path, capsys):
     assert common.lookup_for(argparse.Namespace(lookup=3), None) == 0
     assert "--lookup only applies with a drafter" in capsys.readouterr().err
     parser = argparse.ArgumentParser()
-    common.add_lookup_flag(parser)
+    common.add_drafting_flags(parser)
     with pytest.raises(SystemExit):
-        common.check_lookup_flag(parser, parser.parse_args(["--lookup", "1"]))
+        common.check_drafting_flags(parser, parser.parse_args(["--lookup", "1"]))

@@ -125,6 +125,23 @@ def test_sampling_with_looked_up_drafts_matches_target_distribution(pair):
     assert [a[0] for a in plain.acceptance_lengths] != [a[0] for a in looked.acceptance_lengths]
 
 
+def test_sampling_with_gated_drafts_matches_target_distribution(pair):
+    """min_draft_probability: a cycle whose first draft the drafter gave less than the threshold
+    runs the anchor alone. Which cycles verify depends only on the drafter, never on the target, so
+    the samples keep the target's distribution; the gate changed which cycles verified drafts."""
+    target, drafter = pair
+    # The gate is batch-wide (a cycle verifies drafts where any live row's first draft passes) and
+    # these 6,000 rows share the prompt: at 0.54 no row's first cycle passes and the second cycle's
+    # drafts do (the threshold where the first cycles of the rows stop passing is 0.51-0.53; the
+    # second cycles' 0.55-0.57)
+    samples, result = sample_sequences(target, drafter, seed=15, temperature=1.0, min_draft_probability=0.54)
+    assert chi_square_pvalue(samples, exact_joint(target)) > 1e-3
+    _, ungated = sample_sequences(target, drafter, seed=15, temperature=1.0)
+    assert all(a[0] == 1 for a in result.acceptance_lengths)  # every first cycle was gated ...
+    assert sum(result.num_cycles) > sum(ungated.num_cycles)
+    assert result.tau > 1.02  # ... and second cycles still accepted drafts
+
+
 def test_baseline_sampling_matches_and_test_has_power(pair):
     target, drafter = pair
     samples, _ = sample_sequences(target, None, seed=12, temperature=1.0)

@@ -48,20 +48,21 @@ from typing import NoReturn, Sequence  # noqa: E402
 
 from dflash_jax.resources import package_file  # noqa: E402
 from dflash_jax.cli.common import (  # noqa: E402
-    add_compile_cache_flag,
-    add_lookup_flag,
-    check_lookup_flag,
-    enable_compile_cache,
-    exit_process,
-    DTYPE_CHOICES,
     CLIError,
+    DTYPE_CHOICES,
+    add_compile_cache_flag,
+    add_drafting_flags,
+    check_drafting_flags,
     default_stop_ids,
+    drafting_kwargs,
+    enable_compile_cache,
     encode_prompt,
+    exit_process,
     histogram_text,
     load_models,
-    lookup_for,
     notice,
     resolve_drafter_path,
+    resolve_drafting,
     resolve_target_path,
     run_cli,
 )
@@ -307,7 +308,7 @@ class Runner:
         kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                       top_p=a.top_p, block_size=a.block_size if drafter is not None else None,
                       seed=a.seed, acceptance=a.acceptance, stop_token_ids=self.stop_token_ids,
-                      lookup=a.lookup if drafter is not None else 0)
+                      **drafting_kwargs(a, drafter))
         reset = _reset_peak_rss()
         result = generate(self.target, drafter, rows, **kwargs)
         if self.first_result_seconds is None:
@@ -619,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--acceptance", choices=("exact", "match"), default="exact",
                      help="sampling acceptance rule (default: exact)")
     gen.add_argument("--block-size", type=int, metavar="G", help="default: the drafter's block_size")
-    add_lookup_flag(gen)
+    add_drafting_flags(gen)
     gen.add_argument("--dtype", choices=DTYPE_CHOICES,
                      help="default: float32 (bfloat16 with --random-target)")
     gen.add_argument("--seed", type=int, default=0)
@@ -655,7 +656,7 @@ def _check_args(parser, args) -> None:
         parser.error("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
     if args.block_size is not None and args.block_size < 2:
         parser.error("--block-size must be >= 2")
-    check_lookup_flag(parser, args)
+    check_drafting_flags(parser, args)
     if args.random_target is None and (args.layers is not None or args.attn_impl is not None):
         parser.error("--layers and --attn-impl apply only with --random-target")
     if args.random_target and (args.target or args.drafter or args.prompts or args.mtbench):
@@ -707,12 +708,13 @@ def load_setup(args) -> Setup:
         prompts = random_prompts(target.config.vocab_size, args.num_prompts, args.prompt_tokens, args.seed)
         name = args.random_target + (f" (first {args.layers} layers)" if args.layers else "")
         args.lookup = args.lookup or 0
+        args.min_draft_probability = args.min_draft_probability or 0.0
         return Setup(target, drafter, prompts, f"random {args.prompt_tokens}-token ids", name, "random",
                      None, time.perf_counter() - start)
     # Cheap path checks first: nothing heavy (jax) is imported before they pass.
     drafter_path = resolve_drafter_path(args.drafter, args.no_draft_only, target_is_default=args.target is None)
     target_path, _ = resolve_target_path(args.target)
-    args.lookup = lookup_for(args, drafter_path)
+    resolve_drafting(args, drafter_path)
     set_name, prompts = select_prompts(args)
     start = time.perf_counter()
     target, drafter = load_models(target_path, drafter_path, args.dtype)
@@ -746,7 +748,8 @@ def run(args) -> int:
     stops = [] if args.random_target else None  # random weights: always max_new_tokens tokens
     print(f"benchmark: {len(setup.prompts)} prompts from {setup.set_name}, batch {args.batch}, target "
           f"{setup.target_name}, drafter {setup.drafter_name or 'none (autoregressive only)'}"
-          f"{f' with lookup {args.lookup}' if drafter is not None and args.lookup else ''}, "
+          f"{f' with lookup {args.lookup}' if drafter is not None and args.lookup else ''}"
+          f"{f', drafts verified from p >= {args.min_draft_probability:g}' if drafter is not None and args.min_draft_probability else ''}, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {args.dtype}, "
           f"device {device.platform}:{device.device_kind}", flush=True)
     params_bytes = _tree_bytes(target.params) + (_tree_bytes(drafter.params) if drafter is not None else 0)
@@ -797,6 +800,7 @@ def write_report(out: Path, args, reports, setup: Setup, device) -> None:
                 "acceptance": args.acceptance, "seed": args.seed, "dtype": args.dtype,
                 "block_size": (args.block_size or drafter.block_size) if drafter else 1,
                 "lookup": args.lookup if drafter else 0,
+                "min_draft_probability": args.min_draft_probability if drafter else 0.0,
                 "chat_template": not args.raw and not args.random_target, "batch_size": args.batch}
     machine = {"platform": device.platform, "device_kind": device.device_kind,
                "num_devices": jax.device_count(), "host": platform.node(), "cpus": os.cpu_count(),

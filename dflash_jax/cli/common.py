@@ -19,9 +19,14 @@ EXIT_ERROR = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, for an editable or in-repo run
 SHIPPED_DRAFTER_DIR = REPO_ROOT / "checkpoints" / "smollm2-dflash"
 DTYPE_CHOICES = ("float32", "bfloat16")
-# `generate(lookup=...)` with the shipped SmolLM2 drafter unless --lookup says otherwise: 20
-# MT-Bench first turns, block 2, three interleaved rounds, tau 1.31 -> 1.39, 0.95x -> 1.00x.
+# The CLIs' drafting defaults with the shipped SmolLM2 drafter (0 with any other drafter) unless
+# --lookup / --min-draft-probability say otherwise. lookup: 20 MT-Bench first turns, block 2, three
+# interleaved rounds, tau 1.31 -> 1.39, 0.95x -> 1.00x. min_draft_probability: the same twenty
+# questions, every threshold run in turn with autoregressive decoding, one process, two rounds
+# (one-off script): 0.923x at 0 (tau 1.387), 0.944x at 0.25, 0.984x at 0.3 (tau 1.340), 0.972x at
+# 0.35, 0.963x at 0.4; outputs identical.
 SHIPPED_DRAFTER_LOOKUP = 3
+SHIPPED_DRAFTER_MIN_DRAFT_PROBABILITY = 0.3
 
 
 class CLIError(Exception):
@@ -40,35 +45,73 @@ def shipped_drafter_dir() -> Path | None:
     return SHIPPED_DRAFTER_DIR if (SHIPPED_DRAFTER_DIR / "config.json").is_file() else None
 
 
-def add_lookup_flag(parser) -> None:
+def add_drafting_flags(parser) -> None:
+    """--lookup and --min-draft-probability (what `drafting_kwargs` passes to `generate`)."""
     parser.add_argument("--lookup", type=int, metavar="N",
                         help="where the row's last 2..N tokens occurred earlier in its prompt or answer, "
                              "draft the tokens that followed them instead of the drafter's (lossless; "
                              f"0 = off; default: {SHIPPED_DRAFTER_LOOKUP} with the shipped SmolLM2 "
                              "drafter, 0 with any other)")
+    parser.add_argument("--min-draft-probability", type=float, metavar="P",
+                        help="verify a cycle's drafts only when the drafter gave its first draft at least "
+                             "probability P (a looked-up draft counts as 1), else decode that cycle's "
+                             "token alone, as a plain autoregressive step (lossless; 0 = always verify; "
+                             f"default: {SHIPPED_DRAFTER_MIN_DRAFT_PROBABILITY} with the shipped SmolLM2 "
+                             "drafter, 0 with any other)")
 
 
-def check_lookup_flag(parser, args) -> None:
+def check_drafting_flags(parser, args) -> None:
     if args.lookup is not None and (args.lookup < 0 or args.lookup == 1):
         parser.error("--lookup must be 0 (off) or >= 2 (the longest run of tokens to match)")
+    if args.min_draft_probability is not None and not 0 <= args.min_draft_probability <= 1:
+        parser.error("--min-draft-probability must be in [0, 1] (0 = always verify the drafts)")
+
+
+def _flag_for(value, drafter_path: Path | None, shipped_default, flag: str):
+    """A drafting flag's value for `generate`: as given, else its default for this drafter (0 with
+    no drafter, where a given value is ignored with a note)."""
+    if drafter_path is None:
+        if value:
+            notice(f"{flag} only applies with a drafter: ignored")
+        return type(shipped_default)(0)
+    if value is not None:
+        return value
+    return shipped_default if drafter_path == shipped_drafter_dir() else type(shipped_default)(0)
 
 
 def lookup_for(args, drafter_path: Path | None) -> int:
     """What `generate(lookup=...)` gets: --lookup, else its default for this drafter."""
-    if drafter_path is None:
-        if args.lookup:
-            notice("--lookup only applies with a drafter: ignored")
-        return 0
-    if args.lookup is not None:
-        return args.lookup
-    return SHIPPED_DRAFTER_LOOKUP if drafter_path == shipped_drafter_dir() else 0
+    return _flag_for(args.lookup, drafter_path, SHIPPED_DRAFTER_LOOKUP, "--lookup")
 
 
-def decoding_mode(drafter, lookup: int) -> str:
+def min_draft_probability_for(args, drafter_path: Path | None) -> float:
+    """What `generate(min_draft_probability=...)` gets: --min-draft-probability, else its default
+    for this drafter."""
+    return _flag_for(args.min_draft_probability, drafter_path, SHIPPED_DRAFTER_MIN_DRAFT_PROBABILITY,
+                     "--min-draft-probability")
+
+
+def resolve_drafting(args, drafter_path: Path | None) -> None:
+    """Sets args.lookup and args.min_draft_probability to what `generate` gets with this drafter."""
+    args.lookup = lookup_for(args, drafter_path)
+    args.min_draft_probability = min_draft_probability_for(args, drafter_path)
+
+
+def drafting_kwargs(args, drafter) -> dict:
+    """`generate`'s lookup and min_draft_probability (both off without a drafter); after
+    `resolve_drafting`."""
+    if drafter is None:
+        return dict(lookup=0, min_draft_probability=0.0)
+    return dict(lookup=args.lookup, min_draft_probability=args.min_draft_probability)
+
+
+def decoding_mode(drafter, lookup: int, min_draft_probability: float = 0.0) -> str:
     """How a run decodes, as the CLIs print it."""
     if drafter is None:
         return "autoregressive"
-    return f"speculative (DFlash, lookup {lookup})" if lookup else "speculative (DFlash)"
+    extras = ([f"lookup {lookup}"] if lookup else []) + (
+        [f"drafts verified from p >= {min_draft_probability:g}"] if min_draft_probability else [])
+    return f"speculative (DFlash{', ' if extras else ''}{', '.join(extras)})"
 
 
 def resolve_target_path(path: str | None) -> tuple[Path, bool]:

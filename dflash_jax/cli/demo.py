@@ -17,20 +17,21 @@ from typing import Sequence
 from dflash_jax.cli.common import (
     CLIError,
     add_compile_cache_flag,
-    add_lookup_flag,
-    check_lookup_flag,
+    add_drafting_flags,
+    check_drafting_flags,
     compare_outputs,
     decoding_mode,
     default_stop_ids,
     describe,
+    drafting_kwargs,
     enable_compile_cache,
     encode_prompt,
     exit_process,
     generate_measured,
     load_models,
-    lookup_for,
     notice,
     resolve_drafter_path,
+    resolve_drafting,
     resolve_target_path,
     run_cli,
     stream_answer,
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DFlash drafter directory for SmolLM2 (default: checkpoints/smollm2-dflash when "
                         "it ships; otherwise plain decoding)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: %(default)s")
-    add_lookup_flag(p)
+    add_drafting_flags(p)
     add_compile_cache_flag(p)
     return p
 
@@ -58,7 +59,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--max-new-tokens must be >= 1")
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
         parser.error("--prompt must not be empty")
-    check_lookup_flag(parser, args)
+    check_drafting_flags(parser, args)
 
 
 NOISE = 0.05  # two timed runs of the same decode differ by about this much here: no verdict inside it
@@ -78,22 +79,23 @@ def run(args) -> int:
     start = time.perf_counter()
     drafter_path = resolve_drafter_path(args.drafter, False, target_is_default=True)
     target_path, _ = resolve_target_path(None)
-    lookup = lookup_for(args, drafter_path)
+    resolve_drafting(args, drafter_path)
     enable_compile_cache(args)
     target, drafter = load_models(target_path, drafter_path, "float32")
     stops = default_stop_ids(target)
-    mode = decoding_mode(drafter, lookup)
-    looked_up = (f" (--lookup {lookup}: where the text repeats, it drafts from itself)"
-                 if drafter is not None and lookup else "")
+    mode = decoding_mode(drafter, args.lookup, args.min_draft_probability)
+    drafting = drafting_kwargs(args, drafter)
+    looked_up = (f" (--lookup {args.lookup}: where the text repeats, it drafts from itself)"
+                 if drafter is not None and args.lookup else "")
     print(f"target: {target_path.name} ({target.config.num_layers} layers, hidden {target.config.hidden_size})"
           f"\ndrafter: {drafter_path if drafter is not None else 'none (plain decoding)'}{looked_up}"
           f"\nloaded in {time.perf_counter() - start:.1f} s\n", flush=True)
     for prompt in args.prompt or DEFAULT_PROMPTS:
         ids = encode_prompt(target.tokenizer, prompt)
         print(f">>> {prompt}", flush=True)
-        streamed = stream_answer(target, drafter, ids, max_new_tokens=args.max_new_tokens, lookup=lookup)
+        streamed = stream_answer(target, drafter, ids, max_new_tokens=args.max_new_tokens, **drafting)
         print()
-        result = generate_measured(target, drafter, ids, True, max_new_tokens=args.max_new_tokens, lookup=lookup)
+        result = generate_measured(target, drafter, ids, True, max_new_tokens=args.max_new_tokens, **drafting)
         if result.tokens[0] != streamed.tokens:  # both greedy: a difference would be a bug
             raise CLIError("the streamed answer differs from the measured run's answer")
         print("\n".join(describe(f"{mode}, measured again without streaming", result, stops)))

@@ -16,23 +16,24 @@ import sys
 from typing import NoReturn, Sequence
 
 from dflash_jax.cli.common import (
-    add_compile_cache_flag,
-    add_lookup_flag,
-    check_lookup_flag,
     DTYPE_CHOICES,
+    add_compile_cache_flag,
+    add_drafting_flags,
+    check_drafting_flags,
     compare_outputs,
     decoding_mode,
     default_stop_ids,
     describe,
+    drafting_kwargs,
     enable_compile_cache,
     encode_prompt,
     exit_process,
     generate_measured,
     histogram_text,
     load_models,
-    lookup_for,
     notice,
     resolve_drafter_path,
+    resolve_drafting,
     resolve_target_path,
     run_cli,
     stop_reason,
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rule (target sample must equal the greedy draft); greedy ignores it")
     p.add_argument("--block-size", type=int, metavar="G",
                    help="tokens per drafted block (default: the drafter's block_size)")
-    add_lookup_flag(p)
+    add_drafting_flags(p)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="params and activations dtype (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
@@ -99,7 +100,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--top-k must be >= 0")
     if args.block_size is not None and args.block_size < 2:
         parser.error("--block-size must be >= 2")
-    check_lookup_flag(parser, args)
+    check_drafting_flags(parser, args)
     if args.stream and args.compare:
         parser.error("--stream and --compare cannot be combined: streamed timings include host "
                      "round trips; use --compare alone for the speedup")
@@ -108,8 +109,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 def _generation_kwargs(args, drafter) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, block_size=args.block_size if drafter is not None else None,
-                seed=args.seed, acceptance=args.acceptance,
-                lookup=args.lookup if drafter is not None else 0)
+                seed=args.seed, acceptance=args.acceptance, **drafting_kwargs(args, drafter))
 
 
 def _stream(target, drafter, ids, args) -> list[str]:
@@ -139,12 +139,12 @@ def run(args) -> int:
         notice("--compare needs a drafter: running the baseline only")
     if drafter_path is None and args.block_size is not None:
         notice("--block-size only applies with a drafter: ignored")
-    args.lookup = lookup_for(args, drafter_path)
+    resolve_drafting(args, drafter_path)
     enable_compile_cache(args)
     target, drafter = load_models(target_path, drafter_path, args.dtype)
     ids = encode_prompt(target.tokenizer, args.prompt, args.raw)
     stops = default_stop_ids(target)
-    mode = decoding_mode(drafter, args.lookup)
+    mode = decoding_mode(drafter, args.lookup, args.min_draft_probability)
     print(f"[{target_path.name}{' + ' + drafter_path.name if drafter_path else ''}, {mode}, "
           f"{len(ids)} prompt tokens]", file=sys.stderr, flush=True)
     if args.stream:

@@ -5,11 +5,24 @@ really changes which cycles verify drafts; sampling keeps the target's distribut
 (test_sampling); no cache is copied (test_decode_hlo)."""
 import argparse
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dflash_jax.cli import common
+from dflash_jax.decode_loop import _first_draft_probability
 from dflash_jax.speculative import generate
 from test_generate import plain_greedy, prompts_mix
+
+
+def test_first_draft_probability_is_the_softmax_of_the_draft():
+    """What a greedy cycle compares with the threshold: the draft's softmax probability (stable for
+    logits far from 0)."""
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, 50)) * 5 + jnp.asarray([[0.0], [300.0], [-300.0], [7.0]])
+    draft = jnp.asarray([3, 0, 49, 17])
+    want = np.take_along_axis(np.asarray(jax.nn.softmax(logits, -1)), np.asarray(draft)[:, None], -1)[:, 0]
+    np.testing.assert_allclose(np.asarray(_first_draft_probability(logits, draft)), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("lookup", [0, 3])

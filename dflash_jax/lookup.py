@@ -53,14 +53,6 @@ def lookup_drafts(tokens, lengths, longest: int, count: int):
     return jnp.where(found, drafts, 0).astype(jnp.int32), found
 
 
-def with_lookup(drafts, draft_probs, tokens, lengths, longest: int):
-    """The drafter's drafts [B, G-1] (and, for exact sampling, their distributions [B, G-1, V],
-    else None) with the looked-up tokens in the slots where a lookup found one
-    (`lookup_drafts`, then `merge_lookup`)."""
-    looked_up, found = lookup_drafts(tokens, lengths, longest, drafts.shape[1])
-    return merge_lookup(drafts, draft_probs, looked_up, found)
-
-
 def merge_lookup(drafts, draft_probs, looked_up, found):
     """drafts [B, G-1] (and their distributions [B, G-1, V], or None) with `lookup_drafts`'s tokens
     in the slots it found; a looked-up slot's distribution is a point mass on its token."""

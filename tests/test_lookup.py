@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.cli import common
-from dflash_jax.lookup import lookup_drafts, with_lookup
+from dflash_jax.lookup import lookup_drafts, merge_lookup
 from dflash_jax.speculative import generate
 from test_generate import plain_greedy, prompts_mix
 
@@ -50,16 +50,17 @@ def test_a_longer_match_wins_and_uncommitted_tokens_are_never_proposed():
     assert not np.asarray(found).any()
 
 
-def test_with_lookup_replaces_found_slots_and_their_distributions():
+def test_merge_lookup_replaces_found_slots_and_their_distributions():
     tokens = jnp.asarray([[1, 2, 3, 1, 2, 0], [4, 4, 5, 6, 0, 0]], jnp.int32)
     lengths = jnp.asarray([5, 4])  # row 0 ends "1 2" (seen at 0-1, then 3), row 1 "5 6" (not seen)
     drafts = jnp.asarray([[9, 9], [8, 8]], jnp.int32)
     probs = jnp.full((2, 2, 10), 0.1)
-    out, out_probs = with_lookup(drafts, probs, tokens, lengths, 3)
+    looked_up, found = lookup_drafts(tokens, lengths, 3, 2)
+    out, out_probs = merge_lookup(drafts, probs, looked_up, found)
     assert np.asarray(out).tolist() == [[3, 1], [8, 8]]
     assert np.asarray(out_probs[0, 0]).tolist() == [0.0, 0.0, 0.0, 1.0] + [0.0] * 6
     np.testing.assert_array_equal(np.asarray(out_probs[1]), np.asarray(probs[1]))
-    assert with_lookup(drafts, None, tokens, lengths, 3)[1] is None
+    assert merge_lookup(drafts, None, looked_up, found)[1] is None
 
 
 def test_greedy_with_lookup_equals_plain_decoding(fitted):

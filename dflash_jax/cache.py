@@ -6,6 +6,21 @@ import jax.numpy as jnp
 from flax import struct
 
 UNROLLED_ROWS = 16  # batch rows written by unrolled updates; more rows use a loop
+KV_CACHE_DTYPE_NAMES = ("float32", "float16", "bfloat16")  # what a target's KV cache may store
+
+
+def resolve_kv_cache_dtype(dtype, compute_dtype) -> jnp.dtype:
+    """The dtype a KV cache stores: `dtype` (a name of KV_CACHE_DTYPE_NAMES or a dtype), or the
+    model's compute dtype where it is None or "auto"."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return jnp.dtype(compute_dtype)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in KV_CACHE_DTYPE_NAMES:
+        raise ValueError(f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)} or auto, got {dtype!r}")
+    return resolved
 
 
 @struct.dataclass

@@ -23,7 +23,7 @@ import numpy as np
 
 from dflash_jax import masks
 from dflash_jax.attention import attention, cache_attention
-from dflash_jax.cache import KVCache
+from dflash_jax.cache import KVCache, resolve_kv_cache_dtype
 from dflash_jax.config import ModelConfig
 from dflash_jax.kernels.cpu_matmul import (PANEL, dequantize_panels, is_packed, is_narrow, pack_kernel,
                                          packs_side_by_side, rows_matmul)
@@ -41,7 +41,10 @@ class TargetLayer(nn.Module):
     slot or -1); broadcast: (positions [B, T], cos, sin, cache | None). With a cache, attention
     reads the cache's used slots and the T new keys (`cache_attention`) and the layer's new keys
     and values [B, T, Hkv, Dh] come out as ys (the caller writes all layers' rows at once);
-    without one, attention is over the T new keys only and ys is None.
+    without one, attention is over the T new keys only and ys is None. The new keys and values
+    are rounded to the cache's dtype before attention reads them (a float16 cache): a token then
+    sees the same numbers for its block-mates in a verify as a later step reads from the cache, so
+    speculative decoding stays identical to plain decoding.
     """
 
     config: ModelConfig
@@ -66,6 +69,7 @@ class TargetLayer(nn.Module):
             attended = attention(q, k, v, ranges, impl=self.attn_impl)
         else:
             offsets = cache.lengths
+            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
             attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, offsets), k, v,
                                        ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl)
         hidden = hidden + attn.output(attended)
@@ -283,16 +287,20 @@ def params_in_layout(params, layout: str = "auto", *, release: bool = False):
 
 @dataclasses.dataclass(frozen=True)
 class TargetSpec:
-    """What a target computes, without its weights: config, compute dtype and attention
-    implementation. Static and hashable (a jit static argument and a compile-cache key); every
+    """What a target computes, without its weights: config, compute dtype, attention
+    implementation and the dtype its KV cache stores (None: the compute dtype; float16 under a
+    float32 model halves the bytes a decode step reads from the cache, at float16's precision for
+    keys and values). Static and hashable (a jit static argument and a compile-cache key); every
     function takes the params explicitly."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
+    kv_cache_dtype: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))  # float32, np.float32, "float32": one key
+        object.__setattr__(self, "kv_cache_dtype", resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype))
 
     @property
     def module(self) -> TargetModel:
@@ -353,7 +361,7 @@ class TargetSpec:
         return self.module_for(params).apply({"params": params}, hidden, method="logits")
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache.for_model(self.config, batch, capacity, self.dtype)
+        return KVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype)
 
 
 @dataclasses.dataclass
@@ -369,10 +377,11 @@ class Target:
     tokenizer: Any = None
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
+    kv_cache_dtype: Any = None  # None or "auto": dtype (see `TargetSpec`)
 
     @property
     def spec(self) -> TargetSpec:
-        return TargetSpec(self.config, self.dtype, self.attn_impl)
+        return TargetSpec(self.config, self.dtype, self.attn_impl, self.kv_cache_dtype)
 
     module = property(lambda self: self.spec.module_for(self.params),
                       doc="The Flax module that reads `params`: scanned, or packed on a CPU (`module_for`).")

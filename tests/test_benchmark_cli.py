@@ -130,17 +130,18 @@ def test_random_target_run_prints_the_table_and_writes_json(monkeypatch, capsys,
     monkeypatch.setitem(benchmark.RANDOM_TARGETS, "tiny", TINY)
     out = tmp_path / "r.json"
     argv = ["--random-target", "tiny", "--layers", "2", "--num-prompts", "1", "--prompt-tokens", "9",
-            "--max-new-tokens", "6", "--block-size", "4", "--dtype", "float32", "--no-compile-cache",
-            "--out", str(out)]
+            "--max-new-tokens", "6", "--block-size", "4", "--dtype", "float32", "--kv-cache-dtype", "float16",
+            "--no-compile-cache", "--out", str(out)]
     assert benchmark.main(argv) == 0
     text = capsys.readouterr().out
-    for line in ("autoregressive decode tok/s", "speculative decode tok/s", "cycle cost", "tau",
+    for line in ("float32 (KV cache float16)", "autoregressive decode tok/s", "speculative decode tok/s", "cycle cost", "tau",
                  "peak RSS while generating", "compilation cache             : off"):
         assert line in text, text
     report = json.loads(out.read_text())
     (run,) = report["runs"]
     assert run["summary"]["attention"] == "reference" and run["summary"]["num_prompts"] == 1
     assert run["summary"]["greedy_identical"] is True  # random weights, still lossless
+    assert report["settings"]["kv_cache_dtype"] == "float16"
     for batch in run["batches"]:
         assert len(batch["prompt_ids"][0]) == 9
         assert batch["autoregressive"]["new_tokens"] == [6]  # no stop tokens for random weights

@@ -1,8 +1,11 @@
 """The CPU cache-attention kernel (`dflash_jax.kernels.cpu_attention`, what `cache_attention`
-runs for float32 on a CPU): equal to the jnp reference over ragged rows, sliding windows, GQA,
-queries that see nothing and ranges that overlap; a query's result does not depend on the other
-queries of the call; the compiled program calls it in place of the reference's loop."""
+runs for float32 queries over a float32 or float16 cache on a CPU): equal to the jnp reference
+over ragged rows, sliding windows, GQA, queries that see nothing and ranges that overlap; a
+query's result does not depend on the other queries of the call; the compiled program calls it in
+place of the reference's loop."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,17 +14,24 @@ import pytest
 
 from dflash_jax import masks
 from dflash_jax.attention import cache_attention
-from dflash_jax.kernels.cpu_attention import TARGET_NAME, applies
+from dflash_jax.kernels.cpu_attention import TARGET_NAMES, applies
 from dflash_jax.masks import KeyRanges
 
 needs_kernel = pytest.mark.skipif(not applies(jnp.zeros(1), jnp.zeros(1), jnp.zeros(1)),
                                   reason="the CPU kernels are not built here")
 
 
-def _case(b, tq, hq, hkv, d, layers=3, slots=40, seed=0):  # d 64 or 128: the vectorised path; others: the generic one
+KV_DTYPES = [np.float32, np.float16]
+
+
+def _case(b, tq, hq, hkv, d, layers=3, slots=40, seed=0, kv_dtype=np.float32):
+    """q float32, cache and new K/V in kv_dtype; d 64 or 128: the vectorised path, others: the
+    generic one."""
     rng = np.random.default_rng(seed)
-    f = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))
-    return f(b, tq, hq, d), f(layers, b, slots, hkv, d), f(layers, b, slots, hkv, d), f(b, tq, hkv, d), f(b, tq, hkv, d)
+    f = lambda dtype, *shape: jnp.asarray(rng.standard_normal(shape).astype(dtype))
+    kv = functools.partial(f, kv_dtype)
+    return (f(np.float32, b, tq, hq, d), kv(layers, b, slots, hkv, d), kv(layers, b, slots, hkv, d),
+            kv(b, tq, hkv, d), kv(b, tq, hkv, d))
 
 
 def _both(q, ck, cv, layer, cache_ranges, k, v, ranges):
@@ -30,15 +40,17 @@ def _both(q, ck, cv, layer, cache_ranges, k, v, ranges):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("tq,hq,hkv,d,window", [(1, 4, 2, 16, 0), (3, 9, 3, 64, 0), (16, 4, 4, 12, 5),
                                                 (2, 4, 1, 128, 0), (5, 6, 2, 64, 3),
                                                 # 5, 7 and 8 query heads per kv head: the kernel's
                                                 # head groups 3 + 2, 3 + 2 + 2, 3 + 3 + 2
                                                 (3, 10, 2, 64, 0), (2, 7, 1, 64, 4), (4, 8, 1, 128, 0)])
-def test_kernel_equals_the_reference(tq, hq, hkv, d, window):
+def test_kernel_equals_the_reference(tq, hq, hkv, d, window, kv_dtype):
     """Decode-step ranges as the target builds them: row b has `offsets[b]` cached slots, the
-    tq new tokens follow them (causal, optional sliding window)."""
-    q, ck, cv, k, v = _case(2, tq, hq, hkv, d, seed=tq)
+    tq new tokens follow them (causal, optional sliding window). Float16 K/V: both read them as
+    the same float32 numbers, so the tolerance stays float32's."""
+    q, ck, cv, k, v = _case(2, tq, hq, hkv, d, seed=tq, kv_dtype=kv_dtype)
     offsets = jnp.asarray([7, 30])
     positions = offsets[:, None] + jnp.arange(tq)[None]
     ranges = masks.causal(positions, window)
@@ -74,12 +86,13 @@ def test_a_querys_result_does_not_depend_on_the_other_queries():
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128)])
-def test_over_a_long_cache_a_querys_result_is_the_same_alone_in_twos_and_in_sixteens(hq, hkv, d):
+def test_over_a_long_cache_a_querys_result_is_the_same_alone_in_twos_and_in_sixteens(hq, hkv, d, kv_dtype):
     """One row over ~900 cached slots: alone or in twos the kernel shares one task's key blocks and
     value vectors out over the threads, its heads one at a time; sixteen go as tasks of four queries
     with their heads grouped. Every way gives the same bits, and the reference's values."""
-    q, ck, cv, k, v = _case(1, 16, hq, hkv, d, layers=1, slots=960)
+    q, ck, cv, k, v = _case(1, 16, hq, hkv, d, layers=1, slots=960, kv_dtype=kv_dtype)
     offsets = jnp.asarray([900])
     positions = offsets[:, None] + jnp.arange(16)[None]
     ranges = masks.causal(positions)
@@ -93,12 +106,15 @@ def test_over_a_long_cache_a_querys_result_is_the_same_alone_in_twos_and_in_sixt
 
 
 @needs_kernel
-def test_the_compiled_step_calls_the_kernel_and_bf16_keeps_the_reference():
-    q, ck, cv, k, v = _case(1, 2, 4, 2, 16)
+def test_the_compiled_step_calls_the_kernel_of_its_kv_dtype_and_bf16_keeps_the_reference():
     ranges = masks.causal(jnp.asarray([[5, 6]]))
-    args = (ck, cv, 0, ranges.segment(0, jnp.asarray([5])), k, v, ranges.segment(jnp.asarray([5]), jnp.asarray([7])))
-    text = lambda q, ck, cv, k, v: jax.jit(lambda q, ck, cv, k, v: cache_attention(
-        q, ck, cv, 0, args[3], k, v, args[6])).lower(q, ck, cv, k, v).compile().as_text()
-    assert TARGET_NAME in text(q, ck, cv, k, v)
-    bf16 = [x.astype(jnp.bfloat16) for x in (q, ck, cv, k, v)]
-    assert TARGET_NAME not in text(*bf16)
+    cache_ranges, new_ranges = ranges.segment(0, jnp.asarray([5])), ranges.segment(jnp.asarray([5]), jnp.asarray([7]))
+    calls = lambda q, ck, cv, k, v: {
+        name for name in TARGET_NAMES.values()
+        if f'custom_call_target="{name}"' in jax.jit(lambda q, ck, cv, k, v: cache_attention(
+            q, ck, cv, 0, cache_ranges, k, v, new_ranges)).lower(q, ck, cv, k, v).compile().as_text()}
+    for kv_dtype in KV_DTYPES:
+        assert calls(*_case(1, 2, 4, 2, 16, kv_dtype=kv_dtype)) == {TARGET_NAMES[jnp.dtype(kv_dtype)]}
+    q, *kv = _case(1, 2, 4, 2, 16)
+    assert calls(q.astype(jnp.bfloat16), *(x.astype(jnp.bfloat16) for x in kv)) == set()
+    assert calls(q, *(x.astype(jnp.bfloat16) for x in kv)) == set()  # float32 queries over a bfloat16 cache

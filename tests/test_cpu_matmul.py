@@ -142,7 +142,7 @@ def test_disabled_by_the_environment():
 
 def test_a_failed_build_falls_back(monkeypatch, tmp_path):
     """A compiler that fails leaves `available()` False (logged), never an exception."""
-    monkeypatch.setattr(cpu_ffi, "_cpu_supports_avx2_fma", lambda: True)
+    monkeypatch.setattr(cpu_ffi, "_cpu_supports_avx2_fma_f16c", lambda: True)
     monkeypatch.setenv("DFLASH_JAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     monkeypatch.setattr(cpu_ffi.shutil, "which", lambda name: "/bin/false")

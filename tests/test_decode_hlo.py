@@ -6,6 +6,7 @@ dimension must be a parameter, an alias (get-tuple-element, bitcast) or an in-pl
 dynamic-update-slice (alone or as the root of a fusion). A copy, a scatter, an elementwise pass
 or a slice of a whole layer of the cache is reported.
 """
+import dataclasses
 import re
 
 import jax
@@ -71,17 +72,20 @@ def drafter():
     return Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)))
 
 
-@pytest.mark.parametrize("layout", ["stacked", "packed"])
+@pytest.mark.parametrize("layout,kv_cache_dtype", [("stacked", None), ("packed", None), ("packed", "float16")])
 @pytest.mark.parametrize("num_tokens", [1, 4])
-def test_target_decode_step_touches_only_new_rows(target, num_tokens, layout):
+def test_target_decode_step_touches_only_new_rows(target, num_tokens, layout, kv_cache_dtype):
     """Both layouts: stacked layers (a scan) and the packed ones generate decodes with on a CPU
-    (a loop whose products read the kernels in place)."""
+    (a loop whose products read the kernels in place); a float16 cache (new rows rounded, the
+    cache read as it is)."""
+    spec = dataclasses.replace(target.spec, kv_cache_dtype=kv_cache_dtype)
+
     def step(params, tokens, cache):
-        hidden, features, cache = target.forward(params, tokens, cache, capture=(0, 2))
-        return target.logits(params, hidden), features, cache
+        hidden, features, cache = spec.forward(params, tokens, cache, capture=(0, 2))
+        return spec.logits(params, hidden), features, cache
 
     params = target.params if layout == "stacked" else pack_layers(target.params)
-    cache = target.init_cache(2, CAPACITY)
+    cache = spec.init_cache(2, CAPACITY)
     tokens = jnp.zeros((2, num_tokens), jnp.int32)
     assert whole_buffer_ops(compiled_text(step, params, tokens, cache, donate=(2,))) == []
 

@@ -117,7 +117,7 @@ def test_cli_mismatched_drafter_and_long_prompt(target, tmp_path, monkeypatch, c
     from dflash_jax.drafter_config import DrafterConfig
     from infer.generate import main
 
-    monkeypatch.setattr(target_loader, "load_target", lambda path, dtype="float32": target)
+    monkeypatch.setattr(target_loader, "load_target", lambda path, dtype="float32", **kwargs: target)
     cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
                         head_dim=16, vocab_size=128, num_target_layers=4, target_layer_ids=(2,),
                         block_size=4, mask_token_id=3)

@@ -52,6 +52,7 @@ from dflash_jax.cli.common import (  # noqa: E402
     DTYPE_CHOICES,
     add_compile_cache_flag,
     add_drafting_flags,
+    add_kv_cache_flag,
     check_drafting_flags,
     default_stop_ids,
     drafting_kwargs,
@@ -222,7 +223,8 @@ def random_configs(name: str, layers: int | None, block_size: int | None):
     return config, drafter_config
 
 
-def random_models(name: str, layers: int | None, block_size: int | None, dtype: str, seed: int):
+def random_models(name: str, layers: int | None, block_size: int | None, dtype: str, seed: int,
+                  kv_cache_dtype: str = "auto"):
     """(target, drafter) of `random_configs`, random weights drawn on the device, no tokenizer."""
     from dflash_jax.drafter import Drafter, drafter_param_shapes
     from dflash_jax.loading.dtypes import resolve_dtype
@@ -231,7 +233,7 @@ def random_models(name: str, layers: int | None, block_size: int | None, dtype: 
     config, drafter_config = random_configs(name, layers, block_size)
     jdtype = resolve_dtype(dtype)
     target = Target(config=config, params=random_params(target_param_shapes(config, jdtype), seed),
-                    dtype=jdtype)
+                    dtype=jdtype, kv_cache_dtype=kv_cache_dtype)
     drafter = Drafter(config=drafter_config, dtype=jdtype,
                       params=random_params(drafter_param_shapes(drafter_config, jdtype), seed + 1))
     return target, drafter
@@ -623,6 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_drafting_flags(gen)
     gen.add_argument("--dtype", choices=DTYPE_CHOICES,
                      help="default: float32 (bfloat16 with --random-target)")
+    add_kv_cache_flag(gen)
     gen.add_argument("--seed", type=int, default=0)
     add_compile_cache_flag(gen)
     out = p.add_argument_group("output")
@@ -704,7 +707,7 @@ def load_setup(args) -> Setup:
     if args.random_target:
         start = time.perf_counter()
         target, drafter = random_models(args.random_target, args.layers, args.block_size, args.dtype,
-                                        args.seed)
+                                        args.seed, args.kv_cache_dtype)
         prompts = random_prompts(target.config.vocab_size, args.num_prompts, args.prompt_tokens, args.seed)
         name = args.random_target + (f" (first {args.layers} layers)" if args.layers else "")
         args.lookup = args.lookup or 0
@@ -717,7 +720,7 @@ def load_setup(args) -> Setup:
     resolve_drafting(args, drafter_path)
     set_name, prompts = select_prompts(args)
     start = time.perf_counter()
-    target, drafter = load_models(target_path, drafter_path, args.dtype)
+    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype)
     load_seconds = time.perf_counter() - start
     for prompt in prompts:
         prompt["ids"] = encode_prompt(target.tokenizer, prompt.pop("text"), args.raw)
@@ -750,7 +753,8 @@ def run(args) -> int:
           f"{setup.target_name}, drafter {setup.drafter_name or 'none (autoregressive only)'}"
           f"{f' with lookup {args.lookup}' if drafter is not None and args.lookup else ''}"
           f"{f', drafts verified from p >= {args.min_draft_probability:g}' if drafter is not None and args.min_draft_probability else ''}, "
-          f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {args.dtype}, "
+          f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {args.dtype}"
+          f"{f' (KV cache {target.spec.kv_cache_dtype.name})' if target.spec.kv_cache_dtype != target.spec.dtype else ''}, "
           f"device {device.platform}:{device.device_kind}", flush=True)
     params_bytes = _tree_bytes(target.params) + (_tree_bytes(drafter.params) if drafter is not None else 0)
     reports = []
@@ -798,6 +802,7 @@ def write_report(out: Path, args, reports, setup: Setup, device) -> None:
                 "max_new_tokens": args.max_new_tokens,
                 "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                 "acceptance": args.acceptance, "seed": args.seed, "dtype": args.dtype,
+                "kv_cache_dtype": setup.target.spec.kv_cache_dtype.name,
                 "block_size": (args.block_size or drafter.block_size) if drafter else 1,
                 "lookup": args.lookup if drafter else 0,
                 "min_draft_probability": args.min_draft_probability if drafter else 0.0,

@@ -45,6 +45,15 @@ def shipped_drafter_dir() -> Path | None:
     return SHIPPED_DRAFTER_DIR if (SHIPPED_DRAFTER_DIR / "config.json").is_file() else None
 
 
+def add_kv_cache_flag(parser) -> None:
+    """--kv-cache-dtype (what `load_models` passes to `load_target`)."""
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                        help="what the target's KV cache stores: auto = --dtype (default); float16 under "
+                             "float32 halves the cache and the bytes a decode step reads from it, at "
+                             "float16's precision for keys and values (plain and speculative decoding "
+                             "still agree exactly)")
+
+
 def add_drafting_flags(parser) -> None:
     """--lookup and --min-draft-probability (what `drafting_kwargs` passes to `generate`)."""
     parser.add_argument("--lookup", type=int, metavar="N",
@@ -160,7 +169,7 @@ def resolve_drafter_path(path: str | None, no_draft: bool, target_is_default: bo
     return None
 
 
-def load_models(target_path: Path, drafter_path: Path | None, dtype: str):
+def load_models(target_path: Path, drafter_path: Path | None, dtype: str, kv_cache_dtype: str = "auto"):
     """(target, drafter or None); every loader failure (missing or damaged file, bad config.json,
     a .bin without torch, a drafter for another target) becomes one CLIError."""
     from dflash_jax.errors import DrafterMismatchError
@@ -168,7 +177,7 @@ def load_models(target_path: Path, drafter_path: Path | None, dtype: str):
     from dflash_jax.loading.target_loader import load_target
 
     try:
-        target = load_target(target_path, dtype)
+        target = load_target(target_path, dtype, kv_cache_dtype=kv_cache_dtype)
     except (OSError, ValueError) as e:  # ValueError covers ConfigError, CheckpointError, TorchRequiredError
         raise CLIError(f"cannot load target {target_path}: {e}") from e
     if target.tokenizer is None:

@@ -19,6 +19,7 @@ from dflash_jax.cli.common import (
     DTYPE_CHOICES,
     add_compile_cache_flag,
     add_drafting_flags,
+    add_kv_cache_flag,
     check_drafting_flags,
     compare_outputs,
     decoding_mode,
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_drafting_flags(p)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="params and activations dtype (default: %(default)s)")
+    add_kv_cache_flag(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--stream", action="store_true",
                    help="print the text as it is accepted (timings then include host round trips)")
@@ -141,7 +143,7 @@ def run(args) -> int:
         notice("--block-size only applies with a drafter: ignored")
     resolve_drafting(args, drafter_path)
     enable_compile_cache(args)
-    target, drafter = load_models(target_path, drafter_path, args.dtype)
+    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype)
     ids = encode_prompt(target.tokenizer, args.prompt, args.raw)
     stops = default_stop_ids(target)
     mode = decoding_mode(drafter, args.lookup, args.min_draft_probability)

@@ -10,6 +10,9 @@
 // own, key by key in the same order whatever its block, so its result does not depend on how many
 // queries share the call (a verify and a decode step agree).
 //
+// The keys and values (cache and new alike) are float32 or float16 (F16C converts eight at a time
+// as they are read; every product and sum is float32): a float16 cache is half the bytes to read.
+//
 // cache_k/cache_v [L, B, S, Hkv, D] are read in place at `layer` (no slice is copied); the visible
 // keys of query (b, t) are the cache slots in [cache_start, cache_end)[b, t, r] and the new keys
 // in [new_start, new_end)[b, t, r], r = 0, 1 (a key in both ranges counts once), as
@@ -60,26 +63,34 @@ inline __m256 ExpNonPositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-inline float Dot(const float* a, const float* b, int64_t d) {
+// Keys and values as stored: float, or float16 bits (uint16_t, XLA's F16), read as float32.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t x) { return _cvtsh_ss(x); }
+
+template <typename E>
+float Dot(const float* a, const E* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), Load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), Load8(b + i + 8), acc1);
   }
-  for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), Load8(b + i), acc0);
   float s = HorizontalSum(_mm256_add_ps(acc0, acc1));
-  for (; i < d; ++i) s += a[i] * b[i];
+  for (; i < d; ++i) s += a[i] * ToFloat(b[i]);
   return s;
 }
 
-inline void Axpy(float a, const float* x, float* y, int64_t d) {  // y += a * x
+template <typename E>
+void Axpy(float a, const E* x, float* y, int64_t d) {  // y += a * x
   const __m256 va = _mm256_set1_ps(a);
   int64_t i = 0;
   for (; i + 8 <= d; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, Load8(x + i), _mm256_loadu_ps(y + i)));
   }
-  for (; i < d; ++i) y[i] += a * x[i];
+  for (; i < d; ++i) y[i] += a * ToFloat(x[i]);
 }
 
 // The keys of one source (cache layer or new keys) visible through two ranges: [s0, e0) and the
@@ -105,27 +116,28 @@ struct Visible {
 // The rows of one query's visible keys (K or V, one kv head), key i of the visible list first to
 // last, as at most 6 runs of consecutive rows (3 per source): `Rows` lists them (the vectorised
 // path reads the list: finding each row from the runs as it goes was slower over a cold cache),
-// `Row` finds one (the generic path).
+// `Row` finds one (the generic path). E: the stored element (float or float16 bits).
+template <typename E>
 struct KeyRows {
   static constexpr int kMaxRuns = 6;
   int runs = 0;
-  int64_t n = 0, stride = 0;  // stride: floats from one row of a source to the next (Hkv x D)
+  int64_t n = 0, stride = 0;  // stride: elements from one row of a source to the next (Hkv x D)
   int64_t start[kMaxRuns], end[kMaxRuns];  // run r holds visible keys [start[r], end[r])
-  const float* first[kMaxRuns];             // the row of key start[r]
+  const E* first[kMaxRuns];                 // the row of key start[r]
 
-  void Add(const float* row0, int64_t lo, int64_t hi) {  // rows lo .. hi - 1 of a source at row0
+  void Add(const E* row0, int64_t lo, int64_t hi) {  // rows lo .. hi - 1 of a source at row0
     if (hi <= lo) return;
     start[runs] = n;
     first[runs] = row0 + lo * stride;
     n += hi - lo;
     end[runs++] = n;
   }
-  void Rows(std::vector<const float*>& rows) const {  // the row of every key, in order
+  void Rows(std::vector<const E*>& rows) const {  // the row of every key, in order
     rows.resize(n);
     for (int r = 0; r < runs; ++r)
       for (int64_t i = start[r]; i < end[r]; ++i) rows[i] = first[r] + (i - start[r]) * stride;
   }
-  const float* Row(int64_t i) const {  // i in [0, n)
+  const E* Row(int64_t i) const {  // i in [0, n)
     int r = 0;
     while (i >= end[r]) ++r;
     return first[r] + (i - start[r]) * stride;
@@ -170,19 +182,19 @@ inline float ExpInPlace(float* scores, int64_t n) {
 // (head, key) pair is one 8-lane FMA chain over d, summed by one pairwise tree (in either half of
 // the lanes (0 + 1) + (2 + 3), then half + half; Sum8's tree), so a score is the same whatever H,
 // KK and the key's place; the H heads share each key row's loads.
-template <int H, int KK, int DV>
-void ScoreKeys(const float* q, int64_t D, const float* const* k, int64_t n, int64_t i0, int64_t i1, float scale,
+template <int H, int KK, int DV, typename E>
+void ScoreKeys(const float* q, int64_t D, const E* const* k, int64_t n, int64_t i0, int64_t i1, float scale,
                float* scores, int64_t stride) {
   static_assert(KK == 4 || KK == 8, "keys per step: 4 or 8");
   for (int64_t i = i0; i < i1; i += KK) {
-    const float* kr[KK];
+    const E* kr[KK];
     for (int j = 0; j < KK; ++j) kr[j] = k[std::min(i + j, n - 1)];
     __m256 acc[H][KK];
 #pragma GCC unroll 8
     for (int h = 0; h < H; ++h) {
       const __m256 qd = _mm256_loadu_ps(q + h * D);
 #pragma GCC unroll 8
-      for (int j = 0; j < KK; ++j) acc[h][j] = _mm256_mul_ps(qd, _mm256_loadu_ps(kr[j]));
+      for (int j = 0; j < KK; ++j) acc[h][j] = _mm256_mul_ps(qd, Load8(kr[j]));
     }
 #pragma GCC unroll 16
     for (int d = 1; d < DV; ++d) {
@@ -191,7 +203,7 @@ void ScoreKeys(const float* q, int64_t D, const float* const* k, int64_t n, int6
       for (int h = 0; h < H; ++h) qd[h] = _mm256_loadu_ps(q + h * D + 8 * d);
 #pragma GCC unroll 8
       for (int j = 0; j < KK; ++j) {
-        const __m256 kv = _mm256_loadu_ps(kr[j] + 8 * d);
+        const __m256 kv = Load8(kr[j] + 8 * d);
 #pragma GCC unroll 8
         for (int h = 0; h < H; ++h) acc[h][j] = _mm256_fmadd_ps(qd[h], kv, acc[h][j]);
       }
@@ -214,8 +226,8 @@ void ScoreKeys(const float* q, int64_t D, const float* const* k, int64_t n, int6
 // For H heads: acc[h] [DV x 8] += sum over keys [i0, i1) of weights[h * stride + i] * v[i], for
 // vectors [d_begin, d_end) of the DV (multiples of DH), DH at a time; the heads share each value
 // row's loads. Every output element is one chain of FMAs over the keys in order, whatever H and DH.
-template <int H, int DH, int DV>
-void WeightValues(const float* weights, int64_t stride, const float* const* v, int64_t i0, int64_t i1, float* acc,
+template <int H, int DH, int DV, typename E>
+void WeightValues(const float* weights, int64_t stride, const E* const* v, int64_t i0, int64_t i1, float* acc,
                   int64_t D, int d_begin, int d_end) {
   static_assert(DV % DH == 0, "DH divides DV");
   for (int d0 = d_begin; d0 < d_end; d0 += DH) {
@@ -228,10 +240,10 @@ void WeightValues(const float* weights, int64_t stride, const float* const* v, i
       __m256 w[H];
 #pragma GCC unroll 8
       for (int h = 0; h < H; ++h) w[h] = _mm256_set1_ps(weights[h * stride + i]);
-      const float* vi = v[i] + 8 * d0;
+      const E* vi = v[i] + 8 * d0;
 #pragma GCC unroll 16
       for (int d = 0; d < DH; ++d) {
-        const __m256 vv = _mm256_loadu_ps(vi + 8 * d);
+        const __m256 vv = Load8(vi + 8 * d);
 #pragma GCC unroll 8
         for (int h = 0; h < H; ++h) a[h][d] = _mm256_fmadd_ps(w[h], vv, a[h][d]);
       }
@@ -264,11 +276,12 @@ constexpr int64_t kQueryBlock = 16;  // at most this many queries of one row and
 
 // One query's G heads (the query heads that share a kv head) and its n visible keys (rows k[i],
 // v[i]), with room for its scores [G, n rounded up to 8], sums [G, D] and 1 / softmax sums [G].
+template <typename E>
 struct QueryWork {
   const float* q;
   float* out;
   int64_t n = 0, padded = 0;
-  std::vector<const float*> k, v;  // the rows of visible key i
+  std::vector<const E*> k, v;  // the rows of visible key i
   std::vector<float> scores, acc, inv;
 };
 
@@ -310,8 +323,8 @@ constexpr int64_t kMaxQueriesToShareKeys = 4;
 // a share each: the scores by blocks of keys, the softmax by (query, head), the weighted values by
 // vectors of d. Every number is computed as by one thread (the same chains, in the same order),
 // so the results do not depend on `parts`; each phase needs the previous one finished.
-template <int DV>
-void ScorePhase(int64_t G, bool grouped, QueryWork* work, int count, float scale, int part, int parts) {
+template <int DV, typename E>
+void ScorePhase(int64_t G, bool grouped, QueryWork<E>* work, int count, float scale, int part, int parts) {
   constexpr int64_t D = 8 * DV;
   int64_t most = 0;
   for (int j = 0; j < count; ++j) most = std::max(most, work[j].padded);
@@ -319,7 +332,7 @@ void ScorePhase(int64_t G, bool grouped, QueryWork* work, int count, float scale
   for (int64_t kb = part * key_blocks / parts; kb < (part + 1) * key_blocks / parts; ++kb) {
     const int64_t i0 = kb * kKeyBlock;
     for (int j = 0; j < count; ++j) {
-      QueryWork& w = work[j];
+      QueryWork<E>& w = work[j];
       if (i0 >= w.padded) continue;
       const int64_t i1 = std::min(w.padded, i0 + kKeyBlock);
       ForHeadGroups(G, grouped, [&](int64_t g, auto heads) {
@@ -331,17 +344,18 @@ void ScorePhase(int64_t G, bool grouped, QueryWork* work, int count, float scale
   }
 }
 
-inline void SoftmaxPhase(int64_t G, QueryWork* work, int count, int part, int parts) {
+template <typename E>
+void SoftmaxPhase(int64_t G, QueryWork<E>* work, int count, int part, int parts) {
   const int64_t pairs = count * G;
   for (int64_t pair = part * pairs / parts; pair < (part + 1) * pairs / parts; ++pair) {
-    QueryWork& w = work[pair / G];
+    QueryWork<E>& w = work[pair / G];
     const int64_t g = pair % G;
     w.inv[g] = ExpInPlace(w.scores.data() + g * w.padded, w.n);
   }
 }
 
-template <int DV>
-void ValuePhase(int64_t G, bool grouped, QueryWork* work, int count, int part, int parts) {
+template <int DV, typename E>
+void ValuePhase(int64_t G, bool grouped, QueryWork<E>* work, int count, int part, int parts) {
   constexpr int64_t D = 8 * DV;
   constexpr int kStep = 4;  // vectors of d per share unit (and per WeightValues pass, DH)
   const int units = DV / kStep, d_begin = part * units / parts * kStep, d_end = (part + 1) * units / parts * kStep;
@@ -354,7 +368,7 @@ void ValuePhase(int64_t G, bool grouped, QueryWork* work, int count, int part, i
   }
   for (int64_t i0 = 0; i0 < most; i0 += kKeyBlock)
     for (int j = 0; j < count; ++j) {
-      QueryWork& w = work[j];
+      QueryWork<E>& w = work[j];
       if (i0 >= w.n) continue;
       const int64_t i1 = std::min(w.n, i0 + kKeyBlock);
       ForHeadGroups(G, grouped, [&](int64_t g, auto heads) {
@@ -369,7 +383,7 @@ void ValuePhase(int64_t G, bool grouped, QueryWork* work, int count, int part, i
       });
     }
   for (int j = 0; j < count; ++j) {
-    const QueryWork& w = work[j];
+    const QueryWork<E>& w = work[j];
     for (int64_t g = 0; g < G; ++g)
       for (int d = d_begin; d < d_end; ++d)
         _mm256_storeu_ps(w.out + g * D + 8 * d,
@@ -377,15 +391,17 @@ void ValuePhase(int64_t G, bool grouped, QueryWork* work, int count, int part, i
   }
 }
 
-template <int DV>
-void AttendBlock(int64_t G, bool grouped, QueryWork* work, int count, float scale) {
+template <int DV, typename E>
+void AttendBlock(int64_t G, bool grouped, QueryWork<E>* work, int count, float scale) {
   ScorePhase<DV>(G, grouped, work, count, scale, 0, 1);
   SoftmaxPhase(G, work, count, 0, 1);
   ValuePhase<DV>(G, grouped, work, count, 0, 1);
 }
 
+template <typename E>
 struct Problem {
-  const float *q, *ck, *cv, *nk, *nv;  // ck, cv: the layer's [B, S, Hkv, D]
+  const float* q;
+  const E *ck, *cv, *nk, *nv;  // ck, cv: the layer's [B, S, Hkv, D]
   const int32_t *cache_start, *cache_end, *new_start, *new_end;
   float* out;
   int64_t B, Tq, Hq, Hkv, D, S, T;
@@ -405,7 +421,8 @@ struct Problem {
 // The queries [first, first + query_block) of row b with kv heads [h0, h0 + kv_heads): each
 // (query, kv head) with visible keys goes into `work` (returns how many) for AttendBlock; one
 // without any gets zeros, and so is the whole generic path (D neither 64 nor 128) computed here.
-int GatherTask(const Problem& pr, int64_t b, int64_t first, int64_t h0, std::vector<QueryWork>& work,
+template <typename E>
+int GatherTask(const Problem<E>& pr, int64_t b, int64_t first, int64_t h0, std::vector<QueryWork<E>>& work,
                std::vector<float>& scores) {
   const int64_t G = pr.Hq / pr.Hkv, D = pr.D, S = pr.S, T = pr.T, Hkv = pr.Hkv;
   const bool vectorised = D == 64 || D == 128;
@@ -415,7 +432,7 @@ int GatherTask(const Problem& pr, int64_t b, int64_t first, int64_t h0, std::vec
     const Visible cached(pr.cache_start + query * 2, pr.cache_end + query * 2, S);
     const Visible fresh(pr.new_start + query * 2, pr.new_end + query * 2, T);
     for (int64_t h = h0; h < h0 + pr.kv_heads; ++h) {
-      KeyRows k, v;  // cache slots first, then new keys, as the ranges list them
+      KeyRows<E> k, v;  // cache slots first, then new keys, as the ranges list them
       k.stride = v.stride = Hkv * D;
       const int64_t cache_row = (b * S * Hkv + h) * D, new_row = (b * T * Hkv + h) * D;
       cached.ForEachRun([&](int64_t lo, int64_t hi) {
@@ -434,7 +451,7 @@ int GatherTask(const Problem& pr, int64_t b, int64_t first, int64_t h0, std::vec
         continue;
       }
       if (vectorised) {
-        QueryWork& w = work[count++];
+        QueryWork<E>& w = work[count++];
         w.q = qh;
         w.out = oh;
         w.n = n;
@@ -460,10 +477,11 @@ int GatherTask(const Problem& pr, int64_t b, int64_t first, int64_t h0, std::vec
   return count;
 }
 
-void AttendTasks(const Problem& pr, int part, int parts) {
+template <typename E>
+void AttendTasks(const Problem<E>& pr, int part, int parts) {
   const int64_t G = pr.Hq / pr.Hkv, groups = pr.Hkv / pr.kv_heads;
   const int64_t blocks = (pr.Tq + pr.query_block - 1) / pr.query_block, tasks = pr.B * blocks * groups;
-  std::vector<QueryWork> work(kQueryBlock * pr.kv_heads);
+  std::vector<QueryWork<E>> work(kQueryBlock * pr.kv_heads);
   std::vector<float> scores;  // the generic path's [G, keys]
   for (int64_t task = part; task < tasks; task += parts) {
     const int64_t h0 = task % groups * pr.kv_heads, first = (task / groups) % blocks * pr.query_block;
@@ -478,27 +496,28 @@ void AttendTasks(const Problem& pr, int part, int parts) {
 // kv heads as one task, its phases shared out over the threads (ScorePhase, SoftmaxPhase,
 // ValuePhase): each key block read once, the key blocks split between the threads, then the
 // vectors of d.
+template <typename E>
 struct SharedWork {
   int64_t G;
   bool grouped;
-  QueryWork* work;
+  QueryWork<E>* work;
   int count;
   float scale;
 };
 
-template <int DV>
-void AttendShared(dflash::Pool& pool, const SharedWork& shared, int parts) {
+template <int DV, typename E>
+void AttendShared(dflash::Pool& pool, const SharedWork<E>& shared, int parts) {
   pool.RunParts([](const void* c, int part, int parts) {
-    const SharedWork& s = *static_cast<const SharedWork*>(c);
-    ScorePhase<DV>(s.G, s.grouped, s.work, s.count, s.scale, part, parts);
+    const SharedWork<E>& s = *static_cast<const SharedWork<E>*>(c);
+    ScorePhase<DV, E>(s.G, s.grouped, s.work, s.count, s.scale, part, parts);
   }, &shared, parts);
   pool.RunParts([](const void* c, int part, int parts) {
-    const SharedWork& s = *static_cast<const SharedWork*>(c);
+    const SharedWork<E>& s = *static_cast<const SharedWork<E>*>(c);
     SoftmaxPhase(s.G, s.work, s.count, part, parts);
   }, &shared, parts);
   pool.RunParts([](const void* c, int part, int parts) {
-    const SharedWork& s = *static_cast<const SharedWork*>(c);
-    ValuePhase<DV>(s.G, s.grouped, s.work, s.count, part, parts);
+    const SharedWork<E>& s = *static_cast<const SharedWork<E>*>(c);
+    ValuePhase<DV, E>(s.G, s.grouped, s.work, s.count, part, parts);
   }, &shared, parts);
 }
 
@@ -506,7 +525,8 @@ constexpr int64_t kMinMultiplyAddsToSplit = int64_t{1} << 21;  // less: one thre
 constexpr int64_t kMinMultiplyAddsToShareKeys = int64_t{1} << 17;  // one row's few queries: less, one thread
 
 // Attention for the whole call: how it is shared out over the threads.
-void Attend(Problem problem) {
+template <typename E>
+void Attend(Problem<E> problem) {
   const int64_t B = problem.B, Tq = problem.Tq, Hq = problem.Hq, Hkv = problem.Hkv, D = problem.D;
   const int64_t S = problem.S, T = problem.T;
   const float scale = problem.scale;
@@ -514,15 +534,15 @@ void Attend(Problem problem) {
   if (B == 1 && Tq <= kMaxQueriesToShareKeys && (D == 64 || D == 128)) {  // one row, few queries: one task
     problem.query_block = kQueryBlock;
     problem.kv_heads = Hkv;
-    std::vector<QueryWork> work(Tq * Hkv);  // one per (query, kv head)
+    std::vector<QueryWork<E>> work(Tq * Hkv);  // one per (query, kv head)
     std::vector<float> unused;  // the generic path's scores (not taken here: D is 64 or 128)
     const int count = GatherTask(problem, 0, 0, 0, work, unused);
-    const SharedWork shared{Hq / Hkv, Tq >= kMinQueriesToGroupHeads, work.data(), count, scale};
+    const SharedWork<E> shared{Hq / Hkv, Tq >= kMinQueriesToGroupHeads, work.data(), count, scale};
     int64_t multiply_adds = 0;  // of the scores
     for (int j = 0; j < shared.count; ++j) multiply_adds += work[j].n * Hq / Hkv * D;
     const int parts = multiply_adds < kMinMultiplyAddsToShareKeys ? 1 : pool.helpers() + 1;
-    if (D == 64) AttendShared<8>(pool, shared, parts);
-    else AttendShared<16>(pool, shared, parts);
+    if (D == 64) AttendShared<8, E>(pool, shared, parts);
+    else AttendShared<16, E>(pool, shared, parts);
     return;
   }
   // at least 4 tasks per thread where the queries allow (a 16-token verify: blocks of 4 queries)
@@ -539,15 +559,18 @@ void Attend(Problem problem) {
     problem.kv_heads = Hkv;
   }
   pool.RunParts([](const void* context, int part, int parts) {
-    AttendTasks(*static_cast<const Problem*>(context), part, parts);
+    AttendTasks(*static_cast<const Problem<E>*>(context), part, parts);
   }, &problem, parts);
 }
 
-ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k, ffi::Buffer<ffi::F32> cache_v,
+// KV: the dtype of the cache and the new keys/values (F32 or F16); q and the output are F32.
+template <ffi::DataType KV>
+ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<KV> cache_k, ffi::Buffer<KV> cache_v,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> cache_start,
-                              ffi::Buffer<ffi::S32> cache_end, ffi::Buffer<ffi::F32> new_k, ffi::Buffer<ffi::F32> new_v,
+                              ffi::Buffer<ffi::S32> cache_end, ffi::Buffer<KV> new_k, ffi::Buffer<KV> new_v,
                               ffi::Buffer<ffi::S32> new_start, ffi::Buffer<ffi::S32> new_end, float scale,
                               ffi::ResultBuffer<ffi::F32> out) {
+  using E = ffi::NativeType<KV>;
   const auto qd = q.dimensions(), cd = cache_k.dimensions(), nd = new_k.dimensions();
   if (qd.size() != 4 || cd.size() != 5 || nd.size() != 4) {
     return ffi::Error::InvalidArgument(
@@ -564,7 +587,7 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cac
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("dflash_cache_attention: layer out of range");
   const int64_t layer_size = B * S * Hkv * D;
-  Problem problem{q.typed_data(), cache_k.typed_data() + l * layer_size, cache_v.typed_data() + l * layer_size,
+  Problem<E> problem{q.typed_data(), cache_k.typed_data() + l * layer_size, cache_v.typed_data() + l * layer_size,
                   new_k.typed_data(), new_v.typed_data(), cache_start.typed_data(), cache_end.typed_data(),
                   new_start.typed_data(), new_end.typed_data(), out->typed_data(), B, Tq, Hq, Hkv, D, S, T,
                   scale};
@@ -574,17 +597,21 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cac
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashCacheAttention, CacheAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cache_k
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cache_v
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // cache_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // cache_end
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // new_k
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // new_v
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // new_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // new_end
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define DFLASH_CACHE_ATTENTION_HANDLER(symbol, KV)                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, CacheAttentionImpl<KV>,           \
+                                ffi::Ffi::Bind()                          \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* q */ \
+                                    .Arg<ffi::Buffer<KV>>() /* cache_k */ \
+                                    .Arg<ffi::Buffer<KV>>() /* cache_v */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* layer */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* cache_start */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* cache_end */ \
+                                    .Arg<ffi::Buffer<KV>>() /* new_k */ \
+                                    .Arg<ffi::Buffer<KV>>() /* new_v */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* new_start */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>() /* new_end */ \
+                                    .Attr<float>("scale")                 \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
+
+DFLASH_CACHE_ATTENTION_HANDLER(DflashCacheAttention, ffi::F32);
+DFLASH_CACHE_ATTENTION_HANDLER(DflashCacheAttentionF16, ffi::F16);

@@ -1,10 +1,10 @@
 """The CPU kernels' shared library: `cpu_rows_matmul.cc` (`cpu_matmul.rows_matmul`) and
 `cpu_cache_attention.cc` (`cpu_attention.cache_attention`), compiled on first use with the
-machine's C++ compiler (-O3 -mavx2 -mfma, about 10 s) into the user cache directory, keyed by the
+machine's C++ compiler (-O3 -mavx2 -mfma -mf16c, about 10 s) into the user cache directory, keyed by the
 sources, the flags and jaxlib, and registered with XLA's FFI once per process.
 
 `available()` is False, and every caller takes XLA's path, where the kernels cannot run: not an
-x86-64 CPU with AVX2 and FMA, no compiler, a failed build (logged once), or DFLASH_CPU_KERNELS=0.
+x86-64 CPU with AVX2, FMA and F16C, no compiler, a failed build (logged once), or DFLASH_CPU_KERNELS=0.
 """
 from __future__ import annotations
 
@@ -27,19 +27,20 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_rows_matmul.cc", "cpu_cache_attention.cc"))
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)  # the helper threads both share
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")  # no fusing of a * b + c
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")  # no fusing of a * b + c
 TARGETS = {"dflash_rows_matmul": "DflashRowsMatmul", "dflash_rows_matmul_narrow": "DflashRowsMatmulNarrow",
-           "dflash_cache_attention": "DflashCacheAttention"}
+           "dflash_cache_attention": "DflashCacheAttention",
+           "dflash_cache_attention_f16": "DflashCacheAttentionF16"}
 
 
-def _cpu_supports_avx2_fma() -> bool:
+def _cpu_supports_avx2_fma_f16c() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
-    return "avx2" in flags and "fma" in flags
+    return {"avx2", "fma", "f16c"} <= set(flags)
 
 
 def _build(compiler: str) -> Path:
@@ -70,7 +71,7 @@ def available() -> bool:
     and every caller falls back to XLA)."""
     if os.environ.get("DFLASH_CPU_KERNELS", "1") == "0":
         return False
-    if not _cpu_supports_avx2_fma():
+    if not _cpu_supports_avx2_fma_f16c():
         return False
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:

@@ -3,7 +3,8 @@
 
 q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D] with Hq % Hkv == 0: the G = Hq / Hkv query heads of a
 group share their kv head (q is grouped, K/V are never repeated). Scores, softmax and
-accumulation are float32; a query that sees no key yields zeros (never NaN).
+accumulation are float32; a query that sees no key yields zeros (never NaN). K/V narrower than q
+(a float16 cache under float32 queries) are widened to q's dtype as they are read.
 """
 from __future__ import annotations
 
@@ -33,9 +34,15 @@ def _ungrouped(out, lse):
             lse.transpose(0, 3, 1, 2).reshape(b, tq, hkv * g))
 
 
+def _widened(q, *xs):
+    """K/V in the wider of their dtype and q's (a float16 cache read by float32 queries: float32)."""
+    return [x.astype(jnp.promote_types(x.dtype, q.dtype)) for x in xs]
+
+
 def reference_attention_with_lse(q, k, v, ranges: KeyRanges, *, scale: float | None = None):
     """Plain-jnp attention with a materialised mask -> (out [B, Tq, Hq, D] float32,
     lse [B, Tq, Hq] float32 natural log-sum-exp of the visible scores, -inf where none is visible)."""
+    k, v = _widened(q, k, v)
     qg = _grouped(q, k.shape[2])
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * _scale(q, scale)
     visible = ranges.dense(k.shape[1])[:, None, None]  # [B, 1, 1, Tq, Tk]
@@ -74,6 +81,7 @@ def chunked_cache_attention_with_lse(q, cache_k, cache_v, layer, ranges: KeyRang
         keys = start + jnp.arange(chunk, dtype=jnp.int32)
         k = jax.lax.dynamic_slice(cache_k, (layer, 0, start, 0, 0), (1, b, chunk, hkv, d))[0]
         v = jax.lax.dynamic_slice(cache_v, (layer, 0, start, 0, 0), (1, b, chunk, hkv, d))[0]
+        k, v = _widened(q, k, v)
         visible = ranges.visible(keys) & (keys >= nominal)[None, None, :]  # [B, Tq, chunk]
         scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from dflash_jax.cache import resolve_kv_cache_dtype
 from dflash_jax.config import ConfigFields, ModelConfig, read_config_json, read_json
 from dflash_jax.errors import CheckpointError
 from dflash_jax.loading.checkpoint_files import open_checkpoint
@@ -65,7 +66,7 @@ def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:
 
 
 def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl: str = "auto",
-                layout: str = "auto") -> Target:
+                layout: str = "auto", kv_cache_dtype=None) -> Target:
     """Load a target model for generation or drafter training.
 
     path: a Hugging Face model directory (config.json + model.safetensors[.index.json], or
@@ -77,11 +78,15 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
       CPU "packed", the stacked layers with every kernel packed for the CPU kernels (`pack_layers`),
       what `generate` runs on there, so that decoding holds one copy of the weights; elsewhere
       "stacked" [L, ...], the layout training, sharding, warm starts and conversion read.
+    kv_cache_dtype: what the KV cache of `generate` stores: None or "auto" (default) the compute
+      dtype; "float16" under float32 halves the cache (and the bytes a decode step reads from it)
+      at float16's precision for keys and values (`TargetSpec`).
 
     Bad input raises one exception naming the file: FileNotFoundError, ConfigError (config.json),
     CheckpointError (damaged or mismatched weights), TorchRequiredError (.bin without torch).
     """
     check_layout(layout)  # before anything is read
+    resolve_kv_cache_dtype(kv_cache_dtype, jnp.float32)
     if str(path) in EMBEDDED_TARGETS and not Path(path).exists():
         path = EMBEDDED_TARGETS[str(path)]()
     path = Path(path)
@@ -102,7 +107,7 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         tok = gguf_tokenizer(checkpoint) if tokenizer else None
         del checkpoint
         params = params_in_layout(params, layout, release=True)
-        return Target(config, stored.place(params), tok, dtype, attn_impl)
+        return Target(config, stored.place(params), tok, dtype, attn_impl, kv_cache_dtype)
 
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_config_json(path), source=str(config_file))
@@ -115,4 +120,4 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         tok = AutoTokenizer.from_pretrained(path)
     elif tokenizer:
         log.info("no tokenizer files in %s; Target.tokenizer is None", path)
-    return Target(config, params_in_layout(params, layout, release=True), tok, dtype, attn_impl)
+    return Target(config, params_in_layout(params, layout, release=True), tok, dtype, attn_impl, kv_cache_dtype)

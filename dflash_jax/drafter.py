@@ -31,6 +31,8 @@ from dflash_jax.cache import KVCache
 from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter_config import DrafterConfig
 from dflash_jax.kernels.cpu_matmul import is_packed, pack_kernel, rows_matmul
+
+DECODE_WEIGHTS = ("stored", "q8_0")  # how `DrafterSpec.decode_params` packs the weights a CPU drafts with
 from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, has_packed_kernels, make_dense,
                                pack_stacked_kernels, scan_stacked_layers)
 from dflash_jax.model_spec import on_spec
@@ -193,17 +195,24 @@ class PackedDrafterModel(DrafterModel):
 
 @dataclasses.dataclass(frozen=True)
 class DrafterSpec:
-    """What a drafter computes, without its weights: config, compute dtype and attention
-    implementation. Static and hashable (a jit static argument and a compile-cache key). `params`
-    below is `Drafter.loop_params`: the module params, or {"drafter": module params, "draft_head":
-    ...} with a reduced draft vocabulary."""
+    """What a drafter computes, without its weights: config, compute dtype, attention
+    implementation and the weights a CPU drafts with (`decode_weights`: "stored", the weights as
+    loaded, bfloat16 panels for a bfloat16 checkpoint, bit for bit; "q8_0", 8 bits and a scale per
+    32 weights, about half of bfloat16's bytes to stream in every cycle: drafts from slightly
+    different weights, verified as any draft, so the output does not change). Static and hashable
+    (a jit static argument and a compile-cache key). `params` below is `Drafter.loop_params`: the
+    module params, or {"drafter": module params, "draft_head": ...} with a reduced draft
+    vocabulary."""
 
     config: DrafterConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
+    decode_weights: str = "stored"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if self.decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r}")
 
     def _module_params(self, loop_params):
         return loop_params if self.config.draft_vocab_size is None else loop_params["drafter"]
@@ -222,17 +231,19 @@ class DrafterSpec:
 
     def decode_params(self, loop_params):
         """`loop_params` with the layers' and the context projection's kernels packed (what a CPU
-        drafts with, `PackedDrafterModel`), and a reduced draft vocabulary's head too. Run it
-        outside jit."""
+        drafts with, `PackedDrafterModel`), and a reduced draft vocabulary's head too, quantized
+        as `decode_weights` says. Run it outside jit."""
         module_params = self._module_params(loop_params)
         if has_packed_kernels(module_params["layers"]):
             return loop_params
-        packed = {**module_params, "fc": {"kernel": pack_kernel(module_params["fc"]["kernel"])},
-                  "layers": pack_stacked_kernels(module_params["layers"])}
+        quantize = None if self.decode_weights == "stored" else self.decode_weights
+        pack = functools.partial(pack_kernel, quantize=quantize)
+        packed = {**module_params, "fc": {"kernel": pack(module_params["fc"]["kernel"])},
+                  "layers": pack_stacked_kernels(module_params["layers"], quantize=quantize)}
         if self.config.draft_vocab_size is None:
             return packed
         head = loop_params["draft_head"]
-        return {**loop_params, "drafter": packed, "draft_head": {**head, "kernel": pack_kernel(head["kernel"])}}
+        return {**loop_params, "drafter": packed, "draft_head": {**head, "kernel": pack(head["kernel"])}}
 
     def draft_head_logits(self, loop_params, hidden):
         """float32 logits [..., Vd] of a reduced draft vocabulary's own head for hidden [..., D]; its
@@ -311,6 +322,7 @@ class Drafter:
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     draft_head: Any = None
+    decode_weights: str = "stored"  # see `DrafterSpec`
 
     def __post_init__(self):
         size = self.config.draft_vocab_size
@@ -350,7 +362,7 @@ class Drafter:
 
     @property
     def spec(self) -> DrafterSpec:
-        return DrafterSpec(self.config, self.dtype, self.attn_impl)
+        return DrafterSpec(self.config, self.dtype, self.attn_impl, self.decode_weights)
 
     module = property(lambda self: self.spec.module, doc="The Flax module (`DrafterSpec.module`).")
     block_size = property(lambda self: self.config.block_size)

@@ -87,17 +87,17 @@ def scan_stacked_layers(layer: nn.Module, stack, carry, xs, *args, method: str =
     return jax.lax.scan(body, carry, (jnp.arange(num_layers, dtype=jnp.int32), xs))
 
 
-def pack_stacked_kernels(stack: dict, *, release: bool = False) -> dict:
-    """Stacked layer params with every kernel packed ([L, K, N] -> [L, P, K, 16], `pack_kernel`),
-    what `scan_stacked_layers` reads. release: the caller gives `stack` up: each weight leaves it
-    once packed, so that the weights are never all held twice."""
+def pack_stacked_kernels(stack: dict, *, release: bool = False, quantize: str | None = None) -> dict:
+    """Stacked layer params with every kernel packed ([L, K, N] -> [L, P, K, 16], `pack_kernel`,
+    with its `quantize`), what `scan_stacked_layers` reads. release: the caller gives `stack` up:
+    each weight leaves it once packed, so that the weights are never all held twice."""
     flat = flax.traverse_util.flatten_dict(stack)
     if release:
         stack.clear()
     out = {}
     for path in list(flat):
         weight = flat.pop(path)
-        out[path] = pack_kernel(weight) if path[-1] == "kernel" else weight
+        out[path] = pack_kernel(weight, quantize=quantize) if path[-1] == "kernel" else weight
         del weight
     return flax.traverse_util.unflatten_dict(out)
 

@@ -131,12 +131,12 @@ def decode_params(target):
 
 def decode_drafter_params(drafter):
     """The drafter params the decode loop runs on (`Drafter.loop_params`): on a CPU with the layers'
-    kernels packed (`drafter.PackedDrafterModel`), made once per params object and kept for the
-    last two; elsewhere as they are."""
+    kernels packed (`drafter.PackedDrafterModel`, quantized as `decode_weights` says), made once per
+    params object and weights choice and kept for the last two; elsewhere as they are."""
     if jax.default_backend() != "cpu":
         return drafter.loop_params
     owner = (drafter.params, drafter.draft_head)
-    return _kept(_DECODE_DRAFTER_PARAMS, tuple(map(id, owner)), owner,
+    return _kept(_DECODE_DRAFTER_PARAMS, (*map(id, owner), drafter.decode_weights), owner,
                  lambda: drafter.spec.decode_params(drafter.loop_params))
 
 

@@ -320,7 +320,7 @@ def test_demo_honours_its_arguments(tmp_path, monkeypatch, capsys):
     target = SimpleNamespace(tokenizer=tokenizer, config=SimpleNamespace(num_layers=1, hidden_size=8,
                                                                          eos_token_ids=()))
     monkeypatch.setattr(demo, "resolve_target_path", lambda path: (tmp_path / "t.gguf", True))
-    monkeypatch.setattr(demo, "load_models", lambda t, d, dtype: (target, None))
+    monkeypatch.setattr(demo, "load_models", lambda t, d, dtype, **kwargs: (target, None))
     monkeypatch.setattr(demo, "encode_prompt", lambda tok, text: [len(text)])
 
     def fake_generate(target, drafter, ids, warmup, **kwargs):

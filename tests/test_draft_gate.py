@@ -71,7 +71,7 @@ def test_bad_gate_arguments(fitted, kw, error, match):
 def test_cli_gate_default_follows_the_drafter(tmp_path, capsys):
     """The CLIs gate at SHIPPED_DRAFTER_MIN_DRAFT_PROBABILITY with the shipped SmolLM2 drafter, not
     with any other unless asked; a value out of [0, 1] is refused."""
-    args = argparse.Namespace(lookup=None, min_draft_probability=None)
+    args = argparse.Namespace(lookup=None, min_draft_probability=None, drafter_weights=None)
     shipped = common.shipped_drafter_dir()
     if shipped is not None:
         common.resolve_drafting(args, shipped)

@@ -712,6 +712,8 @@ def load_setup(args) -> Setup:
         name = args.random_target + (f" (first {args.layers} layers)" if args.layers else "")
         args.lookup = args.lookup or 0
         args.min_draft_probability = args.min_draft_probability or 0.0
+        args.drafter_weights = args.drafter_weights or "stored"
+        drafter = dataclasses.replace(drafter, decode_weights=args.drafter_weights)
         return Setup(target, drafter, prompts, f"random {args.prompt_tokens}-token ids", name, "random",
                      None, time.perf_counter() - start)
     # Cheap path checks first: nothing heavy (jax) is imported before they pass.
@@ -720,7 +722,7 @@ def load_setup(args) -> Setup:
     resolve_drafting(args, drafter_path)
     set_name, prompts = select_prompts(args)
     start = time.perf_counter()
-    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype)
+    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype, args.drafter_weights)
     load_seconds = time.perf_counter() - start
     for prompt in prompts:
         prompt["ids"] = encode_prompt(target.tokenizer, prompt.pop("text"), args.raw)
@@ -752,7 +754,8 @@ def run(args) -> int:
     print(f"benchmark: {len(setup.prompts)} prompts from {setup.set_name}, batch {args.batch}, target "
           f"{setup.target_name}, drafter {setup.drafter_name or 'none (autoregressive only)'}"
           f"{f' with lookup {args.lookup}' if drafter is not None and args.lookup else ''}"
-          f"{f', drafts verified from p >= {args.min_draft_probability:g}' if drafter is not None and args.min_draft_probability else ''}, "
+          f"{f', drafts verified from p >= {args.min_draft_probability:g}' if drafter is not None and args.min_draft_probability else ''}"
+          f"{f', drafter weights {drafter.decode_weights}' if drafter is not None and drafter.decode_weights != 'stored' else ''}, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {args.dtype}"
           f"{f' (KV cache {target.spec.kv_cache_dtype.name})' if target.spec.kv_cache_dtype != target.spec.dtype else ''}, "
           f"device {device.platform}:{device.device_kind}", flush=True)
@@ -803,6 +806,7 @@ def write_report(out: Path, args, reports, setup: Setup, device) -> None:
                 "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                 "acceptance": args.acceptance, "seed": args.seed, "dtype": args.dtype,
                 "kv_cache_dtype": setup.target.spec.kv_cache_dtype.name,
+                "drafter_weights": drafter.decode_weights if drafter else None,
                 "block_size": (args.block_size or drafter.block_size) if drafter else 1,
                 "lookup": args.lookup if drafter else 0,
                 "min_draft_probability": args.min_draft_probability if drafter else 0.0,

@@ -81,7 +81,7 @@ def run(args) -> int:
     target_path, _ = resolve_target_path(None)
     resolve_drafting(args, drafter_path)
     enable_compile_cache(args)
-    target, drafter = load_models(target_path, drafter_path, "float32")
+    target, drafter = load_models(target_path, drafter_path, "float32", drafter_weights=args.drafter_weights)
     stops = default_stop_ids(target)
     mode = decoding_mode(drafter, args.lookup, args.min_draft_probability)
     drafting = drafting_kwargs(args, drafter)

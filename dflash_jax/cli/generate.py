@@ -143,7 +143,7 @@ def run(args) -> int:
         notice("--block-size only applies with a drafter: ignored")
     resolve_drafting(args, drafter_path)
     enable_compile_cache(args)
-    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype)
+    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype, args.drafter_weights)
     ids = encode_prompt(target.tokenizer, args.prompt, args.raw)
     stops = default_stop_ids(target)
     mode = decoding_mode(drafter, args.lookup, args.min_draft_probability)

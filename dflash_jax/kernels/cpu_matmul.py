@@ -20,8 +20,10 @@ blocks can stay in them (`pack_quantized`, used by `loading.gguf_panels` for a C
 kernel multiplies: the product is bit for bit that of the float32 panels, from half of the bytes.
 Quantized blocks multiply in factored form, d (x . q) + m (sum of x) per block of 32 (SmolLM2's
 autoregressive step 9.2-9.6 -> 6.6-7.0 ms): the product of gguf-py's dequantised floats to float
-rounding, from a sixth (Q4_1) of the bytes. Either way a row's result does not depend on the other
-rows of the call (a verify and a decode step agree).
+rounding, from a sixth (Q4_1) of the bytes. Float weights can be quantized into Q8_0 blocks too
+(`pack_kernel(..., quantize="q8_0")`: what a drafter's `decode_weights="q8_0"` drafts with), at
+8 bits and a scale per 32 weights. Either way a row's result does not depend on the other rows of
+the call (a verify and a decode step agree).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ QUANT_BLOCK = 32  # k per block of narrow panels (GGML's Q4_1 and Q8_0 blocks; b
 # values by k; bfloat16: the values alone).
 GGML_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 PANEL_BLOCK_BYTES = {"Q4_1": 384, "Q8_0": 576, "BF16": 1024}
+QUANTIZE_CHOICES = (None, "q8_0")  # what `pack_kernel(..., quantize=...)` takes
 
 
 def packs_side_by_side(*widths: int) -> bool:
@@ -49,7 +52,26 @@ def packs_side_by_side(*widths: int) -> bool:
     return all(w % PANEL == 0 for w in widths[:-1])
 
 
-def pack_kernel(kernel, *more) -> jax.Array:
+def quantize_q8_0(kernel) -> np.ndarray:
+    """A float kernel [..., K, N] (`nn.Dense`'s [in, out], K a multiple of 32) as GGML Q8_0 blocks
+    [..., N, K / 32, 34] uint8 (`pack_quantized`'s input): per 32 weights of a column, a float16
+    scale d = max |w| / 127 and the int8 values round(w / d), so that d * q is within d / 2 of w."""
+    w = np.asarray(kernel, np.float32)
+    *lead, k, n = w.shape
+    if k % QUANT_BLOCK:
+        raise ValueError(f"quantize_q8_0: K = {k} is not a multiple of {QUANT_BLOCK}")
+    blocks = np.swapaxes(w, -1, -2).reshape(*lead, n, k // QUANT_BLOCK, QUANT_BLOCK)
+    scale = (np.abs(blocks).max(axis=-1, keepdims=True) / 127).astype(np.float16)
+    d = scale.astype(np.float32)
+    inverse = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    values = np.clip(np.rint(blocks * inverse), -127, 127).astype(np.int8)
+    out = np.empty((*lead, n, k // QUANT_BLOCK, GGML_BLOCK_BYTES["Q8_0"]), np.uint8)
+    out[..., :2] = scale.view(np.uint8)
+    out[..., 2:] = values.view(np.uint8)
+    return out
+
+
+def pack_kernel(kernel, *more, quantize: str | None = None) -> jax.Array:
     """A dense kernel [K, N] (`nn.Dense`'s [in, out]) as the rows kernel reads it: panels
     [ceil(N / 16), K, 16], panel p holding columns 16p .. 16p + 15 (zeros past N); a stack of
     kernels [L, K, N] (a scanned model's) -> [L, ceil(N / 16), K, 16]. With `more` kernels of the
@@ -57,8 +79,11 @@ def pack_kernel(kernel, *more) -> jax.Array:
     read them (every kernel but the last a whole number of panels wide). Where every weight is a
     bfloat16 value (a checkpoint stored in bfloat16, loaded as float32) and K a multiple of 32, the
     panels are bfloat16 ([..., P, K / 32, 1024] bytes, `is_narrow`): the same products, bit for bit,
-    from half the bytes (the shipped drafter's decode params: 51.2 MB -> 25.6). Left as it is (the
-    kernels concatenated) where the rows kernel is unavailable or the dtype is not float32. Concrete
+    from half the bytes (the shipped drafter's decode params: 51.2 MB -> 25.6). quantize="q8_0":
+    Q8_0 panels instead wherever K is a multiple of 32 (`quantize_q8_0`, `pack_quantized`; about a
+    quarter of float32's bytes, the products those of weights rounded to 8 bits per block). Left as
+    it is (the kernels concatenated) where the rows kernel is unavailable or the dtype is not
+    float32. Concrete
     arrays are packed with numpy into a buffer JAX adopts without another copy (`host_arrays`:
     packing SmolLM2's stacks took 0.70 s, 0.77 s with that copy, medians of 4 in one process);
     under a trace (an initializer) it is jnp."""
@@ -67,6 +92,8 @@ def pack_kernel(kernel, *more) -> jax.Array:
     if any(w.shape[:-1] != kernel.shape[:-1] for w in kernels) or not packs_side_by_side(*widths):
         raise ValueError(f"pack_kernel: kernels side by side need one leading shape and whole panels of "
                          f"{PANEL} columns but the last: {[tuple(w.shape) for w in kernels]}")
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"pack_kernel: quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
     if kernel.dtype != jnp.float32 or kernel.ndim not in (2, 3) or not available():
         return jnp.asarray(kernel) if not more else jnp.concatenate(kernels, axis=-1)
     try:
@@ -74,6 +101,8 @@ def pack_kernel(kernel, *more) -> jax.Array:
     except jax.errors.TracerArrayConversionError:
         xp = jnp
     *lead, k, _ = kernel.shape
+    if quantize == "q8_0" and xp is np and k % QUANT_BLOCK == 0:
+        return pack_quantized(quantize_q8_0(np.concatenate(kernels, axis=-1)), "Q8_0")
 
     def panels_of(w):
         n = w.shape[-1]

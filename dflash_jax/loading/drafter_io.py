@@ -13,7 +13,7 @@ import numpy as np
 
 from dflash_jax.config import read_config_json, write_config_json
 from dflash_jax.draft_vocab import DraftVocab
-from dflash_jax.drafter import Drafter, drafter_param_shapes
+from dflash_jax.drafter import DECODE_WEIGHTS, Drafter, drafter_param_shapes
 from dflash_jax.drafter_config import DrafterConfig, resolve_mask_token_id, validate_pair
 from dflash_jax.errors import CheckpointError, DrafterMismatchError
 from dflash_jax.loading.checkpoint_files import checkpoint_file, open_checkpoint
@@ -26,10 +26,15 @@ __all__ = ["DrafterMismatchError", "load_drafter", "save_drafter", "validate_pai
 DRAFT_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")  # read only when config.json has draft_vocab_size
 
 
-def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: str = "auto") -> Drafter:
+def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: str = "auto",
+                 decode_weights: str = "stored") -> Drafter:
     """Read an official DFlash drafter directory; validate it against `target` when given (before
-    any tensor is read). Bad input raises one exception naming the file: FileNotFoundError,
-    ConfigError, CheckpointError, TorchRequiredError, DrafterMismatchError."""
+    any tensor is read). decode_weights: what a CPU drafts with, "stored" (the weights as loaded)
+    or "q8_0" (8-bit blocks, fewer bytes per cycle; `DrafterSpec`). Bad input raises one exception
+    naming the file: FileNotFoundError, ConfigError, CheckpointError, TorchRequiredError,
+    DrafterMismatchError; a bad decode_weights a ValueError."""
+    if decode_weights not in DECODE_WEIGHTS:
+        raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS}, got {decode_weights!r}")
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"drafter directory does not exist: {path}")
@@ -49,7 +54,8 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
     reduced = config.draft_vocab_size is not None
     params = hf_to_params(drafter_rules(config.attention_bias), tensors, shapes, config.num_layers, dtype,
                           allow_extra=lambda name: reduced and name in DRAFT_VOCAB_TENSORS, source=str(path))
-    drafter = Drafter(dataclasses.replace(config, draft_vocab_size=None), params, hf, dtype, attn_impl)
+    drafter = Drafter(dataclasses.replace(config, draft_vocab_size=None), params, hf, dtype, attn_impl,
+                      decode_weights=decode_weights)
     if reduced:
         kernel, vocab = _read_draft_vocab(tensors, config, checkpoint_file(path))
         drafter = drafter.with_draft_vocab(kernel, vocab)

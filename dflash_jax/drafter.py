@@ -31,11 +31,11 @@ from dflash_jax.cache import KVCache
 from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter_config import DrafterConfig
 from dflash_jax.kernels.cpu_matmul import is_packed, pack_kernel, rows_matmul
-
-DECODE_WEIGHTS = ("stored", "q8_0")  # how `DrafterSpec.decode_params` packs the weights a CPU drafts with
 from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, has_packed_kernels, make_dense,
                                pack_stacked_kernels, scan_stacked_layers)
 from dflash_jax.model_spec import on_spec
+
+DECODE_WEIGHTS = ("stored", "q8_0")  # how `DrafterSpec.decode_params` packs the weights a CPU drafts with
 
 
 def _select_ranges(windowed: bool, windowed_ranges, full_ranges):

@@ -80,13 +80,12 @@ def pack_kernel(kernel, *more, quantize: str | None = None) -> jax.Array:
     bfloat16 value (a checkpoint stored in bfloat16, loaded as float32) and K a multiple of 32, the
     panels are bfloat16 ([..., P, K / 32, 1024] bytes, `is_narrow`): the same products, bit for bit,
     from half the bytes (the shipped drafter's decode params: 51.2 MB -> 25.6). quantize="q8_0":
-    Q8_0 panels instead wherever K is a multiple of 32 (`quantize_q8_0`, `pack_quantized`; about a
-    quarter of float32's bytes, the products those of weights rounded to 8 bits per block). Left as
-    it is (the kernels concatenated) where the rows kernel is unavailable or the dtype is not
-    float32. Concrete
-    arrays are packed with numpy into a buffer JAX adopts without another copy (`host_arrays`:
-    packing SmolLM2's stacks took 0.70 s, 0.77 s with that copy, medians of 4 in one process);
-    under a trace (an initializer) it is jnp."""
+    Q8_0 panels instead wherever K is a multiple of 32 and the kernel is concrete (`quantize_q8_0`,
+    `pack_quantized`; about a quarter of float32's bytes, the products those of weights rounded to
+    8 bits per block). Left as it is (the kernels concatenated) where the rows kernel is
+    unavailable or the dtype is not float32. Concrete arrays are packed with numpy into a buffer
+    JAX adopts without another copy (`host_arrays`: packing SmolLM2's stacks took 0.70 s, 0.77 s
+    with that copy, medians of 4 in one process); under a trace (an initializer) it is jnp."""
     kernels = (kernel, *more)
     widths = [w.shape[-1] for w in kernels]
     if any(w.shape[:-1] != kernel.shape[:-1] for w in kernels) or not packs_side_by_side(*widths):

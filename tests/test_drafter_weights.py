@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.cli import common
-from dflash_jax.drafter import DrafterSpec
+from dflash_jax.drafter import DECODE_WEIGHTS, DrafterSpec
 from dflash_jax.kernels.cpu_matmul import (PANEL_BLOCK_BYTES, QUANT_BLOCK, available, dequantize_panels,
                                            pack_kernel, quantize_q8_0, rows_matmul)
 from dflash_jax.loading.drafter_io import load_drafter
@@ -102,5 +102,7 @@ def test_the_clis_draft_with_q8_0_weights_of_the_shipped_drafter_only(tmp_path, 
     parser = argparse.ArgumentParser()
     common.add_drafting_flags(parser)
     assert parser.parse_args([]).drafter_weights is None
+    for name in DECODE_WEIGHTS:  # the flag offers every choice the drafter takes
+        assert parser.parse_args(["--drafter-weights", name]).drafter_weights == name
     with pytest.raises(SystemExit):
         parser.parse_args(["--drafter-weights", "int4"])

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.cache import resolve_kv_cache_dtype
+from dflash_jax.cache import KV_CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 from dflash_jax.kernels.cpu_attention import applies
 from dflash_jax.loading.target_loader import load_target
 from dflash_jax.speculative import generate
@@ -112,6 +112,8 @@ def test_the_clis_take_kv_cache_dtype_and_pass_it_to_load_target(monkeypatch):
     for cli, required in ((generate_cli, ["--prompt", "Hi"]), (benchmark, [])):
         parse = lambda *argv: cli.build_parser().parse_args([*required, *argv])
         assert parse().kv_cache_dtype == "auto"
+        for name in KV_CACHE_DTYPE_NAMES:  # the flag offers every dtype the cache takes
+            assert parse("--kv-cache-dtype", name).kv_cache_dtype == name
         assert parse("--kv-cache-dtype", "float16").kv_cache_dtype == "float16"
         with pytest.raises(SystemExit):
             parse("--kv-cache-dtype", "int8")

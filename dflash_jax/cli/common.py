@@ -15,6 +15,9 @@ from typing import NoReturn, Sequence
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here ever reaches a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from dflash_jax.cache import KV_CACHE_DTYPE_NAMES  # noqa: E402  (the package is imported already)
+from dflash_jax.drafter import DECODE_WEIGHTS  # noqa: E402
+
 EXIT_ERROR = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, for an editable or in-repo run
 SHIPPED_DRAFTER_DIR = REPO_ROOT / "checkpoints" / "smollm2-dflash"
@@ -51,7 +54,7 @@ def shipped_drafter_dir() -> Path | None:
 
 def add_kv_cache_flag(parser) -> None:
     """--kv-cache-dtype (what `load_models` passes to `load_target`)."""
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+    parser.add_argument("--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPE_NAMES), default="auto",
                         help="what the target's KV cache stores: auto = --dtype (default); float16 under "
                              "float32 halves the cache and the bytes a decode step reads from it, at "
                              "float16's precision for keys and values (plain and speculative decoding "
@@ -72,7 +75,7 @@ def add_drafting_flags(parser) -> None:
                              "token alone, as a plain autoregressive step (lossless; 0 = always verify; "
                              f"default: {SHIPPED_DRAFTER_MIN_DRAFT_PROBABILITY} with the shipped SmolLM2 "
                              "drafter, 0 with any other)")
-    parser.add_argument("--drafter-weights", choices=("stored", "q8_0"),
+    parser.add_argument("--drafter-weights", choices=DECODE_WEIGHTS,
                         help="the drafter weights a CPU drafts with: 'stored' as loaded (bfloat16 panels for a "
                              "bfloat16 checkpoint), 'q8_0' 8 bits and a scale per 32 weights, fewer bytes "
                              "to read every cycle (the drafts may differ slightly; the output does not: "

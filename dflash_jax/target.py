@@ -26,7 +26,7 @@ from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache, resolve_kv_cache_dtype
 from dflash_jax.config import ModelConfig
 from dflash_jax.kernels.cpu_matmul import (PANEL, dequantize_panels, is_packed, is_narrow, pack_kernel,
-                                         packs_side_by_side, rows_matmul)
+                                         packs_side_by_side, rows_matmul, uses_int8_activations)
 from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, fuse_stacked_projections,
                                pack_stacked_kernels, scan_stacked_layers)
 from dflash_jax.model_spec import on_spec
@@ -385,6 +385,12 @@ class Target:
 
     module = property(lambda self: self.spec.module_for(self.params),
                       doc="The Flax module that reads `params`: scanned, or packed on a CPU (`module_for`).")
+
+    @property
+    def decode_activations(self) -> str:
+        """"int8" where the params hold Q4_1 panels for int8 activations (`load_target(...,
+        decode_activations="int8")`), else "float32"."""
+        return "int8" if any(uses_int8_activations(w) for w in jax.tree_util.tree_leaves(self.params)) else "float32"
     module_for = on_spec("module_for")
     forward = on_spec("forward")
     prefill = on_spec("prefill")

@@ -39,6 +39,7 @@ import numpy as np
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterSpec, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids
+from dflash_jax.kernels.cpu_matmul import ACTIVATIONS
 from dflash_jax.target import TargetSpec, init_target_params, pack_layers
 
 RANDOM_TARGETS = {
@@ -88,7 +89,9 @@ def build_models(args):
         from dflash_jax.loading.gguf_reader import smollm2_gguf_path
         from dflash_jax.loading.target_loader import load_target
 
-        loaded = load_target(args.target or smollm2_gguf_path(), args.dtype, tokenizer=False)
+        path = args.target or smollm2_gguf_path()
+        loaded = load_target(path, args.dtype, tokenizer=False,
+                             decode_activations=args.decode_activations)
         config, name = loaded.config, "SmolLM2-135M" if not args.target else str(args.target)
     if args.layers:
         config = _replace(config, num_layers=args.layers, layer_types=())
@@ -264,6 +267,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=0, help="cut the target to N layers (random weights)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default f32, bf16 for random)")
     parser.add_argument("--attn", choices=ATTN_CHOICES, default="auto", help="attention implementation")
+    parser.add_argument("--decode-activations", choices=ACTIVATIONS, default="float32",
+                        help="the target's Q4_1 products with float32 or int8 activations (`load_target`)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--capacity", type=int, nargs="+", default=[512], help="cache slots")
     parser.add_argument("--fill", type=int, default=300, help="filled cache positions")

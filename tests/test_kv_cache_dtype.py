@@ -126,4 +126,4 @@ def test_the_clis_take_kv_cache_dtype_and_pass_it_to_load_target(monkeypatch):
     monkeypatch.setattr(target_loader, "load_target", load_target)
     with pytest.raises(common.CLIError, match="stop here"):
         common.load_models(Path("some-target"), None, "float32", "float16")
-    assert seen == {"kv_cache_dtype": "float16"}
+    assert seen == {"kv_cache_dtype": "float16", "decode_activations": "float32"}  # not a GGUF: float32

@@ -52,7 +52,7 @@ from dflash_jax.cli.common import (  # noqa: E402
     DTYPE_CHOICES,
     add_compile_cache_flag,
     add_drafting_flags,
-    add_kv_cache_flag,
+    add_target_flags,
     check_drafting_flags,
     default_stop_ids,
     drafting_kwargs,
@@ -625,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_drafting_flags(gen)
     gen.add_argument("--dtype", choices=DTYPE_CHOICES,
                      help="default: float32 (bfloat16 with --random-target)")
-    add_kv_cache_flag(gen)
+    add_target_flags(gen)
     gen.add_argument("--seed", type=int, default=0)
     add_compile_cache_flag(gen)
     out = p.add_argument_group("output")
@@ -722,7 +722,8 @@ def load_setup(args) -> Setup:
     resolve_drafting(args, drafter_path)
     set_name, prompts = select_prompts(args)
     start = time.perf_counter()
-    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype, args.drafter_weights)
+    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype, args.drafter_weights,
+                                   args.decode_activations)
     load_seconds = time.perf_counter() - start
     for prompt in prompts:
         prompt["ids"] = encode_prompt(target.tokenizer, prompt.pop("text"), args.raw)
@@ -757,7 +758,8 @@ def run(args) -> int:
           f"{f', drafts verified from p >= {args.min_draft_probability:g}' if drafter is not None and args.min_draft_probability else ''}"
           f"{f', drafter weights {drafter.decode_weights}' if drafter is not None and drafter.decode_weights != 'stored' else ''}, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {args.dtype}"
-          f"{f' (KV cache {target.spec.kv_cache_dtype.name})' if target.spec.kv_cache_dtype != target.spec.dtype else ''}, "
+          f"{f' (KV cache {target.spec.kv_cache_dtype.name})' if target.spec.kv_cache_dtype != target.spec.dtype else ''}"
+          f"{', int8 activations' if target.decode_activations == 'int8' else ''}, "
           f"device {device.platform}:{device.device_kind}", flush=True)
     params_bytes = _tree_bytes(target.params) + (_tree_bytes(drafter.params) if drafter is not None else 0)
     reports = []
@@ -806,6 +808,7 @@ def write_report(out: Path, args, reports, setup: Setup, device) -> None:
                 "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                 "acceptance": args.acceptance, "seed": args.seed, "dtype": args.dtype,
                 "kv_cache_dtype": setup.target.spec.kv_cache_dtype.name,
+                "decode_activations": setup.target.decode_activations,
                 "drafter_weights": drafter.decode_weights if drafter else None,
                 "block_size": (args.block_size or drafter.block_size) if drafter else 1,
                 "lookup": args.lookup if drafter else 0,

@@ -17,6 +17,7 @@ from typing import Sequence
 from dflash_jax.cli.common import (
     CLIError,
     add_compile_cache_flag,
+    add_decode_activations_flag,
     add_drafting_flags,
     check_drafting_flags,
     compare_outputs,
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DFlash drafter directory for SmolLM2 (default: checkpoints/smollm2-dflash when "
                         "it ships; otherwise plain decoding)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: %(default)s")
+    add_decode_activations_flag(p)
     add_drafting_flags(p)
     add_compile_cache_flag(p)
     return p
@@ -81,13 +83,15 @@ def run(args) -> int:
     target_path, _ = resolve_target_path(None)
     resolve_drafting(args, drafter_path)
     enable_compile_cache(args)
-    target, drafter = load_models(target_path, drafter_path, "float32", drafter_weights=args.drafter_weights)
+    target, drafter = load_models(target_path, drafter_path, "float32", drafter_weights=args.drafter_weights,
+                                  decode_activations=args.decode_activations)
     stops = default_stop_ids(target)
     mode = decoding_mode(drafter, args.lookup, args.min_draft_probability)
     drafting = drafting_kwargs(args, drafter)
     looked_up = (f" (--lookup {args.lookup}: where the text repeats, it drafts from itself)"
                  if drafter is not None and args.lookup else "")
-    print(f"target: {target_path.name} ({target.config.num_layers} layers, hidden {target.config.hidden_size})"
+    print(f"target: {target_path.name} ({target.config.num_layers} layers, hidden {target.config.hidden_size}"
+          f"{', int8 activations' if args.decode_activations == 'int8' else ''})"
           f"\ndrafter: {drafter_path if drafter is not None else 'none (plain decoding)'}{looked_up}"
           f"\nloaded in {time.perf_counter() - start:.1f} s\n", flush=True)
     for prompt in args.prompt or DEFAULT_PROMPTS:

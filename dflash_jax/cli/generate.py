@@ -19,7 +19,7 @@ from dflash_jax.cli.common import (
     DTYPE_CHOICES,
     add_compile_cache_flag,
     add_drafting_flags,
-    add_kv_cache_flag,
+    add_target_flags,
     check_drafting_flags,
     compare_outputs,
     decoding_mode,
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_drafting_flags(p)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="params and activations dtype (default: %(default)s)")
-    add_kv_cache_flag(p)
+    add_target_flags(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--stream", action="store_true",
                    help="print the text as it is accepted (timings then include host round trips)")
@@ -143,12 +143,14 @@ def run(args) -> int:
         notice("--block-size only applies with a drafter: ignored")
     resolve_drafting(args, drafter_path)
     enable_compile_cache(args)
-    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype, args.drafter_weights)
+    target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype, args.drafter_weights,
+                                   args.decode_activations)
     ids = encode_prompt(target.tokenizer, args.prompt, args.raw)
     stops = default_stop_ids(target)
     mode = decoding_mode(drafter, args.lookup, args.min_draft_probability)
     print(f"[{target_path.name}{' + ' + drafter_path.name if drafter_path else ''}, {mode}, "
-          f"{len(ids)} prompt tokens]", file=sys.stderr, flush=True)
+          f"{'int8 activations, ' if args.decode_activations == 'int8' else ''}{len(ids)} prompt tokens]",
+          file=sys.stderr, flush=True)
     if args.stream:
         lines = _stream(target, drafter, ids, args)
         print("\n".join(["", *lines]))

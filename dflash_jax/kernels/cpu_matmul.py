@@ -40,10 +40,12 @@ PANEL = 16  # columns per panel of a packed kernel
 QUANT_BLOCK = 32  # k per block of narrow panels (GGML's Q4_1 and Q8_0 blocks; bfloat16 too)
 # GGML's block of 32 weights (bytes: float16 scale [and offset], then the values) and the narrow
 # panel block the kernel reads for 32 k x 16 columns (float32 scales [and offsets], then the
-# values by k; bfloat16: the values alone).
+# values by k; bfloat16: the values alone; Q4_1 for int8 activations, "Q4_1_I8": float16 scales
+# and offsets, then the values in quads of k).
 GGML_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-PANEL_BLOCK_BYTES = {"Q4_1": 384, "Q8_0": 576, "BF16": 1024}
+PANEL_BLOCK_BYTES = {"Q4_1": 384, "Q8_0": 576, "BF16": 1024, "Q4_1_I8": 320}
 QUANTIZE_CHOICES = (None, "q8_0")  # what `pack_kernel(..., quantize=...)` takes
+ACTIVATIONS = ("float32", "int8")  # what `pack_quantized(..., activations=...)` takes
 
 
 def packs_side_by_side(*widths: int) -> bool:
@@ -147,16 +149,27 @@ def _bfloat16_panels(panels: np.ndarray) -> np.ndarray | None:
     return out
 
 
-def pack_quantized(blocks: np.ndarray, quant_type: str) -> jax.Array:
+def pack_quantized(blocks: np.ndarray, quant_type: str, activations: str = "float32") -> jax.Array:
     """A weight as a GGUF file stores it, GGML blocks [..., N, K / 32, block bytes] (Hugging Face's
     [out, in] rows, so N output columns; `GGUFTensors.stored_blocks`), as panels of 16 columns the
     rows kernel multiplies as they are: [..., ceil(N / 16), K / 32, PANEL_BLOCK_BYTES] uint8.
     Panel p, block b holds the 16 columns' float32 scales d (Q4_1: then offsets m) and their
     values k by k (Q4_1: byte j of a k = column j's 4 bits | column j + 8's << 4; Q8_0: the 16
     int8). The weights are GGML's own floats: `dequantize_panels` of it equals gguf-py's
-    dequantisation (d * q + m, d * q) transposed into `pack_kernel`'s panels, bit for bit."""
+    dequantisation (d * q + m, d * q) transposed into `pack_kernel`'s panels, bit for bit.
+
+    activations="int8" (Q4_1 only): panels the kernel multiplies as llama.cpp's CPU backend does,
+    each row of x rounded to int8 per block of 32 (`round_activations`) and the 4-bit values
+    multiplied as integers (the "Q4_1_I8" block: float16 d[16] and m[16] as the file stores them,
+    then per quad of 4 k 32 bytes, byte 16 h + 2 c + t holding column c's value at k 4 j + 2 h + t
+    (low 4 bits) and column c + 8's (high)). A different product, x's rounding included: a
+    target loaded so is another (near) model, the same in a verify and in a step."""
     if quant_type not in GGML_BLOCK_BYTES:
         raise ValueError(f"pack_quantized reads {' or '.join(GGML_BLOCK_BYTES)} blocks, not {quant_type}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"pack_quantized: activations must be one of {ACTIVATIONS}, not {activations!r}")
+    if activations == "int8" and quant_type != "Q4_1":
+        raise ValueError(f"pack_quantized: int8 activations multiply Q4_1 blocks, not {quant_type}")
     if blocks.shape[-1] != GGML_BLOCK_BYTES[quant_type]:
         raise ValueError(f"pack_quantized: {quant_type} blocks of {GGML_BLOCK_BYTES[quant_type]} bytes "
                          f"expected, got [..., {blocks.shape[-1]}]")
@@ -178,7 +191,14 @@ def pack_quantized(blocks: np.ndarray, quant_type: str) -> jax.Array:
         values = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [..., P, 16, nb, 32]
         values = np.moveaxis(by_block(values), -2, -1)  # [..., P, nb, 32 k, 16 columns]
         packed = values[..., :8] | (values[..., 8:] << 4)
-        parts = [scales(0), scales(2), packed.reshape(*lead, p, nb, -1)]
+        if activations == "int8":  # [.., 32 k, 8] -> [.., quad j, lane h, column c, t], k = 4 j + 2 h + t
+            quads = packed.reshape(*lead, p, nb, QUANT_BLOCK // 4, 2, 2, 8)
+            packed = np.swapaxes(quads, -1, -2)
+            halves = lambda at: np.ascontiguousarray(by_block(panels[..., at:at + 2])).reshape(*lead, p, nb, 2 * PANEL)
+            parts = [halves(0), halves(2), packed.reshape(*lead, p, nb, -1)]
+            quant_type = "Q4_1_I8"
+        else:
+            parts = [scales(0), scales(2), packed.reshape(*lead, p, nb, -1)]
     else:
         values = np.moveaxis(by_block(panels[..., 2:]), -2, -1)  # int8 bytes [..., P, nb, 32 k, 16]
         parts = [scales(0), values.reshape(*lead, p, nb, -1)]
@@ -192,6 +212,14 @@ def dequantize_panels(w) -> jax.Array:
     -> their float32 panels [..., P, K, 16], the floats the kernel multiplies by: XLA's path where
     the kernel cannot run, and the embedding rows of a narrow tied head."""
     *lead, p, nb, size = w.shape
+    if size == PANEL_BLOCK_BYTES["Q4_1_I8"]:
+        as_f32 = lambda b: jax.lax.bitcast_convert_type(b.reshape(*lead, p, nb, PANEL, 2),
+                                                        jnp.float16).astype(jnp.float32)[..., None, :]
+        quads = w[..., 64:].reshape(*lead, p, nb, QUANT_BLOCK // 4, 2, 8, 2)  # [.., j, h, c, t]
+        quads = jnp.swapaxes(quads, -1, -2).reshape(*lead, p, nb, QUANT_BLOCK, 8)  # [.., k, c]
+        values = jnp.concatenate([quads & 15, quads >> 4], axis=-1).astype(jnp.float32)
+        weights = values * as_f32(w[..., :32]) + as_f32(w[..., 32:64])
+        return weights.reshape(*lead, p, nb * QUANT_BLOCK, PANEL)
     if size == PANEL_BLOCK_BYTES["BF16"]:
         halves = jax.lax.bitcast_convert_type(w.reshape(*lead, p, nb * QUANT_BLOCK, PANEL, 2), jnp.uint16)
         return jax.lax.bitcast_convert_type(halves.astype(jnp.uint32) << 16, jnp.float32)
@@ -207,7 +235,24 @@ def dequantize_panels(w) -> jax.Array:
     return weights.reshape(*lead, p, nb * QUANT_BLOCK, PANEL)
 
 
+def uses_int8_activations(w) -> bool:
+    """Whether w is Q4_1 panels for int8 activations (`pack_quantized(..., activations="int8")`)."""
+    return is_narrow(w) and w.shape[-1] == PANEL_BLOCK_BYTES["Q4_1_I8"]
+
+
+def round_activations(x: jax.Array) -> jax.Array:
+    """x [..., K] (K a multiple of 32) as the int8-activation kernel sees it: each block of 32
+    rounded to int8 values q with one scale d = max |x| / 127, GGML's Q8_1; -> d * q, float32."""
+    x = x.astype(jnp.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, QUANT_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    inverse = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    return (jnp.round(blocks * inverse) * (amax / 127.0)).reshape(x.shape)
+
+
 def _xla_panels(x, panels):
+    if uses_int8_activations(panels):
+        x = round_activations(x)
     if is_narrow(panels):
         panels = dequantize_panels(panels).astype(x.dtype)
     y = jax.lax.dot_general(x, panels, (((x.ndim - 1,), (1,)), ((), ())))  # [..., P, 16]

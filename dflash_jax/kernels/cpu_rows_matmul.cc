@@ -28,6 +28,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <thread>
 #include <type_traits>
@@ -181,13 +183,15 @@ void RowsMatmulPanels(const float* x, const float* w, float* y, int64_t M, int64
 // products are bit for bit those of the float32 panels, from half of the bytes.
 constexpr int64_t kNarrowBlock = 32;  // k per block (GGML's QK4_1 and QK8_0)
 
-enum class Format { kF32, kQ4_1, kQ8_0, kBF16 };
+enum class Format { kF32, kQ4_1, kQ8_0, kBF16, kQ4_1I8 };
 
 // Bytes per block of 32 k x 16 columns. Q4_1: scales d[16] and offsets m[16] (float32), then per k
 // 8 bytes, byte j holding column j's 4 bits (low) and column j + 8's (high). Q8_0: d[16], then per
-// k the 16 columns' int8. BF16: per k the 16 columns' bfloat16.
+// k the 16 columns' int8. BF16: per k the 16 columns' bfloat16. Q4_1I8 (Q4_1 for int8 activations,
+// Int8Tile): d[16] and m[16] as float16, then the 4-bit values in quads of k (see there).
 constexpr int64_t BlockBytes(Format format) {
-  return format == Format::kQ4_1 ? 384 : format == Format::kQ8_0 ? 576 : format == Format::kBF16 ? 1024 : 0;
+  return format == Format::kQ4_1 ? 384 : format == Format::kQ8_0 ? 576 : format == Format::kBF16 ? 1024
+         : format == Format::kQ4_1I8 ? 320 : 0;
 }
 
 // The 16 bfloat16 weights of row k (0-31) of a panel block, as two vectors of float32: each half
@@ -473,9 +477,132 @@ void FactoredRowsMatmulPanels(const float* x, const float* xs, const uint8_t* w,
   }
 }
 
+// Q4_1 panels for int8 activations (Format::kQ4_1I8, `cpu_matmul.pack_quantized(...,
+// activations="int8")`): llama.cpp's CPU arithmetic for a Q4_1 weight. Each row of x is rounded,
+// block by block of 32 k, to int8 values qx with one scale dx = max |x| / 127 (GGML's Q8_1), and
+// a block's share of x . w is d dx (qx . q) + m dx (sum of qx): the dot products of the 4-bit
+// values with the 8-bit ones are integers, summed exactly 32 at a time by vpmaddubsw (two products
+// per 16-bit lane, eight quads added in 16 bits: |sum| <= 8 x 2 x 15 x 127 = 30,480, no
+// saturation). A block holds d[16] and m[16] as GGUF's float16 (64 bytes), then 8 quads of 4 k:
+// 32 bytes, lane h (k 4j + 2h and 4j + 2h + 1) byte 2c + t holding column c's value at k 4j + 2h + t
+// (low 4 bits) and column c + 8's (high), so one load gives the pairs vpmaddubsw multiplies against
+// x's (qx[4j + 2h], qx[4j + 2h + 1]) in lane h, for 8 columns in the low bits and 8 in the high.
+// The result is the product of the block-rounded x with the weights (to float rounding), no
+// longer the float x's: a different model by the rounding of its activations, as llama.cpp's is.
+// A row's result still depends on that row alone (its own rounding, integer sums, then a fixed
+// order of float operations), so a verify of many rows and a step of one agree bit for bit.
+constexpr int64_t kQuads = kNarrowBlock / 4;
+constexpr int kInt8Rows = 6;  // rows per tile: 2 x 6 16-bit sums in registers
+
+// x [M, K] -> qx [M, K] int8, and per row and block of 32: dx and dx * (sum of the block's qx)
+// (what Q4_1's offsets multiply), [M, K / 32] each.
+void QuantizeRows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+  for (int64_t i = 0; i < M * (K / kNarrowBlock); ++i) {
+    const float* xb = x + i * kNarrowBlock;
+    float amax = 0.0f;
+    for (int k = 0; k < kNarrowBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int k = 0; k < kNarrowBlock; ++k) {
+      const int q = static_cast<int>(std::nearbyint(xb[k] * inv));
+      qx[i * kNarrowBlock + k] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    dx[i] = d;
+    sx[i] = d * static_cast<float>(sum);
+  }
+}
+
+// Rows [0, R) (qx, dx, sx of QuantizeRows; strides K, K / 32, K / 32) times one Q4_1I8 panel -> y
+// (stride ldy); `stream` as FactoredTile's. Quad j of a row's block: its 4 int8 broadcast, then
+// shuffled into (qx[4j], qx[4j + 1]) x 8 | (qx[4j + 2], qx[4j + 3]) x 8.
+template <int R>
+inline void Int8Tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
+                     float* y, int64_t ldy, bool stream) {
+  constexpr int64_t kBytes = BlockBytes(Format::kQ4_1I8);
+  const int64_t blocks = K / kNarrowBlock;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  float acc[R][kPanel] = {};  // the float sums, touched once per block: in L1, the registers hold the 16-bit ones
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * kBytes;
+    if (stream)
+      for (int64_t c = 0; c < kBytes; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block + kStreamAhead * kBytes + c), _MM_HINT_NTA);
+    __m256i sums[R][2];  // [row][columns 0-7 / 8-15], 16-bit, lanes: k pairs 0-1 / 2-3 of each quad
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < kQuads; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 + 32 * j));
+      const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, qx + r * K + b * kNarrowBlock + 4 * j, 4);
+        const __m256i p = _mm256_shuffle_epi8(_mm256_set1_epi32(quad), pairs);
+        sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(lo, p));
+        sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(hi, p));
+      }
+    }
+    const __m128i* half = reinterpret_cast<const __m128i*>(block);
+    const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(half)), _mm256_cvtph_ps(_mm_loadu_si128(half + 1))};
+    const __m256 m[2] = {_mm256_cvtph_ps(_mm_loadu_si128(half + 2)), _mm256_cvtph_ps(_mm_loadu_si128(half + 3))};
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 dr = _mm256_broadcast_ss(dx + r * blocks + b), sr = _mm256_broadcast_ss(sx + r * blocks + b);
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c) {
+        const __m256i s = sums[r][c];
+        const __m256i total = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s)),
+                                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)));
+        __m256 a = _mm256_loadu_ps(acc[r] + 8 * c);
+        a = _mm256_fmadd_ps(_mm256_mul_ps(d[c], dr), _mm256_cvtepi32_ps(total), a);
+        _mm256_storeu_ps(acc[r] + 8 * c, _mm256_fmadd_ps(m[c], sr, a));
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(acc[r]));
+}
+
+// Panels [p0, p1) of y = x . w for Q4_1I8 panels, x given as QuantizeRows's qx, dx, sx. Rows in
+// near-equal groups of at most kInt8Rows, each group over kGroup panels at a time (still in L1/L2
+// for the next group); a single group streams its blocks (prefetchnta).
+void Int8RowsMatmulPanels(const int8_t* qx, const float* dx, const float* sx, const uint8_t* w, float* y,
+                          int64_t M, int64_t K, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t blocks = K / kNarrowBlock, stride = blocks * BlockBytes(Format::kQ4_1I8);
+  const int64_t groups = (M + kInt8Rows - 1) / kInt8Rows;
+  for (int64_t g0 = p0; g0 < p1; g0 += kGroup) {
+    const int64_t g1 = std::min(p1, g0 + kGroup);
+    for (int64_t g = 0, m = 0; g < groups; ++g) {
+      const int64_t rows = (M - m) / (groups - g);
+      const int8_t* qg = qx + m * K;
+      const float *dg = dx + m * blocks, *sg = sx + m * blocks;
+      for (int64_t p = g0; p < g1; ++p) {
+        float* yp = y + m * ldy + p * kPanel;
+        const uint8_t* wp = w + p * stride;
+        const bool stream = groups == 1;
+        switch (rows) {
+          case 1: Int8Tile<1>(qg, dg, sg, K, wp, yp, ldy, stream); break;
+          case 2: Int8Tile<2>(qg, dg, sg, K, wp, yp, ldy, stream); break;
+          case 3: Int8Tile<3>(qg, dg, sg, K, wp, yp, ldy, stream); break;
+          case 4: Int8Tile<4>(qg, dg, sg, K, wp, yp, ldy, stream); break;
+          case 5: Int8Tile<5>(qg, dg, sg, K, wp, yp, ldy, stream); break;
+          default: Int8Tile<6>(qg, dg, sg, K, wp, yp, ldy, stream); break;
+        }
+      }
+      m += rows;
+    }
+  }
+}
+
 struct RowsJob {
   const float* x;
-  const float* xs;  // block sums of x (Q4_1)
+  const float* xs;  // block sums of x (Q4_1); Q4_1I8: dx * (sum of qx) per block (QuantizeRows's sx)
+  const int8_t* qx;  // Q4_1I8: x rounded to int8 (QuantizeRows)
+  const float* dx;  // Q4_1I8: the rounding's scale per row and block
   const void* w;
   float* y;
   int64_t M, K, ldy, P;
@@ -491,12 +618,20 @@ void RowsMatmul(Format format, const float* x, const void* w, float* y, int64_t 
   const int64_t ldy = P * kPanel;
   int parts = std::min<int64_t>(pool.helpers() + 1, std::max<int64_t>(P / kMinPanelsPerPart, 1));
   if (M * ldy * K < kMinMultiplyAddsToSplit) parts = 1;
-  thread_local std::vector<float> sums;  // Q4_1's block sums of x (the offsets multiply them)
+  thread_local std::vector<float> sums, scales;  // Q4_1's block sums of x; Q4_1I8's dx
+  thread_local std::vector<int8_t> rounded_x;  // Q4_1I8's qx
   if (format == Format::kQ4_1) {
     sums.resize(M * (K / kNarrowBlock));
     BlockSums(x, M, K, sums.data());
+  } else if (format == Format::kQ4_1I8) {
+    sums.resize(M * (K / kNarrowBlock));
+    scales.resize(M * (K / kNarrowBlock));
+    rounded_x.resize(M * K);
+    QuantizeRows(x, M, K, rounded_x.data(), scales.data(), sums.data());
   }
-  const RowsJob job{x, format == Format::kQ4_1 ? sums.data() : nullptr, w, y, M, K, ldy, P, format};
+  const bool rounded = format == Format::kQ4_1I8;
+  const RowsJob job{x, format == Format::kQ4_1 || rounded ? sums.data() : nullptr, rounded ? rounded_x.data() : nullptr,
+                    rounded ? scales.data() : nullptr, w, y, M, K, ldy, P, format};
   pool.RunParts([](const void* context, int part, int parts) {
     const RowsJob& j = *static_cast<const RowsJob*>(context);
     const int64_t step = (j.P + parts - 1) / parts, p0 = std::min(j.P, part * step), p1 = std::min(j.P, (part + 1) * step);
@@ -508,6 +643,8 @@ void RowsMatmul(Format format, const float* x, const void* w, float* y, int64_t 
       case Format::kQ8_0:
         return FactoredRowsMatmulPanels<Format::kQ8_0>(j.x, j.xs, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
       case Format::kBF16: return BF16RowsMatmulPanels(j.x, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
+      case Format::kQ4_1I8:
+        return Int8RowsMatmulPanels(j.qx, j.dx, j.xs, narrow, j.y, j.M, j.K, j.ldy, p0, p1);
     }
   }, &job, parts);
 }
@@ -535,8 +672,8 @@ ffi::Error RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
   return ffi::Error::Success();
 }
 
-// w: narrow panels [P, K / 32, B] or a stack [L, P, K / 32, B], B = 384 bytes (Q4_1), 576 (Q8_0) or
-// 1024 (bfloat16).
+// w: narrow panels [P, K / 32, B] or a stack [L, P, K / 32, B], B = 384 bytes (Q4_1), 576 (Q8_0),
+// 1024 (bfloat16) or 320 (Q4_1 for int8 activations).
 ffi::Error NarrowRowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
                                ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -544,12 +681,12 @@ ffi::Error NarrowRowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
   const size_t stacked = wd.size() == 4 ? 1 : 0;
   const int64_t bytes = wd.size() == 0 ? 0 : wd.back();
   Format format = Format::kF32;
-  for (Format f : {Format::kQ4_1, Format::kQ8_0, Format::kBF16})
+  for (Format f : {Format::kQ4_1, Format::kQ8_0, Format::kBF16, Format::kQ4_1I8})
     if (bytes == BlockBytes(f)) format = f;
   if (xd.size() < 1 || wd.size() != 3 + stacked || format == Format::kF32 ||
       xd.back() != wd[1 + stacked] * kNarrowBlock || layer.element_count() != 1) {
     return ffi::Error::InvalidArgument(
-        "dflash_rows_matmul_narrow: x [..., K] and w [P, K / 32, 384, 576 or 1024] or [L, P, K / 32, ...] "
+        "dflash_rows_matmul_narrow: x [..., K] and w [P, K / 32, 384, 576, 1024 or 320] or [L, P, K / 32, ...] "
         "disagree, or layer is not a scalar");
   }
   const int64_t L = stacked ? wd[0] : 1, P = wd[stacked], K = xd.back();

@@ -57,22 +57,29 @@ def _stored(tensors, names: list[str]):
     return types.pop(), np.concatenate(blocks, axis=0)
 
 
-def _stacked(tensors, names_per_part: list[list[str]]):
+def _packed(quant_type: str, blocks: np.ndarray, activations: str) -> jax.Array:
+    """`pack_quantized`, with int8 activations where they apply (Q4_1 blocks)."""
+    return pack_quantized(blocks, quant_type, activations if quant_type == "Q4_1" else "float32")
+
+
+def _stacked(tensors, names_per_part: list[list[str]], activations: str):
     """Panels [L, P, K / 32, bytes] of one packed product whose parts (their per-layer tensor
     names) sit side by side, or None unless every layer's parts share one type it reads and one
     shape."""
     per_layer = [_stored(tensors, list(names)) for names in zip(*names_per_part)]  # layer i: its parts
     if any(s is None for s in per_layer) or len({(s[0], s[1].shape) for s in per_layer}) != 1:
         return None
-    return pack_quantized(np.stack([s[1] for s in per_layer]), per_layer[0][0])
+    return _packed(per_layer[0][0], np.stack([s[1] for s in per_layer]), activations)
 
 
-def stored_panels(tensors, config) -> StoredPanels:
+def stored_panels(tensors, config, activations: str = "float32") -> StoredPanels:
     """The narrow panels of every packed kernel of a GGUF target whose stored blocks the CPU rows
     kernel reads (`tensors`: the checkpoint's `GGUFTensors`; none where the kernel cannot run).
     Each packed kernel's tensors are found through the loader's name table (`names.target_rules`);
     q/k/v and gate/up make one product, their blocks side by side, where `pack_layers` fuses them
-    (`layers.FUSED_PROJECTIONS`, `packs_side_by_side`, no bias), as separate products elsewhere."""
+    (`layers.FUSED_PROJECTIONS`, `packs_side_by_side`, no bias), as separate products elsewhere.
+    activations="int8": Q4_1 blocks are packed for int8 activations (`pack_quantized`), the
+    others as before."""
     if not available():
         return StoredPanels()
     rules = {rule.path: rule for rule in target_rules(config)}
@@ -88,21 +95,21 @@ def stored_panels(tensors, config) -> StoredPanels:
         widths = [tensors.info(names[p][0]).shape[0] for p in paths]  # Hugging Face's [out, in]
         groups = [paths] if packs_side_by_side(*widths) else [[p] for p in paths]
         for group in groups:
-            panels = _stacked(tensors, [names[p] for p in group])
+            panels = _stacked(tensors, [names[p] for p in group], activations)
             if panels is not None:
                 key = (parent, fused, "kernel") if len(group) > 1 else group[0][1:]
                 out.layers[key] = panels
                 skip.update(group)
     for path in rules:
         if path[0] == "layers" and path[-1] == "kernel" and path not in grouped:
-            panels = _stacked(tensors, [names[path]])
+            panels = _stacked(tensors, [names[path]], activations)
             if panels is not None:
                 out.layers[path[1:]] = panels
                 skip.add(path)
     head_path = ("embed_tokens", "embedding") if config.tie_word_embeddings else ("lm_head", "kernel")
     head = _stored(tensors, names[head_path])
     if head is not None:
-        out.head = pack_quantized(head[1], head[0])
+        out.head = _packed(head[0], head[1], activations)
         if config.tie_word_embeddings:  # (an untied head is still read: `pack_layers` takes a stacked
             skip.add(head_path)         # embedding without lm_head for a tied one)
     out.skip = frozenset(skip)

@@ -16,6 +16,7 @@ from dflash_jax.config import ConfigFields, ModelConfig, read_config_json, read_
 from dflash_jax.errors import CheckpointError
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
+from dflash_jax.kernels.cpu_matmul import ACTIVATIONS
 from dflash_jax.loading.gguf_panels import StoredPanels, stored_panels
 from dflash_jax.loading.names import hf_to_params, target_rules
 from dflash_jax.resources import smollm2_gguf_path
@@ -66,7 +67,7 @@ def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:
 
 
 def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl: str = "auto",
-                layout: str = "auto", kv_cache_dtype=None) -> Target:
+                layout: str = "auto", kv_cache_dtype=None, decode_activations: str = "float32") -> Target:
     """Load a target model for generation or drafter training.
 
     path: a Hugging Face model directory (config.json + model.safetensors[.index.json], or
@@ -81,12 +82,20 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     kv_cache_dtype: what the KV cache of `generate` stores: None or "auto" (default) the compute
       dtype; "float16" under float32 halves the cache (and the bytes a decode step reads from it)
       at float16's precision for keys and values (`TargetSpec`).
+    decode_activations: "float32" (default) or "int8": a GGUF file's Q4_1 blocks multiplied as
+      llama.cpp's CPU backend multiplies them, each row of activations rounded to int8 per block
+      of 32 (`kernels.cpu_matmul.pack_quantized`): a float32 CPU decode ("packed" layout) only.
+      Products of several rows (a verify) cost about what one row's does; the model is then the
+      file's weights with rounded activations, its own slightly different logits, the same in
+      plain and speculative decoding (both lossless against it).
 
     Bad input raises one exception naming the file: FileNotFoundError, ConfigError (config.json),
     CheckpointError (damaged or mismatched weights), TorchRequiredError (.bin without torch).
     """
     check_layout(layout)  # before anything is read
     resolve_kv_cache_dtype(kv_cache_dtype, jnp.float32)
+    if decode_activations not in ACTIVATIONS:
+        raise ValueError(f"decode_activations must be one of {ACTIVATIONS}, not {decode_activations!r}")
     if str(path) in EMBEDDED_TARGETS and not Path(path).exists():
         path = EMBEDDED_TARGETS[str(path)]()
     path = Path(path)
@@ -94,14 +103,18 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     if not path.exists():
         raise FileNotFoundError(f"target path does not exist: {path} (or use an embedded name: "
                                 f"{', '.join(EMBEDDED_TARGETS)})")
+    cpu_decode = resolve_layout(layout) == "packed" and jnp.dtype(dtype) == jnp.float32
+    if decode_activations == "int8" and (path.suffix != ".gguf" or not cpu_decode):
+        raise ValueError("decode_activations='int8' multiplies a GGUF file's Q4_1 blocks in a float32 CPU "
+                         f"decode (layout 'packed'); got {path.name}, {jnp.dtype(dtype).name}, layout "
+                         f"{resolve_layout(layout)!r}")
     if path.suffix == ".gguf":
         from dflash_jax.loading.gguf_reader import gguf_tokenizer, read_gguf
 
         checkpoint = read_gguf(path)
         config = ModelConfig.from_hf_config(checkpoint.hf_config, source=str(path))
         # a float32 CPU decode reads the file's own quantized blocks; the floats are not made
-        stored = (stored_panels(checkpoint.tensors, config)
-                  if resolve_layout(layout) == "packed" and jnp.dtype(dtype) == jnp.float32 else StoredPanels())
+        stored = stored_panels(checkpoint.tensors, config, decode_activations) if cpu_decode else StoredPanels()
         params = params_from_tensors(config, checkpoint.tensors, dtype, str(path), skip=stored.skip,
                                      shape_of=lambda name: checkpoint.tensors.info(name).shape)
         tok = gguf_tokenizer(checkpoint) if tokenizer else None

@@ -14,9 +14,9 @@ from tqdm.auto import tqdm
 from dflash_jax.cache import resolve_kv_cache_dtype
 from dflash_jax.config import ConfigFields, ModelConfig, read_config_json, read_json
 from dflash_jax.errors import CheckpointError
+from dflash_jax.kernels.cpu_matmul import ACTIVATIONS
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
-from dflash_jax.kernels.cpu_matmul import ACTIVATIONS
 from dflash_jax.loading.gguf_panels import StoredPanels, stored_panels
 from dflash_jax.loading.names import hf_to_params, target_rules
 from dflash_jax.resources import smollm2_gguf_path

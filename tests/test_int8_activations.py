@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.kernels.cpu_matmul import (ACTIVATIONS, NARROW_TARGET_NAME, PANEL, PANEL_BLOCK_BYTES, _xla_panels,
+from dflash_jax.kernels.cpu_matmul import (ACTIVATIONS, INT8_TARGET_NAME, PANEL, PANEL_BLOCK_BYTES, _xla_panels,
                                            available, dequantize_panels, pack_quantized, round_activations,
                                            rows_matmul, uses_int8_activations)
 from test_cpu_matmul import _ggml_blocks, _product, needs_kernel
@@ -36,15 +36,16 @@ def test_rounded_activations_are_int8_steps_of_one_scale_per_block():
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(48, 64), (40, 576), (96, 1536)])
 def test_int8_panels_multiply_their_weights_by_the_rounded_activations(n, k):
-    """The same weights as the float32-activation Q4_1 panels (bit for bit), in 320 bytes per block
-    of 32 x 16 instead of 384 (float16 scales and offsets, as the file stores them); the kernel's
+    """The same weights as the float32-activation Q4_1 panels (bit for bit) in as many bytes (320
+    per block of 32 x 16), typed int8 to tell them apart; the kernel's
     product is that of the rounded x with them to float rounding (XLA's path computes exactly
     that), and a row's result is the same bit for bit whatever rows share the call (1-6 rows in a
     tile, groups of tiles)."""
     blocks = _ggml_blocks("Q4_1", n, k, seed=n + k)
     panels, floats = pack_quantized(blocks, "Q4_1", activations="int8"), pack_quantized(blocks, "Q4_1")
     assert uses_int8_activations(panels) and not uses_int8_activations(floats)
-    assert panels.shape == (-(-n // PANEL), k // 32, PANEL_BLOCK_BYTES["Q4_1_I8"]) == (-(-n // PANEL), k // 32, 320)
+    assert panels.shape == floats.shape == (-(-n // PANEL), k // 32, PANEL_BLOCK_BYTES["Q4_1"])
+    assert panels.dtype == jnp.int8 and floats.dtype == jnp.uint8
     np.testing.assert_array_equal(np.asarray(dequantize_panels(panels)), np.asarray(dequantize_panels(floats)))
     x = np.random.default_rng(k).standard_normal((40, k)).astype(np.float32)
     weights = np.asarray(dequantize_panels(floats)).transpose(1, 0, 2).reshape(k, -1)[:, :n].astype(np.float64)
@@ -53,7 +54,7 @@ def test_int8_panels_multiply_their_weights_by_the_rounded_activations(n, k):
     alone = [np.asarray(product(x[m:m + 1], panels))[0] for m in range(40)]
     for rows in (1, 2, 3, 4, 5, 6, 7, 13, 40):
         got = np.asarray(product(x[:rows], panels))
-        assert NARROW_TARGET_NAME in product.lower(x[:rows], panels).compile().as_text()
+        assert INT8_TARGET_NAME in product.lower(x[:rows], panels).compile().as_text()
         np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5 * np.abs(want).max())
         for m in range(rows):
             np.testing.assert_array_equal(got[m], alone[m], err_msg=f"row {m} of {rows}")
@@ -94,7 +95,7 @@ def test_smollm2_with_int8_activations_stays_close_to_float32(targets):
     assert (floats.decode_activations, int8.decode_activations) == ("float32", "int8")
     kernels = flax.traverse_util.flatten_dict(int8.params["layers"])
     kernels = {path: w for path, w in kernels.items() if path[-1] == "kernel"}
-    assert len(kernels) == 4 and all(w.shape[-1] == 320 for w in kernels.values())
+    assert len(kernels) == 4 and all(uses_int8_activations(w) for w in kernels.values())
     assert int8.params["head"].shape[-1] == PANEL_BLOCK_BYTES["Q8_0"]
     ids = jnp.asarray([encode_prompt(floats.tokenizer, "What is the capital of France?")], jnp.int32)
 

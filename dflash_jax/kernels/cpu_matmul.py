@@ -36,14 +36,15 @@ from dflash_jax.kernels.cpu_ffi import available
 
 TARGET_NAME = "dflash_rows_matmul"
 NARROW_TARGET_NAME = "dflash_rows_matmul_narrow"
+INT8_TARGET_NAME = "dflash_rows_matmul_int8"  # Q4_1 panels for int8 activations
 PANEL = 16  # columns per panel of a packed kernel
 QUANT_BLOCK = 32  # k per block of narrow panels (GGML's Q4_1 and Q8_0 blocks; bfloat16 too)
 # GGML's block of 32 weights (bytes: float16 scale [and offset], then the values) and the narrow
-# panel block the kernel reads for 32 k x 16 columns (float32 scales [and offsets], then the
-# values by k; bfloat16: the values alone; Q4_1 for int8 activations, "Q4_1_I8": float16 scales
-# and offsets, then the values in quads of k).
+# panel block the kernel reads for 32 k x 16 columns (Q4_1: float16 scales and offsets, Q8_0:
+# float32 scales, then the values by k; bfloat16: the values alone; Q4_1 for int8 activations:
+# Q4_1's 320 bytes with the values in quads of k, the panels typed int8 to tell them apart).
 GGML_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-PANEL_BLOCK_BYTES = {"Q4_1": 384, "Q8_0": 576, "BF16": 1024, "Q4_1_I8": 320}
+PANEL_BLOCK_BYTES = {"Q4_1": 320, "Q8_0": 576, "BF16": 1024}
 QUANTIZE_CHOICES = (None, "q8_0")  # what `pack_kernel(..., quantize=...)` takes
 ACTIVATIONS = ("float32", "int8")  # what `pack_quantized(..., activations=...)` takes
 
@@ -130,9 +131,9 @@ def is_packed(w, stacked: bool = False) -> bool:
 
 
 def is_narrow(w) -> bool:
-    """Whether w is narrow panels, [..., P, K / 32, bytes] uint8: `pack_quantized`'s (Q4_1: 384
-    bytes per block, Q8_0: 576) or `pack_kernel`'s bfloat16 ones (1024)."""
-    return w.dtype == jnp.uint8
+    """Whether w is narrow panels, [..., P, K / 32, bytes] uint8: `pack_quantized`'s (Q4_1: 320
+    bytes per block, Q8_0: 576; int8 for int8 activations) or `pack_kernel`'s bfloat16 ones (1024)."""
+    return w.dtype in (jnp.uint8, jnp.int8)
 
 
 def _bfloat16_panels(panels: np.ndarray) -> np.ndarray | None:
@@ -153,16 +154,17 @@ def pack_quantized(blocks: np.ndarray, quant_type: str, activations: str = "floa
     """A weight as a GGUF file stores it, GGML blocks [..., N, K / 32, block bytes] (Hugging Face's
     [out, in] rows, so N output columns; `GGUFTensors.stored_blocks`), as panels of 16 columns the
     rows kernel multiplies as they are: [..., ceil(N / 16), K / 32, PANEL_BLOCK_BYTES] uint8.
-    Panel p, block b holds the 16 columns' float32 scales d (Q4_1: then offsets m) and their
-    values k by k (Q4_1: byte j of a k = column j's 4 bits | column j + 8's << 4; Q8_0: the 16
-    int8). The weights are GGML's own floats: `dequantize_panels` of it equals gguf-py's
-    dequantisation (d * q + m, d * q) transposed into `pack_kernel`'s panels, bit for bit.
+    Panel p, block b holds the 16 columns' scales d (Q4_1: float16 as the file stores them, then
+    the offsets m; Q8_0: float32) and their values k by k (Q4_1: byte j of a k = column j's 4 bits
+    | column j + 8's << 4; Q8_0: the 16 int8). The weights are GGML's own floats: `dequantize_panels`
+    of it equals gguf-py's dequantisation (d * q + m, d * q) transposed into `pack_kernel`'s panels,
+    bit for bit.
 
     activations="int8" (Q4_1 only): panels the kernel multiplies as llama.cpp's CPU backend does,
     each row of x rounded to int8 per block of 32 (`round_activations`) and the 4-bit values
-    multiplied as integers (the "Q4_1_I8" block: float16 d[16] and m[16] as the file stores them,
-    then per quad of 4 k 32 bytes, byte 16 h + 2 c + t holding column c's value at k 4 j + 2 h + t
-    (low 4 bits) and column c + 8's (high)). A different product, x's rounding included: a
+    multiplied as integers: the same 320 bytes per block, the values in quads of 4 k (32 bytes,
+    byte 16 h + 2 c + t holding column c's value at k 4 j + 2 h + t (low 4 bits) and column c + 8's
+    (high)), typed int8 (`uses_int8_activations`). A different product, x's rounding included: a
     target loaded so is another (near) model, the same in a verify and in a step."""
     if quant_type not in GGML_BLOCK_BYTES:
         raise ValueError(f"pack_quantized reads {' or '.join(GGML_BLOCK_BYTES)} blocks, not {quant_type}")
@@ -186,25 +188,23 @@ def pack_quantized(blocks: np.ndarray, quant_type: str, activations: str = "floa
         f32 = np.ascontiguousarray(np.swapaxes(f16, -1, -2), np.float32)
         return f32.view(np.uint8).reshape(*lead, p, nb, 4 * PANEL)
 
+    def halves(at):  # the float16 bytes [at, at + 2) of every block, by column -> [..., P, nb, 32]
+        return np.ascontiguousarray(by_block(panels[..., at:at + 2])).reshape(*lead, p, nb, 2 * PANEL)
+
     if quant_type == "Q4_1":
         qs = panels[..., 4:]  # byte i: element i (low 4 bits), element i + 16 (high)
         values = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [..., P, 16, nb, 32]
         values = np.moveaxis(by_block(values), -2, -1)  # [..., P, nb, 32 k, 16 columns]
         packed = values[..., :8] | (values[..., 8:] << 4)
         if activations == "int8":  # [.., 32 k, 8] -> [.., quad j, lane h, column c, t], k = 4 j + 2 h + t
-            quads = packed.reshape(*lead, p, nb, QUANT_BLOCK // 4, 2, 2, 8)
-            packed = np.swapaxes(quads, -1, -2)
-            halves = lambda at: np.ascontiguousarray(by_block(panels[..., at:at + 2])).reshape(*lead, p, nb, 2 * PANEL)
-            parts = [halves(0), halves(2), packed.reshape(*lead, p, nb, -1)]
-            quant_type = "Q4_1_I8"
-        else:
-            parts = [scales(0), scales(2), packed.reshape(*lead, p, nb, -1)]
+            packed = np.swapaxes(packed.reshape(*lead, p, nb, QUANT_BLOCK // 4, 2, 2, 8), -1, -2)
+        parts = [halves(0), halves(2), packed.reshape(*lead, p, nb, -1)]
     else:
         values = np.moveaxis(by_block(panels[..., 2:]), -2, -1)  # int8 bytes [..., P, nb, 32 k, 16]
         parts = [scales(0), values.reshape(*lead, p, nb, -1)]
     out = host_arrays.empty((*lead, p, nb, PANEL_BLOCK_BYTES[quant_type]), np.uint8)
     np.concatenate(parts, axis=-1, out=out)
-    return host_arrays.adopt(out)
+    return host_arrays.adopt(out.view(np.int8) if activations == "int8" else out)
 
 
 def dequantize_panels(w) -> jax.Array:
@@ -212,32 +212,30 @@ def dequantize_panels(w) -> jax.Array:
     -> their float32 panels [..., P, K, 16], the floats the kernel multiplies by: XLA's path where
     the kernel cannot run, and the embedding rows of a narrow tied head."""
     *lead, p, nb, size = w.shape
-    if size == PANEL_BLOCK_BYTES["Q4_1_I8"]:
-        as_f32 = lambda b: jax.lax.bitcast_convert_type(b.reshape(*lead, p, nb, PANEL, 2),
+    int8 = uses_int8_activations(w)
+    w = jax.lax.bitcast_convert_type(w, jnp.uint8) if int8 else w
+    if size == PANEL_BLOCK_BYTES["Q4_1"]:
+        halves = lambda b: jax.lax.bitcast_convert_type(b.reshape(*lead, p, nb, PANEL, 2),  # noqa: E731
                                                         jnp.float16).astype(jnp.float32)[..., None, :]
-        quads = w[..., 64:].reshape(*lead, p, nb, QUANT_BLOCK // 4, 2, 8, 2)  # [.., j, h, c, t]
-        quads = jnp.swapaxes(quads, -1, -2).reshape(*lead, p, nb, QUANT_BLOCK, 8)  # [.., k, c]
-        values = jnp.concatenate([quads & 15, quads >> 4], axis=-1).astype(jnp.float32)
-        weights = values * as_f32(w[..., :32]) + as_f32(w[..., 32:64])
+        q = w[..., 64:]
+        if int8:  # [.., quad j, lane h, column c, t] -> [.., k, c]
+            q = jnp.swapaxes(q.reshape(*lead, p, nb, QUANT_BLOCK // 4, 2, 8, 2), -1, -2)
+        q = q.reshape(*lead, p, nb, QUANT_BLOCK, 8)
+        values = jnp.concatenate([q & 15, q >> 4], axis=-1).astype(jnp.float32)
+        weights = values * halves(w[..., :32]) + halves(w[..., 32:64])
         return weights.reshape(*lead, p, nb * QUANT_BLOCK, PANEL)
     if size == PANEL_BLOCK_BYTES["BF16"]:
         halves = jax.lax.bitcast_convert_type(w.reshape(*lead, p, nb * QUANT_BLOCK, PANEL, 2), jnp.uint16)
         return jax.lax.bitcast_convert_type(halves.astype(jnp.uint32) << 16, jnp.float32)
-    as_f32 = lambda b: jax.lax.bitcast_convert_type(b.reshape(*lead, p, nb, PANEL, 4), jnp.float32)
-    d = as_f32(w[..., :64])[..., None, :]  # [..., P, nb, 1, 16]
-    if size == PANEL_BLOCK_BYTES["Q4_1"]:
-        q = w[..., 128:].reshape(*lead, p, nb, QUANT_BLOCK, 8)
-        values = jnp.concatenate([q & 15, q >> 4], axis=-1).astype(jnp.float32)
-        weights = values * d + as_f32(w[..., 64:128])[..., None, :]
-    else:
-        values = jax.lax.bitcast_convert_type(w[..., 64:], jnp.int8).reshape(*lead, p, nb, QUANT_BLOCK, PANEL)
-        weights = values.astype(jnp.float32) * d
-    return weights.reshape(*lead, p, nb * QUANT_BLOCK, PANEL)
+    d = jax.lax.bitcast_convert_type(w[..., :64].reshape(*lead, p, nb, PANEL, 4), jnp.float32)[..., None, :]
+    values = jax.lax.bitcast_convert_type(w[..., 64:], jnp.int8).reshape(*lead, p, nb, QUANT_BLOCK, PANEL)  # Q8_0
+    return (values.astype(jnp.float32) * d).reshape(*lead, p, nb * QUANT_BLOCK, PANEL)
 
 
 def uses_int8_activations(w) -> bool:
-    """Whether w is Q4_1 panels for int8 activations (`pack_quantized(..., activations="int8")`)."""
-    return is_narrow(w) and w.shape[-1] == PANEL_BLOCK_BYTES["Q4_1_I8"]
+    """Whether w is Q4_1 panels for int8 activations (`pack_quantized(..., activations="int8")`:
+    typed int8)."""
+    return w.dtype == jnp.int8
 
 
 def round_activations(x: jax.Array) -> jax.Array:
@@ -281,7 +279,8 @@ def rows_matmul(x: jax.Array, w: jax.Array, features: int, layer=None) -> jax.Ar
     if x.dtype == jnp.float32 and (narrow or w.dtype == jnp.float32) and rows > 0 and available():
         def kernel(x, w):
             out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[-3] * PANEL,), jnp.float32)
-            return jax.ffi.ffi_call(NARROW_TARGET_NAME if narrow else TARGET_NAME, out)(x, w, index)
+            name = INT8_TARGET_NAME if uses_int8_activations(w) else NARROW_TARGET_NAME if narrow else TARGET_NAME
+            return jax.ffi.ffi_call(name, out)(x, w, index)
 
         if jax.default_backend() == "cpu":  # lowered for the CPU alone: no XLA branch to trace
             y = kernel(x, w)

@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
+#include <string>
 #include <cstdint>
 #include <thread>
 #include <type_traits>
@@ -185,13 +187,14 @@ constexpr int64_t kNarrowBlock = 32;  // k per block (GGML's QK4_1 and QK8_0)
 
 enum class Format { kF32, kQ4_1, kQ8_0, kBF16, kQ4_1I8 };
 
-// Bytes per block of 32 k x 16 columns. Q4_1: scales d[16] and offsets m[16] (float32), then per k
-// 8 bytes, byte j holding column j's 4 bits (low) and column j + 8's (high). Q8_0: d[16], then per
-// k the 16 columns' int8. BF16: per k the 16 columns' bfloat16. Q4_1I8 (Q4_1 for int8 activations,
-// Int8Tile): d[16] and m[16] as float16, then the 4-bit values in quads of k (see there).
+// Bytes per block of 32 k x 16 columns. Q4_1: scales d[16] and offsets m[16] (float16, as the file
+// stores them), then per k 8 bytes, byte j holding column j's 4 bits (low) and column j + 8's
+// (high). Q8_0: d[16] (float32), then per k the 16 columns' int8. BF16: per k the 16 columns'
+// bfloat16. Q4_1I8 (Q4_1 for int8 activations, Int8Tile; its own FFI target, the panels' dtype
+// int8): d[16] and m[16] as float16, then the 4-bit values in quads of k (see there).
 constexpr int64_t BlockBytes(Format format) {
-  return format == Format::kQ4_1 ? 384 : format == Format::kQ8_0 ? 576 : format == Format::kBF16 ? 1024
-         : format == Format::kQ4_1I8 ? 320 : 0;
+  return format == Format::kQ4_1 || format == Format::kQ4_1I8 ? 320 : format == Format::kQ8_0 ? 576
+         : format == Format::kBF16 ? 1024 : 0;
 }
 
 // The 16 bfloat16 weights of row k (0-31) of a panel block, as two vectors of float32: each half
@@ -302,7 +305,7 @@ void BlockSums(const float* x, int64_t M, int64_t K, float* xs) {
 template <Format F>
 inline void BlockValues(const uint8_t* block, int k, __m256* q) {
   if constexpr (F == Format::kQ4_1) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 128 + 8 * k)));
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 64 + 8 * k)));
     q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
     q[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
   } else {
@@ -323,26 +326,35 @@ inline void RowValues(const uint8_t* block, const float* widened, int64_t b, int
   }
 }
 
+// Eight float16 values at p, widened (exactly) to float32.
+inline __m256 LoadHalf8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// A block's scales d of columns 8c .. 8c + 7: Q4_1's float16, Q8_0's float32.
+template <Format F>
+inline __m256 Scales(const uint8_t* block, int c) {
+  if constexpr (F == Format::kQ4_1) return LoadHalf8(block + 16 * c);
+  else return _mm256_loadu_ps(reinterpret_cast<const float*>(block) + 8 * c);
+}
+
 // A tile's totals over block b: acc[r] += d * s[r] (one half of the block's k).
-template <int R>
+template <Format F, int R>
 inline void AddScaled(const uint8_t* block, const __m256 (&s)[R][2], __m256 (&acc)[R][2]) {
-  const float* d = reinterpret_cast<const float*>(block);
+  const __m256 d[2] = {Scales<F>(block, 0), Scales<F>(block, 1)};
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-    for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * c), s[r][c], acc[r][c]);
+    for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_fmadd_ps(d[c], s[r][c], acc[r][c]);
 }
 
 // Q4_1's offsets of block b: acc[r] += m * (row r's sum of x over the block).
 template <Format F, int R>
 inline void AddOffsets(const uint8_t* block, const float* xs, int64_t blocks, int64_t b, __m256 (&acc)[R][2]) {
   if constexpr (F == Format::kQ4_1) {
-    const float* m = reinterpret_cast<const float*>(block) + kPanel;
+    const __m256 m[2] = {LoadHalf8(block + 32), LoadHalf8(block + 48)};
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-      for (int c = 0; c < 2; ++c)
-        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8 * c), _mm256_broadcast_ss(xs + r * blocks + b), acc[r][c]);
+      for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_fmadd_ps(m[c], _mm256_broadcast_ss(xs + r * blocks + b), acc[r][c]);
   }
 }
 
@@ -408,7 +420,7 @@ inline void FactoredTile(const float* x, const float* xs, int64_t K, const uint8
         }
       }
 #pragma GCC unroll 2
-      for (int t = 0; t < kTogether; ++t) AddScaled<R>(block, s[t], acc);
+      for (int t = 0; t < kTogether; ++t) AddScaled<F, R>(block, s[t], acc);
     }
     AddOffsets<F, R>(block, xs, blocks, b, acc);
   }
@@ -546,9 +558,7 @@ inline void Int8Tile(const int8_t* qx, const float* dx, const float* sx, int64_t
         sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(hi, p));
       }
     }
-    const __m128i* half = reinterpret_cast<const __m128i*>(block);
-    const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(half)), _mm256_cvtph_ps(_mm_loadu_si128(half + 1))};
-    const __m256 m[2] = {_mm256_cvtph_ps(_mm_loadu_si128(half + 2)), _mm256_cvtph_ps(_mm_loadu_si128(half + 3))};
+    const __m256 d[2] = {LoadHalf8(block), LoadHalf8(block + 16)}, m[2] = {LoadHalf8(block + 32), LoadHalf8(block + 48)};
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m256 dr = _mm256_broadcast_ss(dx + r * blocks + b), sr = _mm256_broadcast_ss(sx + r * blocks + b);
@@ -672,32 +682,45 @@ ffi::Error RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
   return ffi::Error::Success();
 }
 
-// w: narrow panels [P, K / 32, B] or a stack [L, P, K / 32, B], B = 384 bytes (Q4_1), 576 (Q8_0),
-// 1024 (bfloat16) or 320 (Q4_1 for int8 activations).
-ffi::Error NarrowRowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
-                               ffi::ResultBuffer<ffi::F32> y) {
+// y = x . w for narrow panels w [P, K / 32, B] or a stack [L, P, K / 32, B] (at `layer`) of one of
+// `formats`, told apart by B (BlockBytes); `name` for the errors.
+ffi::Error NarrowProduct(const char* name, std::initializer_list<Format> formats, ffi::Buffer<ffi::F32> x,
+                         const uint8_t* w, ffi::Span<const int64_t> wd, ffi::Buffer<ffi::S32> layer,
+                         ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
   const size_t stacked = wd.size() == 4 ? 1 : 0;
   const int64_t bytes = wd.size() == 0 ? 0 : wd.back();
   Format format = Format::kF32;
-  for (Format f : {Format::kQ4_1, Format::kQ8_0, Format::kBF16, Format::kQ4_1I8})
+  for (Format f : formats)
     if (bytes == BlockBytes(f)) format = f;
   if (xd.size() < 1 || wd.size() != 3 + stacked || format == Format::kF32 ||
       xd.back() != wd[1 + stacked] * kNarrowBlock || layer.element_count() != 1) {
-    return ffi::Error::InvalidArgument(
-        "dflash_rows_matmul_narrow: x [..., K] and w [P, K / 32, 384, 576, 1024 or 320] or [L, P, K / 32, ...] "
-        "disagree, or layer is not a scalar");
+    return ffi::Error::InvalidArgument(std::string(name) + ": x [..., K] and w [P, K / 32, block bytes] or "
+                                       "[L, P, K / 32, block bytes] disagree, or layer is not a scalar");
   }
   const int64_t L = stacked ? wd[0] : 1, P = wd[stacked], K = xd.back();
   const int64_t l = stacked ? layer.typed_data()[0] : 0;
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("dflash_rows_matmul_narrow: layer out of range");
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument(std::string(name) + ": layer out of range");
   const int64_t M = K == 0 ? 0 : static_cast<int64_t>(x.element_count()) / K;
   if (static_cast<int64_t>(y->element_count()) != M * P * kPanel) {
-    return ffi::Error::InvalidArgument("dflash_rows_matmul_narrow: output is not [..., P * 16]");
+    return ffi::Error::InvalidArgument(std::string(name) + ": output is not [..., P * 16]");
   }
-  RowsMatmul(format, x.typed_data(), w.typed_data() + l * P * (K / kNarrowBlock) * bytes, y->typed_data(), M, P, K);
+  RowsMatmul(format, x.typed_data(), w + l * P * (K / kNarrowBlock) * bytes, y->typed_data(), M, P, K);
   return ffi::Error::Success();
+}
+
+// w: narrow panels, B = 320 bytes (Q4_1), 576 (Q8_0) or 1024 (bfloat16).
+ffi::Error NarrowRowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
+                               ffi::ResultBuffer<ffi::F32> y) {
+  return NarrowProduct("dflash_rows_matmul_narrow", {Format::kQ4_1, Format::kQ8_0, Format::kBF16}, x,
+                       w.typed_data(), w.dimensions(), layer, y);
+}
+
+// w: Q4_1 panels for int8 activations (320 bytes per block), typed int8 to tell them apart.
+ffi::Error Int8RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::S32> layer,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  return NarrowProduct("dflash_rows_matmul_int8", {Format::kQ4_1I8}, x,
+                       reinterpret_cast<const uint8_t*>(w.typed_data()), w.dimensions(), layer, y);
 }
 
 }  // namespace
@@ -713,5 +736,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowsMatmulNarrow, NarrowRowsMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .Arg<ffi::Buffer<ffi::U8>>()    // w (narrow panels)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowsMatmulInt8, Int8RowsMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // w (Q4_1 panels for int8 activations)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -499,7 +499,8 @@ def run_baseline(target_path: Path, records: list[dict], args, stops: list[int],
             "prefill_tokens_per_second_median":
                 round(_median([r["transformers"]["prefill_tokens_per_second"] for r in records]), 3),
             "autoregressive_over_transformers": round(ours / theirs, 4),
-            "identical_batches": sum(bool(r["transformers_identical"]) for r in records)}
+            "identical_batches": sum(bool(r["transformers_identical"]) for r in records),
+            "decode_activations": args.decode_activations}
 
 
 # ------------------------------------------------------------------------------------- output
@@ -552,7 +553,8 @@ def _print_summary(summary: dict) -> None:
         print(f"transformers decode tok/s     : {t['decode_tokens_per_second_median']:.1f} (median, "
               f"{t['torch_threads']} torch threads); ours autoregressive / transformers = "
               f"{t['autoregressive_over_transformers']:.2f}x; identical outputs in "
-              f"{t['identical_batches']}/{s['num_batches']} batches")
+              f"{t['identical_batches']}/{s['num_batches']} batches"
+              f"{' (int8 activations: a slightly different model from the float32 one transformers runs, so outputs may differ)' if t['decode_activations'] == 'int8' else ''}")
     print(f"model load                    : {s['load_seconds']:.2f} s")
     for c in s["compile"]:
         print(f"compile ({c['mode']}, batch {c['batch']}, {c['prompt_tokens']}-token prompt): "

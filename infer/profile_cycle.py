@@ -89,8 +89,7 @@ def build_models(args):
         from dflash_jax.loading.gguf_reader import smollm2_gguf_path
         from dflash_jax.loading.target_loader import load_target
 
-        path = args.target or smollm2_gguf_path()
-        loaded = load_target(path, args.dtype, tokenizer=False,
+        loaded = load_target(args.target or smollm2_gguf_path(), args.dtype, tokenizer=False,
                              decode_activations=args.decode_activations)
         config, name = loaded.config, "SmolLM2-135M" if not args.target else str(args.target)
     if args.layers:

@@ -22,9 +22,12 @@
 // float rounding, from a sixth (Q4_1) of the bytes, and a row's result still independent of the
 // rows beside it).
 //
+// A third, "dflash_rows_matmul_int8", multiplies Q4_1 panels typed int8 with activations rounded
+// to int8 per block of 32, as llama.cpp does (Int8Tile; opt-in, a slightly different product).
+//
 // Built by dflash_jax/kernels/cpu_ffi.py with the C++ compiler of the machine (-mavx2 -mfma
-// -ffp-contract=off) and called through XLA's FFI as the custom calls "dflash_rows_matmul" and
-// "dflash_rows_matmul_narrow".
+// -ffp-contract=off) and called through XLA's FFI as the custom calls "dflash_rows_matmul",
+// "dflash_rows_matmul_narrow" and "dflash_rows_matmul_int8".
 #include <immintrin.h>
 
 #include <algorithm>

@@ -385,18 +385,18 @@ class Target:
 
     module = property(lambda self: self.spec.module_for(self.params),
                       doc="The Flax module that reads `params`: scanned, or packed on a CPU (`module_for`).")
-
-    @property
-    def decode_activations(self) -> str:
-        """"int8" where the params hold Q4_1 panels for int8 activations (`load_target(...,
-        decode_activations="int8")`), else "float32"."""
-        return "int8" if any(uses_int8_activations(w) for w in jax.tree_util.tree_leaves(self.params)) else "float32"
     module_for = on_spec("module_for")
     forward = on_spec("forward")
     prefill = on_spec("prefill")
     embed = on_spec("embed")
     logits = on_spec("logits")
     init_cache = on_spec("init_cache")
+
+    @property
+    def decode_activations(self) -> str:
+        """"int8" where the params hold Q4_1 panels for int8 activations (`load_target(...,
+        decode_activations="int8")`), else "float32"."""
+        return "int8" if any(uses_int8_activations(w) for w in jax.tree_util.tree_leaves(self.params)) else "float32"
 
 
 def check_fits(cache: KVCache, num_tokens: int) -> None:

@@ -37,6 +37,29 @@ def _product(n):
     return lambda x, w: rows_matmul(x, w, n)
 
 
+def check_rows_products(panels, x, want, n: int, target_name: str, row_counts) -> np.ndarray:
+    """The custom call `target_name` multiplies the first `rows` of x by `panels` as `want` does,
+    to float rounding, for every count of row_counts, and each row's result is bit for bit its
+    result alone (what makes a verify and a decode step agree). -> the rows' results alone."""
+    product = jax.jit(_product(n))
+    alone = np.stack([np.asarray(product(x[m:m + 1], panels))[0] for m in range(len(x))])
+    for rows in row_counts:
+        got = np.asarray(product(x[:rows], panels))
+        assert target_name in product.lower(x[:rows], panels).compile().as_text()
+        np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        for m in range(rows):  # a row's result does not depend on the rows beside it
+            np.testing.assert_array_equal(got[m], alone[m], err_msg=f"row {m} of {rows}")
+    return alone
+
+
+def check_stacked_layers_are_their_own_products(stack, k: int, n: int) -> None:
+    """Each layer of a stack of panels (K = k), read in place by index, multiplies as that layer alone."""
+    ones = np.ones((2, k), np.float32)
+    for layer in range(stack.shape[0]):
+        in_stack = jax.jit(lambda x, w, i: rows_matmul(x, w, n, i))(ones, stack, jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(in_stack), np.asarray(jax.jit(_product(n))(ones, stack[layer])))
+
+
 @needs_kernel
 @pytest.mark.parametrize("lead", [(1,), (2,), (3,), (1, 5), (2, 8), (16,), (8, 17)])
 @pytest.mark.parametrize("k,n", [(7, 1), (64, 5), (200, 130), (576, 333), (24, 4097)])
@@ -200,21 +223,11 @@ def test_quantized_panels_multiply_as_their_dequantised_floats(quant_type, n, k)
     np.testing.assert_array_equal(np.asarray(dequantize_panels(panels)), np.asarray(floats))
     x = np.random.default_rng(k).standard_normal((40, k)).astype(np.float32)
     want = x.astype(np.float64) @ weight.T.astype(np.float64)
-    product = jax.jit(_product(n))
-    alone = [np.asarray(product(x[m:m + 1], panels))[0] for m in range(40)]
-    for rows in (1, 2, 3, 4, 5, 6, 7, 16, 40):
-        got = np.asarray(product(x[:rows], panels))
-        assert NARROW_TARGET_NAME in product.lower(x[:rows], panels).compile().as_text()
-        np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5 * np.abs(want).max())
-        for m in range(rows):  # a row's result does not depend on the rows beside it
-            np.testing.assert_array_equal(got[m], alone[m], err_msg=f"row {m} of {rows}")
-    xla = np.asarray(product(x, floats))  # the float32 panels: the same weights
-    np.testing.assert_allclose(np.stack(alone), xla, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    stack = pack_quantized(np.stack([blocks, _ggml_blocks(quant_type, n, k, seed=1)]), quant_type)
-    x = np.ones((2, k), np.float32)
-    for layer in (0, 1):
-        in_stack = jax.jit(lambda x, w, i: rows_matmul(x, w, n, i))(x, stack, jnp.int32(layer))
-        np.testing.assert_array_equal(np.asarray(in_stack), np.asarray(jax.jit(_product(n))(x, stack[layer])))
+    alone = check_rows_products(panels, x, want, n, NARROW_TARGET_NAME, (1, 2, 3, 4, 5, 6, 7, 16, 40))
+    xla = np.asarray(jax.jit(_product(n))(x, floats))  # the float32 panels: the same weights
+    np.testing.assert_allclose(alone, xla, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    check_stacked_layers_are_their_own_products(
+        pack_quantized(np.stack([blocks, _ggml_blocks(quant_type, n, k, seed=1)]), quant_type), k, n)
 
 
 def test_quantized_panels_reject_other_blocks_and_widths():

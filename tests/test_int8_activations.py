@@ -14,9 +14,11 @@ import pytest
 
 from dflash_jax.kernels.cpu_matmul import (ACTIVATIONS, INT8_TARGET_NAME, PANEL, PANEL_BLOCK_BYTES, _xla_panels,
                                            available, dequantize_panels, pack_quantized, round_activations,
-                                           rows_matmul, uses_int8_activations)
-from test_cpu_matmul import _ggml_blocks, _product, needs_kernel
+                                           uses_int8_activations)
+from test_cpu_matmul import (_ggml_blocks, check_rows_products, check_stacked_layers_are_their_own_products,
+                             needs_kernel)
 from test_gguf_reader import gguf_path  # noqa: F401  (a module-scoped fixture)
+from test_kv_cache_dtype import kwargs_given_to_load_target
 
 
 def test_rounded_activations_are_int8_steps_of_one_scale_per_block():
@@ -50,21 +52,11 @@ def test_int8_panels_multiply_their_weights_by_the_rounded_activations(n, k):
     x = np.random.default_rng(k).standard_normal((40, k)).astype(np.float32)
     weights = np.asarray(dequantize_panels(floats)).transpose(1, 0, 2).reshape(k, -1)[:, :n].astype(np.float64)
     want = np.asarray(round_activations(jnp.asarray(x)), np.float64) @ weights
-    product = jax.jit(_product(n))
-    alone = [np.asarray(product(x[m:m + 1], panels))[0] for m in range(40)]
-    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 40):
-        got = np.asarray(product(x[:rows], panels))
-        assert INT8_TARGET_NAME in product.lower(x[:rows], panels).compile().as_text()
-        np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5 * np.abs(want).max())
-        for m in range(rows):
-            np.testing.assert_array_equal(got[m], alone[m], err_msg=f"row {m} of {rows}")
+    alone = check_rows_products(panels, x, want, n, INT8_TARGET_NAME, (1, 2, 3, 4, 5, 6, 7, 13, 40))
     reference = np.asarray(jax.jit(_xla_panels)(x, panels))[:, :n]  # where the kernel does not run
-    np.testing.assert_allclose(np.stack(alone), reference, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    stack = pack_quantized(np.stack([blocks, _ggml_blocks("Q4_1", n, k, seed=1)]), "Q4_1", activations="int8")
-    ones = np.ones((2, k), np.float32)
-    for layer in (0, 1):  # a stacked layer is read in place
-        in_stack = jax.jit(lambda x, w, i: rows_matmul(x, w, n, i))(ones, stack, jnp.int32(layer))
-        np.testing.assert_array_equal(np.asarray(in_stack), np.asarray(product(ones, stack[layer])))
+    np.testing.assert_allclose(alone, reference, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    check_stacked_layers_are_their_own_products(
+        pack_quantized(np.stack([blocks, _ggml_blocks("Q4_1", n, k, seed=1)]), "Q4_1", activations="int8"), k, n)
 
 
 def test_int8_activations_are_for_q4_1_blocks_only():
@@ -161,9 +153,8 @@ def test_int8_activations_need_a_float32_cpu_decode(gguf_path):  # noqa: F811
 
 
 def test_the_clis_take_decode_activations_and_pass_it_to_load_target(monkeypatch):
-    from dflash_jax.cli import benchmark, common, demo
+    from dflash_jax.cli import benchmark, demo
     from dflash_jax.cli import generate as generate_cli
-    from dflash_jax.loading import target_loader
 
     for cli, required in ((generate_cli, ["--prompt", "Hi"]), (benchmark, []), (demo, [])):
         parse = lambda *argv: cli.build_parser().parse_args([*required, *argv])  # noqa: E731
@@ -172,17 +163,7 @@ def test_the_clis_take_decode_activations_and_pass_it_to_load_target(monkeypatch
             assert parse("--decode-activations", name).decode_activations == name
         with pytest.raises(SystemExit):
             parse("--decode-activations", "int4")
-    seen = {}
-
-    def load_target(path, dtype, **kwargs):
-        seen.update(kwargs)
-        raise FileNotFoundError("stop here")
-
-    monkeypatch.setattr(target_loader, "load_target", load_target)
     for value in ACTIVATIONS:
-        with pytest.raises(common.CLIError, match="stop here"):
-            common.load_models(Path("model.gguf"), None, "float32", decode_activations=value)
-        assert seen["decode_activations"] == value
-    with pytest.raises(common.CLIError, match="stop here"):
-        common.load_models(Path("model.gguf"), None, "float32")
-    assert seen["decode_activations"] == "float32"
+        assert kwargs_given_to_load_target(monkeypatch, Path("model.gguf"), decode_activations=value)[
+            "decode_activations"] == value
+    assert kwargs_given_to_load_target(monkeypatch, Path("model.gguf"))["decode_activations"] == "float32"

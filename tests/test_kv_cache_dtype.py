@@ -105,9 +105,8 @@ def test_a_bad_kv_cache_dtype_is_refused_before_anything_is_read(bad, tmp_path):
 
 
 def test_the_clis_take_kv_cache_dtype_and_pass_it_to_load_target(monkeypatch):
-    from dflash_jax.cli import benchmark, common
+    from dflash_jax.cli import benchmark
     from dflash_jax.cli import generate as generate_cli
-    from dflash_jax.loading import target_loader
 
     for cli, required in ((generate_cli, ["--prompt", "Hi"]), (benchmark, [])):
         parse = lambda *argv: cli.build_parser().parse_args([*required, *argv])
@@ -117,6 +116,16 @@ def test_the_clis_take_kv_cache_dtype_and_pass_it_to_load_target(monkeypatch):
         assert parse("--kv-cache-dtype", "float16").kv_cache_dtype == "float16"
         with pytest.raises(SystemExit):
             parse("--kv-cache-dtype", "int8")
+    assert kwargs_given_to_load_target(monkeypatch, Path("some-target"), kv_cache_dtype="float16") == {
+        "kv_cache_dtype": "float16", "decode_activations": "float32"}
+
+
+def kwargs_given_to_load_target(monkeypatch, target_path: Path, **load_models_kwargs) -> dict:
+    """The keyword arguments `cli.common.load_models(target_path, None, "float32", ...)` passes to
+    `load_target` (a stand-in that records them and stops there)."""
+    from dflash_jax.cli import common
+    from dflash_jax.loading import target_loader
+
     seen = {}
 
     def load_target(path, dtype, **kwargs):
@@ -125,5 +134,5 @@ def test_the_clis_take_kv_cache_dtype_and_pass_it_to_load_target(monkeypatch):
 
     monkeypatch.setattr(target_loader, "load_target", load_target)
     with pytest.raises(common.CLIError, match="stop here"):
-        common.load_models(Path("some-target"), None, "float32", "float16")
-    assert seen == {"kv_cache_dtype": "float16", "decode_activations": "float32"}  # not a GGUF: float32
+        common.load_models(target_path, None, "float32", **load_models_kwargs)
+    return seen

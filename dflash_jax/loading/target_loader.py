@@ -103,11 +103,12 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     if not path.exists():
         raise FileNotFoundError(f"target path does not exist: {path} (or use an embedded name: "
                                 f"{', '.join(EMBEDDED_TARGETS)})")
-    cpu_decode = resolve_layout(layout) == "packed" and jnp.dtype(dtype) == jnp.float32
+    resolved_layout = resolve_layout(layout)
+    cpu_decode = resolved_layout == "packed" and jnp.dtype(dtype) == jnp.float32
     if decode_activations == "int8" and (path.suffix != ".gguf" or not cpu_decode):
         raise ValueError("decode_activations='int8' multiplies a GGUF file's Q4_1 blocks in a float32 CPU "
                          f"decode (layout 'packed'); got {path.name}, {jnp.dtype(dtype).name}, layout "
-                         f"{resolve_layout(layout)!r}")
+                         f"{resolved_layout!r}")
     if path.suffix == ".gguf":
         from dflash_jax.loading.gguf_reader import gguf_tokenizer, read_gguf
 

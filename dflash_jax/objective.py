@@ -4,6 +4,9 @@ Recipe (DESIGN.md §2): a position p is an anchor candidate when p and p+1 are b
 mask; up to N distinct candidates are drawn uniformly per sequence and sorted, padding with
 invalid blocks. Block j = [token at anchor_j, MASK x (G-1)]; slot k = 1..G-1 predicts the token at
 anchor_j + k with weight exp(-(k-1)/decay) times that label's loss mask; loss = sum(w*CE)/sum(w).
+Beyond the recipe: labels may be the target's greedy choices (`block_targets` with next tokens),
+and the cross-entropy may be taken against the target's distribution over its top-k next tokens
+(`block_distributions`: distillation's soft labels, more signal per cached token).
 """
 from __future__ import annotations
 
@@ -75,10 +78,13 @@ def block_targets(tokens, loss_mask, anchors, valid, block_size: int, decay: flo
     return labels, weights.astype(jnp.float32)
 
 
-def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024):
+def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024, soft=None):
     """Cross-entropy and argmax-correctness through an LM head, `chunk` positions at a time.
 
     head: hidden [..., D] -> float32 logits [..., V]; hidden [B, M, D]; labels [B, M].
+    soft: None (the cross-entropy of `labels`) or (ids [B, M, K], probs [B, M, K]): the
+    cross-entropy of that distribution, -sum_k probs_k log p(ids_k) (probs summing to 1, or 0 on
+    positions that do not count); correctness still compares the argmax with `labels`.
     Each chunk's logits are recomputed in the backward pass (jax.checkpoint), so peak memory holds
     B x chunk x V logits instead of B x M x V (M = N blocks x G slots, V ~ 150k for Qwen3).
     Returns (ce [B, M], correct [B, M]).
@@ -86,31 +92,66 @@ def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024):
     b, m, d = hidden.shape
     chunk = max(1, min(chunk, m))
     pad = -m % chunk
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d)
-    labels = jnp.pad(labels, ((0, 0), (0, pad))).reshape(b, -1, chunk)
+    to_chunks = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+                                       .reshape(b, -1, chunk, *x.shape[2:]), 1, 0)
+    if soft is None:
+        soft = (labels[..., None], jnp.ones(labels.shape + (1,), jnp.float32))
 
     @jax.checkpoint
-    def one(h, y):  # [B, chunk, D], [B, chunk]
+    def one(h, y, ids, probs):  # [B, chunk, D], [B, chunk], [B, chunk, K] x 2
         logits = head(h)
         log_z = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
-        return log_z - picked, jnp.argmax(logits, axis=-1) == y
+        picked = jnp.sum(probs * jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+        return jnp.sum(probs, axis=-1) * log_z - picked, jnp.argmax(logits, axis=-1) == y
 
-    ce, correct = jax.lax.map(lambda args: one(*args), (jnp.moveaxis(hidden, 1, 0), jnp.moveaxis(labels, 1, 0)))
+    ce, correct = jax.lax.map(lambda args: one(*args), tuple(map(to_chunks, (hidden, labels, *soft))))
     ce = jnp.moveaxis(ce, 0, 1).reshape(b, -1)[:, :m]
     correct = jnp.moveaxis(correct, 0, 1).reshape(b, -1)[:, :m]
     return ce, correct
 
 
-def greedy_tokens(head, hidden, chunk: int = 1024):
-    """argmax of head(hidden) [B, T, V] -> int32 [B, T], `chunk` positions at a time (peak memory
-    B x chunk x V logits)."""
+def _over_position_chunks(fn, hidden, chunk: int):
+    """fn(hidden [B, chunk, D]) -> a pytree of [B, chunk, ...], applied `chunk` positions at a time
+    over hidden [B, T, D]; the results joined back to [B, T, ...]."""
     b, t, d = hidden.shape
     chunk = max(1, min(chunk, t))
     pad = -t % chunk
     parts = jnp.moveaxis(jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d), 1, 0)
-    ids = jax.lax.map(lambda h: jnp.argmax(head(h), axis=-1).astype(jnp.int32), parts)
-    return jnp.moveaxis(ids, 0, 1).reshape(b, -1)[:, :t]
+    out = jax.lax.map(fn, parts)
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :t], out)
+
+
+def greedy_tokens(head, hidden, chunk: int = 1024):
+    """argmax of head(hidden) [B, T, V] -> int32 [B, T], `chunk` positions at a time (peak memory
+    B x chunk x V logits)."""
+    return _over_position_chunks(lambda h: jnp.argmax(head(h), axis=-1).astype(jnp.int32), hidden, chunk)
+
+
+def greedy_and_top_tokens(head, hidden, top_k: int, chunk: int = 1024):
+    """One pass of head(hidden) [B, T, V], `chunk` positions at a time -> (argmax int32 [B, T],
+    the top_k largest logits' ids int32 [B, T, top_k] and values float32 [B, T, top_k], largest
+    first): what `train.cache_features` stores for target labels and their distribution."""
+    def one(h):
+        logits = head(h).astype(jnp.float32)
+        values, ids = jax.lax.top_k(logits, top_k)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), ids.astype(jnp.int32), values
+    return _over_position_chunks(one, hidden, chunk)
+
+
+def block_distributions(top_ids, top_logits, anchors, block_size: int, top_k: int | None = None):
+    """The target's distribution over its top-k next tokens for every slot of every block.
+
+    top_ids, top_logits [B, T, K'] (`greedy_and_top_tokens`); slot k of block j takes position
+    anchors[j] + k - 1, as `block_targets` does with next tokens (slot 0's entry is never weighed).
+    top_k (<= K', default K') keeps the largest k. Returns (ids [B, N, G, k] int32, probs
+    [B, N, G, k] float32: the softmax of those logits, renormalised over the k kept).
+    """
+    b, t, _ = top_ids.shape
+    n = anchors.shape[1]
+    k = top_ids.shape[2] if top_k is None else top_k
+    where = jnp.clip(anchors[..., None] + jnp.arange(block_size) - 1, 0, t - 1).reshape(b, n * block_size, 1)
+    gather = lambda x: jnp.take_along_axis(x[..., :k], where, axis=1).reshape(b, n, block_size, k)
+    return gather(top_ids), jax.nn.softmax(gather(top_logits).astype(jnp.float32), axis=-1)
 
 
 def draft_labels(labels, weights, target_to_draft):
@@ -121,6 +162,20 @@ def draft_labels(labels, weights, target_to_draft):
     """
     mapped = jnp.take(target_to_draft, labels, axis=0)
     return jnp.maximum(mapped, 0), jnp.where(mapped >= 0, weights, 0.0)
+
+
+def draft_distributions(ids, probs, weights, target_to_draft):
+    """Map the target's top-k distributions (`block_distributions`) into a reduced draft vocabulary.
+
+    ids, probs [B, N, G, K]; weights [B, N, G]. Candidates without a draft id are dropped and the
+    rest renormalised; a slot none of whose candidates has one weighs 0. Returns (draft ids, probs
+    [B, N, G, K], weights [B, N, G]).
+    """
+    mapped = jnp.take(target_to_draft, ids, axis=0)
+    probs = jnp.where(mapped >= 0, probs, 0.0)
+    total = jnp.sum(probs, axis=-1)
+    kept = total > 0
+    return jnp.maximum(mapped, 0), probs / jnp.where(kept, total, 1.0)[..., None], jnp.where(kept, weights, 0.0)
 
 
 def slot_accuracy(correct, counted):
@@ -160,18 +215,24 @@ def drafter_block_hidden(drafter, target, drafter_params, target_params, feature
     return jnp.moveaxis(hidden, 0, 1).reshape(b, n * g, hidden.shape[-1])
 
 
-def weighted_block_loss(head, hidden, labels, weights, counted, logits_chunk: int = 1024):
+def weighted_block_loss(head, hidden, labels, weights, counted, logits_chunk: int = 1024, soft=None,
+                        scorable=None):
     """Decayed block cross-entropy through `head` and per-slot accuracy.
 
     hidden [B, N*G, D]; labels, weights [B, N, G] (labels in head's vocabulary); counted [B, N, G]
-    marks the slots that count for accuracy (a slot whose label the head cannot produce counts as
-    wrong). Returns (loss, per-slot accuracy [G]).
+    marks the slots that count for accuracy; scorable [B, N, G] (default weights > 0) those whose
+    label the head can produce (the others count as wrong). soft: None, or (ids, probs)
+    [B, N, G, K] (`block_distributions`): the loss learns that distribution instead of `labels`.
+    Returns (loss, per-slot accuracy [G]).
     """
     b, n, g = labels.shape
-    ce, correct = chunked_cross_entropy(head, hidden, labels.reshape(b, n * g), logits_chunk)
-    weights = weights.reshape(b, n * g)
+    flat = lambda x: x.reshape(b, n * g, *x.shape[3:])
+    ce, correct = chunked_cross_entropy(head, hidden, flat(labels), logits_chunk,
+                                        None if soft is None else tuple(map(flat, soft)))
+    weights = flat(weights)
     loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
-    correct = (correct & (weights > 0)).reshape(b, n, g)
+    scorable = weights > 0 if scorable is None else flat(scorable)
+    correct = (correct & scorable).reshape(b, n, g)
     return loss, slot_accuracy(correct, counted)
 
 

@@ -1,10 +1,11 @@
-"""The training objective: anchors, block targets and weights, chunked cross-entropy."""
+"""The training objective: anchors, block targets and weights, chunked cross-entropy, soft labels."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax.objective import (block_inputs, block_targets, chunked_cross_entropy, default_decay, greedy_tokens,
+from dflash_jax.objective import (block_distributions, block_inputs, block_targets, chunked_cross_entropy,
+                                  default_decay, draft_distributions, greedy_and_top_tokens, greedy_tokens,
                                   sample_anchors)
 
 
@@ -85,3 +86,70 @@ def test_chunked_cross_entropy_equals_dense_with_gradients():
     g1 = jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4)[0].sum())(hidden)
     g2 = jax.grad(lambda h: dense(h).sum())(hidden)
     np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
+
+
+def test_greedy_and_top_tokens_in_chunks_equal_the_dense_ones():
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.normal(size=(8, 50)).astype(np.float32))
+    hidden = jnp.asarray(rng.normal(size=(2, 13, 8)).astype(np.float32))
+    greedy, ids, values = greedy_and_top_tokens(lambda h: h @ w, hidden, 5, chunk=4)
+    want_values, want_ids = jax.lax.top_k(hidden @ w, 5)
+    np.testing.assert_array_equal(greedy, jnp.argmax(hidden @ w, -1))
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(values, want_values)
+    assert ids.dtype == jnp.int32 and values.shape == (2, 13, 5)
+    np.testing.assert_array_equal(ids[..., 0], greedy)
+
+
+def test_soft_cross_entropy_equals_dense_with_gradients():
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(8, 50)).astype(np.float32))
+    hidden = jnp.asarray(rng.normal(size=(2, 13, 8)).astype(np.float32))
+    labels = jnp.asarray(rng.integers(0, 50, size=(2, 13)))
+    ids = jnp.asarray(rng.integers(0, 50, size=(2, 13, 4)))
+    probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(2, 13, 4)).astype(np.float32)), -1)
+    probs = probs.at[1, 3].set(0.0)  # a position that does not count
+
+    def dense(h):
+        log_p = jax.nn.log_softmax(h @ w, -1)
+        return -jnp.sum(probs * jnp.take_along_axis(log_p, ids, -1), -1)
+
+    ce, correct = chunked_cross_entropy(lambda h: h @ w, hidden, labels, 4, soft=(ids, probs))
+    np.testing.assert_allclose(ce, dense(hidden), rtol=1e-5, atol=1e-6)
+    assert float(ce[1, 3]) == 0.0
+    np.testing.assert_array_equal(correct, jnp.argmax(hidden @ w, -1) == labels)  # against the hard labels
+    g1 = jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4, soft=(ids, probs))[0].sum())(hidden)
+    g2 = jax.grad(lambda h: dense(h).sum())(hidden)
+    np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
+    # A point mass on the label is the hard cross-entropy, bit for bit.
+    point = (labels[..., None], jnp.ones(labels.shape + (1,), jnp.float32))
+    np.testing.assert_array_equal(chunked_cross_entropy(lambda h: h @ w, hidden, labels, 4, soft=point)[0],
+                                  chunked_cross_entropy(lambda h: h @ w, hidden, labels, 4)[0])
+
+
+def test_block_distributions_read_the_position_before_each_slot():
+    t = 10
+    positions = np.arange(t)[None, :, None]
+    top_ids = jnp.asarray(positions + np.asarray([100, 200, 300]))  # [1, T, 3]
+    top_logits = jnp.asarray(positions + np.asarray([2.0, 1.0, 0.0]), jnp.float32)
+    anchors = jnp.asarray([[2, 5]])
+    ids, probs = block_distributions(top_ids, top_logits, anchors, 3)
+    assert ids.shape == (1, 2, 3, 3)
+    # slot k of the block at anchor a learns what the target said after position a + k - 1
+    assert np.asarray(ids)[0, 0, 1].tolist() == [102, 202, 302] and np.asarray(ids)[0, 1, 2].tolist() == [106, 206, 306]
+    np.testing.assert_allclose(probs[0, 1, 2], jax.nn.softmax(jnp.asarray([2.0, 1.0, 0.0])), rtol=1e-6)
+    ids2, probs2 = block_distributions(top_ids, top_logits, anchors, 3, top_k=2)
+    assert np.asarray(ids2)[0, 0, 1].tolist() == [102, 202]
+    np.testing.assert_allclose(probs2[0, 0, 1], jax.nn.softmax(jnp.asarray([2.0, 1.0])), rtol=1e-6)
+
+
+def test_draft_distributions_drop_ids_outside_the_draft_vocabulary():
+    target_to_draft = jnp.asarray([-1, 0, -1, 1, 2], jnp.int32)  # target ids 1, 3, 4 are draft ids 0, 1, 2
+    ids = jnp.asarray([[[[1, 2, 3]], [[0, 2, 0]]]])  # [B=1, N=2, G=1, K=3]
+    probs = jnp.asarray([[[[0.5, 0.3, 0.2]], [[0.6, 0.3, 0.1]]]])
+    weights = jnp.asarray([[[1.0], [1.0]]])
+    draft_ids, draft_probs, draft_weights = draft_distributions(ids, probs, weights, target_to_draft)
+    assert np.asarray(draft_ids)[0, 0, 0, [0, 2]].tolist() == [0, 1]
+    np.testing.assert_allclose(draft_probs[0, 0, 0], [0.5 / 0.7, 0.0, 0.2 / 0.7], rtol=1e-6)
+    # no candidate has a draft id: the slot weighs nothing
+    assert np.asarray(draft_weights).tolist() == [[[1.0], [0.0]]]

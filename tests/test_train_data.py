@@ -262,3 +262,25 @@ def test_feature_cache_round_trip(tmp_path, tiny_target):
             # the target's greedy next token after each real position (padding stays 0)
             np.testing.assert_array_equal(b["next_tokens"][row, :n], greedy[row, :n])
             assert not b["next_tokens"][row, n:].any()
+    assert "top_ids" not in batches[0] and "top_k" not in meta  # only with top_k > 0
+
+
+def test_feature_cache_stores_the_targets_top_k(tmp_path, tiny_target):
+    records = load_token_records(write_jsonl(tmp_path / "tok.jsonl", pretokenized([5, 9, 14, 3])), None, 16)
+    cache_features(tiny_target, records, tmp_path / "cache", (0, 2), batch_size=2, buckets=(16,), top_k=3,
+                   progress=False)
+    assert json.loads((tmp_path / "cache" / "meta.json").read_text())["top_k"] == 3
+    cfg = DataConfig(str(tmp_path / "cache"), max_length=16, batch_size=2, buckets=(16,), num_epochs=1)
+    for b in make_iterator(cfg, process_index=0, process_count=1):
+        assert b["top_ids"].shape == (2, 16, 3) and b["top_ids"].dtype == np.int32
+        assert b["top_logits"].shape == (2, 16, 3) and b["top_logits"].dtype == np.float32
+        hidden, _, _ = tiny_target.forward(tiny_target.params, jnp.asarray(b["tokens"]))
+        values, ids = jax.lax.top_k(tiny_target.logits(tiny_target.params, hidden), 3)
+        for row, n in enumerate(b["lengths"]):
+            np.testing.assert_array_equal(b["top_ids"][row, :n], np.asarray(ids)[row, :n])
+            np.testing.assert_allclose(b["top_logits"][row, :n], np.asarray(values)[row, :n], rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(b["top_ids"][row, :n, 0], b["next_tokens"][row, :n])
+            assert not b["top_ids"][row, n:].any() and not b["top_logits"][row, n:].any()
+    with pytest.raises(ValueError, match="other settings"):  # a cache resumes only with the same top_k
+        cache_features(tiny_target, records, tmp_path / "cache", (0, 2), batch_size=2, buckets=(16,), top_k=2,
+                       progress=False)

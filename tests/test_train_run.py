@@ -120,6 +120,21 @@ def test_a_run_exports_and_a_later_run_continues_from_the_export(tiny, tmp_path)
                                [f"model.init_from={exported}", "model.num_layers=2"]), target=target)
 
 
+def test_a_run_learns_the_targets_distribution_from_a_top_k_cache(tiny, tmp_path):
+    """run.labels=distribution end to end: a feature cache with the target's top-k tokens, the
+    offline step's soft labels (with a reduced draft vocabulary), logged metrics."""
+    target, _, data, _ = tiny
+    cache = tmp_path / "cache"
+    cache_features(target, load_token_records(data, None, 32), cache, (0, 2), batch_size=8, buckets=(32,),
+                   top_k=4, progress=False)
+    cfg = config_from_dict(settings(tiny, tmp_path / "run", steps=2, log_every=1, checkpoint_every=2),
+                           [f"data.path={cache}", "data.buckets=[32]", "run.labels=distribution",
+                            "run.label_top_k=4", f"model.draft_vocab_size={VOCAB}"])
+    last = train(cfg, target=target)
+    assert last["step"] == 2 and np.isfinite(last["loss"]) and last["loss"] > 0
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
 def _launch(config_file: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen([sys.executable, "-m", "train.train", "--config", str(config_file), *extra],
@@ -187,7 +202,7 @@ def test_bad_input_fails_with_one_clear_error(tiny, tmp_path):
     assert config_from_dict(settings(tiny, tmp_path / "d"), ["optim.learning_rate=2e-3"]).optim.learning_rate == 2e-3
     with pytest.raises(ConfigError, match="warm_start_layers needs model.warm_start"):
         config_from_dict(settings(tiny, tmp_path / "d"), ["model.warm_start_layers=[0]"])
-    with pytest.raises(ConfigError, match=r"run.labels must be one of \('tokens', 'target'\)"):
+    with pytest.raises(ConfigError, match=r"run.labels must be one of \('tokens', 'target', 'distribution'\)"):
         config_from_dict(settings(tiny, tmp_path / "d"), ["run.labels=gold"])
 
     # run.labels=target reads the target's next tokens from a feature cache; an older cache has none.
@@ -200,6 +215,12 @@ def test_bad_input_fails_with_one_clear_error(tiny, tmp_path):
         train(config_from_dict(settings(tiny, tmp_path / "e"), [f"data.path={cache}", "run.labels=target"]),
               target=target)
     assert not (tmp_path / "e").exists()
+    # run.labels=distribution reads the target's top-k tokens, which a cache holds only with --top-k.
+    (cache / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="--top-k 8 or more; this one has 0"):
+        train(config_from_dict(settings(tiny, tmp_path / "f"), [f"data.path={cache}", "run.labels=distribution"]),
+              target=target)
+    assert not (tmp_path / "f").exists()
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

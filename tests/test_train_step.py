@@ -1,5 +1,5 @@
-"""The drafter train step: online vs offline features, reduced-vocabulary loss, warm start,
-gradient accumulation."""
+"""The drafter train step: online vs offline features, target and soft labels, reduced-vocabulary
+loss, warm start, gradient accumulation."""
 import dataclasses
 
 import jax
@@ -72,6 +72,42 @@ def test_target_labels_online_equal_cached_next_tokens(setup):
     assert abs(float(online["loss"]) - float(text["loss"])) > 1e-3
     with pytest.raises(ValueError, match="next_tokens"):
         run_step(target, config, params, {**batch, "features": np.asarray(features)}, target_labels=True)
+
+
+def test_soft_labels_online_equal_offline_and_their_top_1_is_the_target_labels(setup):
+    target, config, params, batch = setup
+    tokens = jnp.asarray(batch["tokens"])
+    features, next_tokens, top_ids, top_logits = step_lib.target_features(
+        target, target.params, tokens, config.target_layer_ids, next_tokens=True, top_k=3, logits_chunk=5)
+    np.testing.assert_array_equal(top_ids[..., 0], next_tokens)
+    cached = {**batch, "features": np.asarray(features), "next_tokens": np.asarray(next_tokens),
+              "top_ids": np.asarray(top_ids), "top_logits": np.asarray(top_logits)}
+    online_state, online = run_step(target, config, params, batch, target_labels=True, label_top_k=3)
+    offline_state, offline = run_step(target, config, params, cached, target_labels=True, label_top_k=3)
+    np.testing.assert_allclose(online["loss"], offline["loss"], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 online_state.params, offline_state.params)
+    _, hard = run_step(target, config, params, cached, target_labels=True)
+    assert abs(float(offline["loss"]) - float(hard["loss"])) > 1e-3  # a distribution is another loss
+    np.testing.assert_array_equal(offline["slot_accuracy"], hard["slot_accuracy"])  # scored on the same labels
+    # The top 1 is a point mass on the greedy label: the target-label step, with the full head and
+    # with a reduced draft vocabulary (where top-1 labels outside it weigh 0 as hard labels do).
+    _, top1 = run_step(target, config, params, cached, target_labels=True, label_top_k=1)
+    np.testing.assert_allclose(top1["loss"], hard["loss"], rtol=1e-6)
+    keep = np.asarray([0, 2, 3, 5, 8, 13, 21, 34], np.int32)
+    target_to_draft = np.full((config.vocab_size,), -1, np.int32)
+    target_to_draft[keep] = np.arange(len(keep))
+    reduced = drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1), draft_to_target=keep)
+    extra = {"target_to_draft": jnp.asarray(target_to_draft)}
+    _, top1 = run_step(target, config, reduced, cached, extra, target_labels=True, label_top_k=1)
+    _, hard = run_step(target, config, reduced, cached, extra, target_labels=True)
+    np.testing.assert_allclose(top1["loss"], hard["loss"], rtol=1e-6)
+    np.testing.assert_array_equal(top1["slot_accuracy"], hard["slot_accuracy"])
+    with pytest.raises(ValueError, match="--top-k 3"):
+        run_step(target, config, params, {**cached, "top_ids": np.asarray(top_ids)[..., :2]},
+                 target_labels=True, label_top_k=3)
+    with pytest.raises(ValueError, match="label_top_k"):
+        step_lib.StepSpec(num_anchors=NUM_ANCHORS, decay=4.0, label_top_k=2)
 
 
 def test_gradient_accumulation_equals_one_big_batch(setup):

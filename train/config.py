@@ -19,7 +19,7 @@ from train.data import DataConfig
 
 FEATURE_MODES = ("online", "offline")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-LABELS = ("tokens", "target")  # run.labels: see train.step
+LABELS = ("tokens", "target", "distribution")  # run.labels: see train.step
 FC_INITS = ("random", "last_feature")
 
 
@@ -90,7 +90,9 @@ class RunSettings:
     num_anchors: int = 64  # blocks per sequence, redrawn every step
     anchor_chunk: int = 0  # > 0: attend in groups of this many anchors (cheaper attention, same loss)
     decay: float | None = None  # slot-weight decay; None = the paper's value for the block size
-    labels: str = "tokens"  # "tokens": the text's next tokens; "target": the target's greedy choices
+    labels: str = "tokens"  # "tokens": the text's next tokens; "target": the target's greedy choices;
+    # "distribution": the target's distribution over its label_top_k likeliest next tokens (soft labels)
+    label_top_k: int = 8
     compute_dtype: str = "float32"  # drafter activations; master params stay float32
     logits_chunk: int = 1024
     mesh_data: int = -1  # -1 = all devices / mesh_fsdp
@@ -111,6 +113,7 @@ class RunSettings:
         _check(self.anchor_chunk == 0 or self.num_anchors % self.anchor_chunk == 0,
                "run.num_anchors must be a multiple of run.anchor_chunk")
         _check(self.labels in LABELS, f"run.labels must be one of {LABELS}")
+        _check(self.label_top_k >= 1, "run.label_top_k must be >= 1")
         _check(self.compute_dtype in COMPUTE_DTYPES, f"run.compute_dtype must be one of {COMPUTE_DTYPES}")
         _check(self.mesh_fsdp >= 1 and (self.mesh_data >= 1 or self.mesh_data == -1),
                "run.mesh_data must be -1 or >= 1 and run.mesh_fsdp >= 1")

@@ -156,6 +156,8 @@ class FeatureRecords:
     features: tuple[np.ndarray, ...]   # bfloat16 [N_tok, n * D] per shard (memory-mapped)
     meta: dict
     next_tokens: tuple[np.ndarray, ...] = ()   # int32 [N_tok] per shard: the target's greedy next token
+    top_ids: tuple[np.ndarray, ...] = ()       # int32 [N_tok, K] per shard: its K likeliest next tokens
+    top_logits: tuple[np.ndarray, ...] = ()    # float32 [N_tok, K] per shard: their logits
 
     @functools.cached_property
     def _index(self) -> np.ndarray:   # [N, 2]: (shard, record within shard)
@@ -175,8 +177,9 @@ class FeatureRecords:
         out = shard.row(j, max_length)
         lo = shard.offsets[j]
         out["features"] = self.features[k][lo:lo + len(out["tokens"])]
-        if self.next_tokens:
-            out["next_tokens"] = self.next_tokens[k][lo:lo + len(out["tokens"])]
+        for key in ("next_tokens", "top_ids", "top_logits"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)[k][lo:lo + len(out["tokens"])]
         return out
 
 
@@ -191,7 +194,7 @@ def load_feature_cache(path) -> FeatureRecords:
     meta = json.loads((path / META).read_text())
     if not meta.get("complete"):
         raise ValueError(f"feature cache {path} is incomplete (rerun `python -m train.cache_features` to finish it)")
-    shards, features, next_tokens = [], [], []
+    shards, features, next_tokens, top_ids, top_logits = [], [], [], [], []
     for name in meta["shards"]:
         d = path / name
         load = lambda f: np.load(d / f, mmap_mode="r")
@@ -199,9 +202,13 @@ def load_feature_cache(path) -> FeatureRecords:
         features.append(load("features.npy").view(ml_dtypes.bfloat16))
         if meta.get("next_tokens"):  # caches written before next tokens were stored have none
             next_tokens.append(load("next_tokens.npy"))
+        if meta.get("top_k"):  # only caches written with --top-k > 0 have these
+            top_ids.append(load("top_ids.npy"))
+            top_logits.append(load("top_logits.npy"))
     if sum(len(s) for s in shards) == 0:
         raise ValueError(f"feature cache {path} holds no records")
-    return FeatureRecords(tuple(shards), tuple(features), meta, tuple(next_tokens))
+    return FeatureRecords(tuple(shards), tuple(features), meta, tuple(next_tokens), tuple(top_ids),
+                          tuple(top_logits))
 
 
 def load_records(cfg: DataConfig, tokenizer=None):
@@ -272,8 +279,9 @@ def _assemble(records, plan: EpochPlan, max_length: int, first_row: int, per_pro
            "lengths": np.asarray([len(p["tokens"]) for p in parts], np.int32)}
     if "features" in parts[0]:
         out["features"] = np.zeros((per_process, t, parts[0]["features"].shape[-1]), parts[0]["features"].dtype)
-    if "next_tokens" in parts[0]:
-        out["next_tokens"] = np.zeros((per_process, t), np.int32)
+    for key in ("next_tokens", "top_ids", "top_logits"):
+        if key in parts[0]:
+            out[key] = np.zeros((per_process, t, *parts[0][key].shape[1:]), parts[0][key].dtype)
     for b, part in enumerate(parts):
         for key, value in part.items():
             out[key][b, : len(value)] = value
@@ -289,6 +297,8 @@ def make_iterator(cfg: DataConfig, tokenizer=None, *, process_index=None, proces
        features  bfloat16 [B, T, n*D]  only when cfg.path is a feature cache (offline mode)
        next_tokens int32 [B, T]  the target's greedy next token after each position (a feature
                  cache that stores them; `run.labels: target`)
+       top_ids int32 [B, T, K], top_logits float32 [B, T, K]  the target's K likeliest next tokens
+                 and their logits (a cache written with --top-k K; `run.labels: distribution`)
     B = cfg.batch_size // process_count; T in cfg.buckets. tokenizer is needed only for chat
     records; `records` (from `load_records`) skips loading them again.
     """

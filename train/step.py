@@ -6,11 +6,15 @@ Master params are float32; `compute_dtype` casts them for the forward pass only.
 
 batch (the dict train.data.make_iterator yields, as global arrays):
     tokens [B, T] int32, loss_mask [B, T] bool, lengths [B] int32, features [B, T, n*D] and
-    next_tokens [B, T] int32 (offline only; the target's greedy next token after each position)
+    next_tokens [B, T] int32 (offline only; the target's greedy next token after each position),
+    top_ids [B, T, K] int32 and top_logits [B, T, K] float32 (offline, soft labels only)
 
 Labels: the text's own next tokens (`StepSpec.target_labels=False`), or the target's greedy
 choices (`target_labels=True`, `objective.block_targets`): what verification accepts, from any
-text, without regenerating answers.
+text, without regenerating answers. With `label_top_k=k` the cross-entropy is taken against the
+target's distribution over its k likeliest next tokens instead (`objective.block_distributions`:
+soft labels, a distillation loss); the greedy labels still decide which slots count and what
+accuracy compares with.
 """
 from __future__ import annotations
 
@@ -40,6 +44,11 @@ class StepSpec:
     grad_accum: int = 1
     anchor_chunk: int = 0  # > 0: blocks attend in groups of this many anchors (objective.drafter_block_hidden)
     target_labels: bool = False  # label slots with the target's greedy next tokens, not the text's
+    label_top_k: int = 0  # > 0 (needs target_labels): learn the target's top-k distribution
+
+    def __post_init__(self):
+        if self.label_top_k < 0 or (self.label_top_k and not self.target_labels):
+            raise ValueError("label_top_k must be 0, or > 0 with target_labels")
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -71,16 +80,19 @@ def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> Tr
 
 
 def target_features(target, target_params, tokens, layer_ids, *, next_tokens: bool = False,
-                    logits_chunk: int = 1024):
+                    top_k: int = 0, logits_chunk: int = 1024):
     """Online mode: the frozen target's captured features [B, T, n*D] (no gradient); with
-    next_tokens, also its greedy next token after each position [B, T] int32."""
+    next_tokens, also its greedy next token after each position [B, T] int32, and with top_k > 0
+    its top_k likeliest next tokens' ids [B, T, top_k] int32 and logits float32 after those."""
     target_params = jax.lax.stop_gradient(target_params)
     hidden, features, _ = target.forward(target_params, tokens, capture=layer_ids)
     features = jax.lax.stop_gradient(features)
     if not next_tokens:
         return features
-    return features, objective.greedy_tokens(lambda h: target.logits(target_params, h),
-                                             jax.lax.stop_gradient(hidden), logits_chunk)
+    head, hidden = (lambda h: target.logits(target_params, h)), jax.lax.stop_gradient(hidden)
+    if top_k:
+        return (features, *objective.greedy_and_top_tokens(head, hidden, top_k, logits_chunk))
+    return features, objective.greedy_tokens(head, hidden, logits_chunk)
 
 
 def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch):
@@ -94,13 +106,20 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     target_params = jax.lax.stop_gradient(frozen["target"])
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     next_tokens = batch.get("next_tokens") if spec.target_labels else None
+    top = (batch.get("top_ids"), batch.get("top_logits")) if spec.label_top_k else None
     if "features" in batch:
         features = batch["features"]
         if spec.target_labels and next_tokens is None:
             raise ValueError("target labels need the feature cache's next_tokens (rerun train.cache_features)")
+        if top is not None and (top[0] is None or top[0].shape[-1] < spec.label_top_k):
+            have = 0 if top[0] is None else top[0].shape[-1]
+            raise ValueError(f"soft labels of the top {spec.label_top_k} tokens need a feature cache written "
+                             f"with train.cache_features --top-k {spec.label_top_k} or more (it has {have})")
     elif spec.target_labels:
-        features, next_tokens = target_features(target, target_params, tokens, config.target_layer_ids,
-                                                next_tokens=True, logits_chunk=spec.logits_chunk)
+        features, next_tokens, *top = target_features(target, target_params, tokens, config.target_layer_ids,
+                                                      next_tokens=True, top_k=spec.label_top_k,
+                                                      logits_chunk=spec.logits_chunk)
+        top = tuple(top) or None
     else:
         features = target_features(target, target_params, tokens, config.target_layer_ids)
     anchors, valid = batch["anchors"], batch["valid"]
@@ -111,13 +130,22 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     labels, weights = objective.block_targets(tokens, loss_mask, anchors, valid, config.block_size, spec.decay,
                                               next_tokens)
     counted = weights > 0
+    soft = None if top is None else objective.block_distributions(*top, anchors, config.block_size,
+                                                                    spec.label_top_k)
+    loss_weights = weights
     if "draft_head" in params:
-        labels, weights = objective.draft_labels(labels, weights, frozen["target_to_draft"])
+        to_draft = frozen["target_to_draft"]
+        labels, weights = objective.draft_labels(labels, weights, to_draft)
+        if soft is not None:  # drops only the candidates without a draft id
+            *soft, loss_weights = objective.draft_distributions(*soft, loss_weights, to_draft)
         kernel = params["draft_head"].astype(dtype)
         head = lambda h: jnp.einsum("bmd,dv->bmv", h, kernel).astype(jnp.float32)
     else:
         head = lambda h: target.logits(target_params, h)
-    return objective.weighted_block_loss(head, hidden, labels, weights, counted, spec.logits_chunk)
+    if soft is None:
+        loss_weights = weights
+    return objective.weighted_block_loss(head, hidden, labels, loss_weights, counted, spec.logits_chunk,
+                                         soft=None if soft is None else tuple(soft), scorable=weights > 0)
 
 
 def _micro_batches(batch: dict, count: int) -> dict:

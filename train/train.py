@@ -61,10 +61,14 @@ def check_feature_cache(cfg: TrainConfig, drafter_config) -> None:
                           f"{meta['hidden_size']}; the drafter needs layers {list(drafter_config.target_layer_ids)} "
                           f"of width {drafter_config.hidden_size} (rerun train.cache_features or set "
                           f"model.target_layer_ids)")
-    if cfg.run.labels == "target" and not meta.get("next_tokens"):
-        raise ConfigError(f"{cfg.data.path}: run.labels=target needs the target's next tokens, which this "
-                          f"feature cache (written before they were stored) lacks; rerun train.cache_features "
-                          f"into a new directory, or use run.labels=tokens")
+    if cfg.run.labels != "tokens" and not meta.get("next_tokens"):
+        raise ConfigError(f"{cfg.data.path}: run.labels={cfg.run.labels} needs the target's next tokens, which "
+                          f"this feature cache (written before they were stored) lacks; rerun "
+                          f"train.cache_features into a new directory, or use run.labels=tokens")
+    if cfg.run.labels == "distribution" and meta.get("top_k", 0) < cfg.run.label_top_k:
+        raise ConfigError(f"{cfg.data.path}: run.labels=distribution with run.label_top_k={cfg.run.label_top_k} "
+                          f"needs a feature cache written with train.cache_features --top-k "
+                          f"{cfg.run.label_top_k} or more; this one has {meta.get('top_k', 0)}")
 
 
 def draft_vocabulary(cfg: TrainConfig, run_dir: Path, target, records, init=None) -> DraftVocab | None:
@@ -195,7 +199,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
                              decay=cfg.run.decay or default_decay(drafter_config.block_size),
                              logits_chunk=cfg.run.logits_chunk, compute_dtype=cfg.run.compute_dtype,
                              grad_accum=cfg.optim.grad_accum, anchor_chunk=cfg.run.anchor_chunk,
-                             target_labels=cfg.run.labels == "target")
+                             target_labels=cfg.run.labels != "tokens",
+                             label_top_k=cfg.run.label_top_k if cfg.run.labels == "distribution" else 0)
 
     frozen = {"target": target.params}
     if vocab is not None:

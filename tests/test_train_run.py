@@ -109,12 +109,17 @@ def test_a_run_exports_and_a_later_run_continues_from_the_export(tiny, tmp_path)
     with pytest.raises(ValueError, match="block-size must be >= 2"):
         export(tmp_path / "run", tmp_path / "block1", block_size=1)
 
-    # A later run continues from the exported drafter (model.init_from), here with another block size.
+    # A later run continues from the exported drafter (model.init_from), here with another block
+    # size and an attention window the export did not have (both masks, not weight shapes).
     again = config_from_dict(settings(tiny, tmp_path / "again", steps=1),
-                             [f"model.init_from={exported}", "model.block_size=4", "optim.learning_rate=1e-9"])
+                             [f"model.init_from={exported}", "model.block_size=4", "model.sliding_window=3",
+                              "optim.learning_rate=1e-9"])
     train(again, target=target)
     _, continued = checkpointing.restore_params(tmp_path / "again")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), continued["drafter"], params["drafter"])
+    windowed = load_drafter(export(tmp_path / "again", tmp_path / "windowed", dtype="float32"), target=target)
+    assert (windowed.config.sliding_window, windowed.config.block_size) == (3, 4)
+    assert set(windowed.config.layer_types) == {"sliding_attention"}
     with pytest.raises(ConfigError, match=r"does not fit the configured drafter .*num_layers"):
         train(config_from_dict(settings(tiny, tmp_path / "misfit"),
                                [f"model.init_from={exported}", "model.num_layers=2"]), target=target)

@@ -99,17 +99,18 @@ def draft_vocabulary(cfg: TrainConfig, run_dir: Path, target, records, init=None
 
 def initial_drafter(cfg: TrainConfig, target, drafter_config):
     """model.init_from loaded against the target (None without it). Every shape must match the
-    config's drafter; only the block size may differ (it is not a weight shape)."""
+    config's drafter; the block size and the attention window may differ (masks, not weight
+    shapes: a run may continue a drafter with a larger block or a wider window)."""
     if not cfg.model.init_from:
         return None
     from dflash_jax.loading.drafter_io import load_drafter
 
     drafter = load_drafter(cfg.model.init_from, target, "float32")
-    have = dataclasses.replace(drafter.config, block_size=drafter_config.block_size, draft_vocab_size=None)
-    want = dataclasses.replace(drafter_config, draft_vocab_size=None)
-    if have != want:
-        diff = {f.name: (getattr(have, f.name), getattr(want, f.name)) for f in dataclasses.fields(want)
-                if getattr(have, f.name) != getattr(want, f.name)}
+    may_differ = {"block_size", "layer_types", "sliding_window", "draft_vocab_size"}  # the vocabulary: below
+    have, want = drafter.config, drafter_config
+    diff = {f.name: (getattr(have, f.name), getattr(want, f.name)) for f in dataclasses.fields(want)
+            if f.name not in may_differ and getattr(have, f.name) != getattr(want, f.name)}
+    if diff:
         raise ConfigError(f"model.init_from: {cfg.model.init_from} does not fit the configured drafter "
                           f"(field: (its value, the config's)): {diff}")
     if (drafter.config.draft_vocab_size or 0) != cfg.model.draft_vocab_size:

@@ -132,18 +132,17 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     counted = weights > 0
     soft = None if top is None else objective.block_distributions(*top, anchors, config.block_size,
                                                                     spec.label_top_k)
-    loss_weights = weights
+    soft_weights = weights  # a soft label keeps its slot while any of its candidates has a draft id
     if "draft_head" in params:
         to_draft = frozen["target_to_draft"]
         labels, weights = objective.draft_labels(labels, weights, to_draft)
-        if soft is not None:  # drops only the candidates without a draft id
-            *soft, loss_weights = objective.draft_distributions(*soft, loss_weights, to_draft)
+        if soft is not None:
+            *soft, soft_weights = objective.draft_distributions(*soft, soft_weights, to_draft)
         kernel = params["draft_head"].astype(dtype)
         head = lambda h: jnp.einsum("bmd,dv->bmv", h, kernel).astype(jnp.float32)
     else:
         head = lambda h: target.logits(target_params, h)
-    if soft is None:
-        loss_weights = weights
+    loss_weights = weights if soft is None else soft_weights
     return objective.weighted_block_loss(head, hidden, labels, loss_weights, counted, spec.logits_chunk,
                                          soft=None if soft is None else tuple(soft), scorable=weights > 0)
 

@@ -120,9 +120,45 @@ def test_a_run_exports_and_a_later_run_continues_from_the_export(tiny, tmp_path)
     windowed = load_drafter(export(tmp_path / "again", tmp_path / "windowed", dtype="float32"), target=target)
     assert (windowed.config.sliding_window, windowed.config.block_size) == (3, 4)
     assert set(windowed.config.layer_types) == {"sliding_attention"}
-    with pytest.raises(ConfigError, match=r"does not fit the configured drafter .*num_layers"):
+    with pytest.raises(ConfigError, match=r"does not fit the configured drafter .*intermediate_size"):
         train(config_from_dict(settings(tiny, tmp_path / "misfit"),
-                               [f"model.init_from={exported}", "model.num_layers=2"]), target=target)
+                               [f"model.init_from={exported}", "model.intermediate_size=64"]), target=target)
+
+    # ... or grows it by a layer, which starts as an identity: the trained layer kept below it.
+    grown_run = config_from_dict(settings(tiny, tmp_path / "grown", steps=1),
+                                 [f"model.init_from={exported}", "model.num_layers=2", "optim.learning_rate=1e-9"])
+    train(grown_run, target=target)
+    _, grown = checkpointing.restore_params(tmp_path / "grown")
+    assert jax.tree.leaves(grown["drafter"]["layers"])[0].shape[0] == 2
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a[:1], b, atol=1e-6), grown["drafter"]["layers"],
+                 params["drafter"]["layers"])
+    with pytest.raises(ConfigError, match=r"does not fit the configured drafter .*num_layers"):
+        train(config_from_dict(settings(tiny, tmp_path / "shrunk"),
+                               [f"model.init_from={export(tmp_path / 'grown', tmp_path / 'deeper')}",
+                                "model.num_layers=1"]), target=target)
+
+
+def test_a_grown_drafter_drafts_what_it_grew_from(fitted, tiny):
+    """drafter_init.grow stacks identity layers on a trained drafter: the same drafts, cycle for
+    cycle, as the drafter it grew from (a deeper run starts where the shallower one ended), where
+    the same layers stacked as they were initialised draft something else."""
+    target, drafter = fitted
+    prompts = tiny[3]
+    n = drafter.config.num_layers
+    deeper = dataclasses.replace(drafter.config, num_layers=n + 2, layer_types=drafter.config.layer_types[:1] * (n + 2))
+    start = {"drafter": drafter.params}
+    fresh = {"drafter": init_drafter_params(deeper, jax.random.PRNGKey(2))}
+    grown = drafter_init.grow(start, fresh)["drafter"]
+    raw = {**grown, "layers": jax.tree.map(lambda a, b: np.concatenate([a, b[n:]]), drafter.params["layers"],
+                                           fresh["drafter"]["layers"])}
+    run = lambda config, params: generate(target, Drafter(config, params), prompts, max_new_tokens=24,
+                                          stop_token_ids=())
+    before, after, unzeroed = run(drafter.config, drafter.params), run(deeper, grown), run(deeper, raw)
+    assert before.tau > 2.0
+    assert after.acceptance_lengths == before.acceptance_lengths
+    assert unzeroed.acceptance_lengths != before.acceptance_lengths
+    with pytest.raises(drafter_init.DrafterFitError, match="cannot extend"):
+        drafter_init.grow({"drafter": grown}, fresh)
 
 
 def test_a_run_learns_the_targets_distribution_from_a_top_k_cache(tiny, tmp_path):

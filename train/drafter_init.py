@@ -98,6 +98,22 @@ def last_feature_fc(drafter_params, num_features: int):
     return {**drafter_params, "fc": {"kernel": eye}}
 
 
+def grow(start: dict, fresh: dict) -> dict:
+    """A deeper drafter from a trained one: `start`'s params (n layers, with its draft head if any)
+    and, stacked on top, `fresh`'s layers beyond the n-th, each an identity at first (its attention
+    output and MLP down projections zeroed, the residual stream passing through), so the grown
+    drafter drafts exactly what `start` did and training takes it on from there."""
+    n = jax.tree.leaves(start["drafter"]["layers"])[0].shape[0]
+    total = jax.tree.leaves(fresh["drafter"]["layers"])[0].shape[0]
+    if total <= n:
+        raise DrafterFitError(f"grow: {total} layers cannot extend a drafter of {n}")
+    added = jax.tree.map(lambda x: x[n:], fresh["drafter"]["layers"])
+    added["self_attn"]["o_proj"] = jax.tree.map(jnp.zeros_like, added["self_attn"]["o_proj"])
+    added["mlp"]["down_proj"] = jax.tree.map(jnp.zeros_like, added["mlp"]["down_proj"])
+    layers = jax.tree.map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)]), start["drafter"]["layers"], added)
+    return {**start, "drafter": {**start["drafter"], "layers": layers}}
+
+
 def initial_params(config: DrafterConfig, target, target_params, rng, *, warm: bool = False,
                    warm_layers=None, fc_init: str = "random", draft_to_target: np.ndarray | None = None) -> dict:
     """{"drafter": params} (+ {"draft_head": target LM head columns [D, Vd]} for a draft vocabulary).

@@ -100,7 +100,8 @@ def draft_vocabulary(cfg: TrainConfig, run_dir: Path, target, records, init=None
 def initial_drafter(cfg: TrainConfig, target, drafter_config):
     """model.init_from loaded against the target (None without it). Every shape must match the
     config's drafter; the block size and the attention window may differ (masks, not weight
-    shapes: a run may continue a drafter with a larger block or a wider window)."""
+    shapes: a run may continue a drafter with a larger block or a wider window), and the config
+    may ask for more layers (`drafter_init.grow` stacks them on top, each an identity at first)."""
     if not cfg.model.init_from:
         return None
     from dflash_jax.loading.drafter_io import load_drafter
@@ -109,7 +110,8 @@ def initial_drafter(cfg: TrainConfig, target, drafter_config):
     may_differ = {"block_size", "layer_types", "sliding_window", "draft_vocab_size"}  # the vocabulary: below
     have, want = drafter.config, drafter_config
     diff = {f.name: (getattr(have, f.name), getattr(want, f.name)) for f in dataclasses.fields(want)
-            if f.name not in may_differ and getattr(have, f.name) != getattr(want, f.name)}
+            if f.name not in may_differ and getattr(have, f.name) != getattr(want, f.name)
+            and not (f.name == "num_layers" and have.num_layers < want.num_layers)}
     if diff:
         raise ConfigError(f"model.init_from: {cfg.model.init_from} does not fit the configured drafter "
                           f"(field: (its value, the config's)): {diff}")
@@ -215,11 +217,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
         if vocab is not None:
             start["draft_head"] = jnp.asarray(init.draft_head["kernel"], jnp.float32)
 
+    growing = init is not None and init.config.num_layers < drafter_config.num_layers
+
     def fresh_state(target_params, start):
-        params = start if start is not None else drafter_init.initial_params(
-            drafter_config, target, target_params, jax.random.PRNGKey(cfg.run.seed),
-            warm=cfg.model.warm_start, warm_layers=cfg.model.warm_start_layers, fc_init=cfg.model.fc_init,
-            draft_to_target=None if vocab is None else vocab.draft_to_target)
+        params = start
+        if start is None or growing:
+            params = drafter_init.initial_params(
+                drafter_config, target, target_params, jax.random.PRNGKey(cfg.run.seed),
+                warm=cfg.model.warm_start, warm_layers=cfg.model.warm_start_layers, fc_init=cfg.model.fc_init,
+                draft_to_target=None if vocab is None else vocab.draft_to_target)
+            if growing:
+                params = drafter_init.grow(start, params)
         return step_lib.init_state(params, optimizer, cfg.run.seed)
 
     abstract = jax.eval_shape(fresh_state, frozen["target"], start)

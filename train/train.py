@@ -110,8 +110,9 @@ def initial_drafter(cfg: TrainConfig, target, drafter_config):
     may_differ = {"block_size", "layer_types", "sliding_window", "draft_vocab_size"}  # the vocabulary: below
     have, want = drafter.config, drafter_config
     diff = {f.name: (getattr(have, f.name), getattr(want, f.name)) for f in dataclasses.fields(want)
-            if f.name not in may_differ and getattr(have, f.name) != getattr(want, f.name)
-            and not (f.name == "num_layers" and have.num_layers < want.num_layers)}
+            if f.name not in may_differ and getattr(have, f.name) != getattr(want, f.name)}
+    if have.num_layers < want.num_layers:
+        diff.pop("num_layers")  # grown in fresh_state (drafter_init.grow)
     if diff:
         raise ConfigError(f"model.init_from: {cfg.model.init_from} does not fit the configured drafter "
                           f"(field: (its value, the config's)): {diff}")

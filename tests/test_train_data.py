@@ -11,7 +11,8 @@ import pytest
 from dflash_jax.speculative import generate
 from dflash_jax.target import Target, init_target_params
 from train.cache_features import cache_features
-from train.data import DataConfig, count_tokens, load_token_records, make_iterator, tokenize_conversation
+from train.data import (DataConfig, count_tokens, load_feature_cache, load_records, load_token_records, make_iterator,
+                        tokenize_conversation)
 from train.regenerate import RegenerateConfig, regenerate
 from train.sources import DataFormatError, read_records
 
@@ -263,6 +264,44 @@ def test_feature_cache_round_trip(tmp_path, tiny_target):
             np.testing.assert_array_equal(b["next_tokens"][row, :n], greedy[row, :n])
             assert not b["next_tokens"][row, n:].any()
     assert "top_ids" not in batches[0] and "top_k" not in meta  # only with top_k > 0
+
+
+def test_several_feature_caches_read_as_one_corpus(tmp_path, tiny_target):
+    """data.path may list feature caches: their records in order, next tokens, the smallest top-k
+    (the likeliest first); caches that cannot be one corpus are refused with the reason."""
+    first = load_token_records(write_jsonl(tmp_path / "a.jsonl", pretokenized([5, 9, 14])), None, 16)
+    second = load_token_records(write_jsonl(tmp_path / "b.jsonl", pretokenized([7, 3, 11, 16], seed=1)), None, 16)
+    a, b = tmp_path / "a", tmp_path / "b"
+    cache_features(tiny_target, first, a, (0, 2), batch_size=2, buckets=(16,), top_k=3, progress=False)
+    cache_features(tiny_target, second, b, (0, 2), batch_size=2, buckets=(16,), top_k=2, shard_records=3,
+                   progress=False)
+    cfg = DataConfig([str(a), str(b)], max_length=16, batch_size=2, buckets=(16,), num_epochs=1)
+    both = load_records(cfg)
+    alone = [load_feature_cache(a), load_feature_cache(b)]
+    assert both.meta["num_records"] == len(both) == 7 and both.meta["top_k"] == 2 and both.meta["next_tokens"]
+    rows = [one.row(i, 16) for one in alone for i in range(len(one))]
+    for i, want in enumerate(rows):
+        got = both.row(i, 16)
+        for key in ("tokens", "loss_mask", "features", "next_tokens"):
+            np.testing.assert_array_equal(got[key], want[key])
+        for key in ("top_ids", "top_logits"):
+            np.testing.assert_array_equal(got[key], want[key][:, :2])
+    batches = list(make_iterator(cfg, process_index=0, process_count=1))
+    assert sum(int((bt["lengths"] > 0).sum()) for bt in batches) == 6  # 7 records, batches of 2 (one dropped)
+    assert all(bt["top_ids"].shape == (2, 16, 2) for bt in batches)
+
+    other_layers = tmp_path / "c"
+    cache_features(tiny_target, second, other_layers, (1, 2), batch_size=2, buckets=(16,), progress=False)
+    with pytest.raises(ValueError, match=r"differ in target_layer_ids: \[0, 2\] against \[1, 2\]"):
+        load_records(dataclasses.replace(cfg, path=(str(a), str(other_layers))))
+    with pytest.raises(ValueError, match="must all be feature caches"):
+        load_records(dataclasses.replace(cfg, path=(str(a), str(tmp_path / "b.jsonl"))))
+    meta = json.loads((b / "meta.json").read_text())
+    (b / "meta.json").write_text(json.dumps({**meta, "complete": False}))
+    with pytest.raises(ValueError, match="incomplete"):
+        load_records(cfg)
+    with pytest.raises(ValueError, match="empty list"):
+        DataConfig([], max_length=16)
 
 
 def test_feature_cache_stores_the_targets_top_k(tmp_path, tiny_target):

@@ -162,15 +162,20 @@ def test_a_grown_drafter_drafts_what_it_grew_from(fitted, tiny):
 
 
 def test_a_run_learns_the_targets_distribution_from_a_top_k_cache(tiny, tmp_path):
-    """run.labels=distribution end to end: a feature cache with the target's top-k tokens, the
-    offline step's soft labels (with a reduced draft vocabulary), logged metrics."""
+    """run.labels=distribution end to end: two feature caches with the target's top-k tokens read
+    as one corpus (data.path a list; the smaller top-k counts), the offline step's soft labels
+    (with a reduced draft vocabulary), logged metrics."""
     target, _, data, _ = tiny
-    cache = tmp_path / "cache"
-    cache_features(target, load_token_records(data, None, 32), cache, (0, 2), batch_size=8, buckets=(32,),
-                   top_k=4, progress=False)
+    for name, top_k in (("cache", 4), ("more", 6)):
+        cache_features(target, load_token_records(data, None, 32), tmp_path / name, (0, 2), batch_size=8,
+                       buckets=(32,), top_k=top_k, progress=False)
+    caches = f"[{tmp_path / 'cache'}, {tmp_path / 'more'}]"
     cfg = config_from_dict(settings(tiny, tmp_path / "run", steps=2, log_every=1, checkpoint_every=2),
-                           [f"data.path={cache}", "data.buckets=[32]", "run.labels=distribution",
+                           [f"data.path={caches}", "data.buckets=[32]", "run.labels=distribution",
                             "run.label_top_k=4", f"model.draft_vocab_size={VOCAB}"])
+    assert cfg.data.paths == (str(tmp_path / "cache"), str(tmp_path / "more"))
+    with pytest.raises(ConfigError, match="--top-k 5 or more; this one has 4"):
+        train(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, label_top_k=5)), target=target)
     last = train(cfg, target=target)
     assert last["step"] == 2 and np.isfinite(last["loss"]) and last["loss"] > 0
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2

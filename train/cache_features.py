@@ -3,7 +3,7 @@ layers' features, so that drafter training never reruns the target.
 
     python -m train.cache_features --data runs/data/smollm2-sharegpt --out runs/features/smollm2 --num-draft-layers 3
 
-Layout of OUT (read by `train.data` when DataConfig.path points at it):
+Layout of OUT (read by `train.data` when DataConfig.path names it, alone or in a list of caches):
     meta.json                 {"target_layer_ids", "hidden_size", "feature_dtype": "bfloat16",
                                "num_records", "num_tokens", "shards": [...], "complete", ...}
     shard-00000/tokens.npy    int32 [N_tok]        the shard's records concatenated

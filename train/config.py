@@ -141,14 +141,19 @@ class TrainConfig:
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Convert a YAML value to the field's annotated type (int, float, bool, str, X | None,
-    tuple[int, ...]) or raise ConfigError naming the key."""
+    X | Y, tuple[int, ...]) or raise ConfigError naming the key."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
-        (inner,) = [o for o in options if o is not type(None)]
-        return _coerce(value, inner, key)
+        inner = [o for o in options if o is not type(None)]
+        for option in inner[:-1]:  # e.g. str | tuple[str, ...]: the first type the value fits
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                pass
+        return _coerce(value, inner[-1], key)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

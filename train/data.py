@@ -33,7 +33,8 @@ META = "meta.json"
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    path: str                       # regenerated JSONL dir/file, pre-tokenized JSONL, or a feature-cache dir
+    path: str | tuple[str, ...]     # regenerated JSONL dir/file, pre-tokenized JSONL, a feature-cache dir,
+                                    # or a list of feature-cache dirs read as one corpus
     max_length: int = 2048          # truncate longer sequences
     batch_size: int = 8             # GLOBAL batch size (per process: batch_size // process_count)
     buckets: tuple[int, ...] = ()   # padded sequence lengths; () -> (max_length,)
@@ -42,7 +43,15 @@ class DataConfig:
     prefetch: int = 2
     min_loss_tokens: int = 2        # records with fewer assistant tokens are dropped
 
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path,) if isinstance(self.path, str) else self.path
+
     def __post_init__(self):
+        if not isinstance(self.path, str):
+            object.__setattr__(self, "path", tuple(str(p) for p in self.path))
+            if not self.path:
+                raise ValueError("data.path is an empty list")
         object.__setattr__(self, "buckets", tuple(sorted(int(b) for b in self.buckets)) or (self.max_length,))
         if self.max_length < 2 or self.batch_size < 1 or self.prefetch < 0:
             raise ValueError(f"need max_length >= 2, batch_size >= 1, prefetch >= 0; got {self}")
@@ -187,33 +196,74 @@ def is_feature_cache(path) -> bool:
     return (Path(path) / META).is_file()
 
 
-def load_feature_cache(path) -> FeatureRecords:
+def is_offline(cfg: DataConfig) -> bool:
+    """Whether cfg.path names feature caches (offline mode); several paths must all be caches."""
+    caches = [is_feature_cache(p) for p in cfg.paths]
+    if len(caches) > 1 and not all(caches):
+        raise ValueError(f"several data paths must all be feature caches (written by train.cache_features); "
+                         f"{[p for p, c in zip(cfg.paths, caches) if not c]} are not")
+    return caches[0]
+
+
+def _cache_paths(paths) -> list[Path]:
+    return [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+
+
+def read_cache_meta(paths) -> dict:
+    """The meta.json of one feature cache, or the combined one of several read as one corpus: they
+    must be complete and agree on the layers, width and dtype of their features; next tokens when
+    every cache has them, the smallest top-k of them."""
+    paths = _cache_paths(paths)
+    metas = []
+    for path in paths:
+        if not is_feature_cache(path):
+            raise FileNotFoundError(f"{path} is not a feature cache (no {META}; write one with train.cache_features)")
+        meta = json.loads((path / META).read_text())
+        if not meta.get("complete"):
+            raise ValueError(f"feature cache {path} is incomplete (rerun `python -m train.cache_features` to finish it)")
+        for key in ("target_layer_ids", "hidden_size", "feature_dtype"):
+            if metas and meta.get(key) != metas[0].get(key):
+                raise ValueError(f"feature caches {paths[0]} and {path} differ in {key}: "
+                                 f"{metas[0].get(key)} against {meta.get(key)}")
+        metas.append(meta)
+    if len(metas) == 1:
+        return metas[0]
+    return {**{k: metas[0][k] for k in ("target_layer_ids", "hidden_size", "feature_dtype")},
+            "next_tokens": all(m.get("next_tokens") for m in metas),
+            "top_k": min(m.get("top_k", 0) for m in metas),
+            "num_records": sum(m.get("num_records", 0) for m in metas),
+            "num_tokens": sum(m.get("num_tokens", 0) for m in metas),
+            "caches": [str(p) for p in paths], "complete": True}
+
+
+def load_feature_cache(paths) -> FeatureRecords:
+    """One feature cache (a directory), or several read as one corpus (a list of directories)."""
     import ml_dtypes
 
-    path = Path(path)
-    meta = json.loads((path / META).read_text())
-    if not meta.get("complete"):
-        raise ValueError(f"feature cache {path} is incomplete (rerun `python -m train.cache_features` to finish it)")
+    meta = read_cache_meta(paths)
+    paths = _cache_paths(paths)
+    top_k = meta.get("top_k", 0)
     shards, features, next_tokens, top_ids, top_logits = [], [], [], [], []
-    for name in meta["shards"]:
-        d = path / name
-        load = lambda f: np.load(d / f, mmap_mode="r")
-        shards.append(TokenRecords(load("tokens.npy"), load("loss_mask.npy"), np.load(d / "offsets.npy")))
-        features.append(load("features.npy").view(ml_dtypes.bfloat16))
-        if meta.get("next_tokens"):  # caches written before next tokens were stored have none
-            next_tokens.append(load("next_tokens.npy"))
-        if meta.get("top_k"):  # only caches written with --top-k > 0 have these
-            top_ids.append(load("top_ids.npy"))
-            top_logits.append(load("top_logits.npy"))
+    for path in paths:
+        for name in json.loads((path / META).read_text())["shards"]:
+            d = path / name
+            load = lambda f: np.load(d / f, mmap_mode="r")
+            shards.append(TokenRecords(load("tokens.npy"), load("loss_mask.npy"), np.load(d / "offsets.npy")))
+            features.append(load("features.npy").view(ml_dtypes.bfloat16))
+            if meta.get("next_tokens"):  # caches written before next tokens were stored have none
+                next_tokens.append(load("next_tokens.npy"))
+            if top_k:  # only caches written with --top-k > 0 have these (sorted, likeliest first)
+                top_ids.append(load("top_ids.npy")[:, :top_k])
+                top_logits.append(load("top_logits.npy")[:, :top_k])
     if sum(len(s) for s in shards) == 0:
-        raise ValueError(f"feature cache {path} holds no records")
+        raise ValueError(f"feature cache {', '.join(map(str, paths))} holds no records")
     return FeatureRecords(tuple(shards), tuple(features), meta, tuple(next_tokens), tuple(top_ids),
                           tuple(top_logits))
 
 
 def load_records(cfg: DataConfig, tokenizer=None):
-    if is_feature_cache(cfg.path):
-        return load_feature_cache(cfg.path)
+    if is_offline(cfg):
+        return load_feature_cache(cfg.paths)
     return load_token_records(cfg.path, tokenizer, cfg.max_length, cfg.min_loss_tokens)
 
 

@@ -53,8 +53,8 @@ def drafter_config_for(cfg: TrainConfig, target):
 
 
 def check_feature_cache(cfg: TrainConfig, drafter_config) -> None:
-    """Offline mode: the cache must hold the features of the drafter's target layers."""
-    meta = json.loads((Path(cfg.data.path) / data_lib.META).read_text())
+    """Offline mode: the cache(s) must hold the features of the drafter's target layers."""
+    meta = data_lib.read_cache_meta(cfg.data.paths)
     if tuple(meta["target_layer_ids"]) != drafter_config.target_layer_ids or \
             meta["hidden_size"] != drafter_config.hidden_size:
         raise ConfigError(f"{cfg.data.path}: feature cache has layers {meta['target_layer_ids']} of width "
@@ -181,11 +181,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     run_dir = Path(cfg.run.out_dir)
     target = load_target_model(cfg) if target is None else target
     drafter_config = drafter_config_for(cfg, target)
-    offline = data_lib.is_feature_cache(cfg.data.path)
-    if offline:
-        check_feature_cache(cfg, drafter_config)
     try:
+        offline = data_lib.is_offline(cfg.data)
+        if offline:
+            check_feature_cache(cfg, drafter_config)
         records = data_lib.load_records(cfg.data, target.tokenizer)
+    except ConfigError:
+        raise
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data.path: {e}") from e
     prepare_run_dir(cfg, run_dir, resume, drafter_config)

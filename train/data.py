@@ -205,15 +205,10 @@ def is_offline(cfg: DataConfig) -> bool:
     return caches[0]
 
 
-def _cache_paths(paths) -> list[Path]:
-    return [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
-
-
-def read_cache_meta(paths) -> dict:
-    """The meta.json of one feature cache, or the combined one of several read as one corpus: they
-    must be complete and agree on the layers, width and dtype of their features; next tokens when
-    every cache has them, the smallest top-k of them."""
-    paths = _cache_paths(paths)
+def _cache_metas(paths) -> list[tuple[Path, dict]]:
+    """(directory, meta.json) of one feature cache or of each of several: every one complete, and
+    all agreeing on the layers, width and dtype of their features."""
+    paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     metas = []
     for path in paths:
         if not is_feature_cache(path):
@@ -222,30 +217,37 @@ def read_cache_meta(paths) -> dict:
         if not meta.get("complete"):
             raise ValueError(f"feature cache {path} is incomplete (rerun `python -m train.cache_features` to finish it)")
         for key in ("target_layer_ids", "hidden_size", "feature_dtype"):
-            if metas and meta.get(key) != metas[0].get(key):
+            if metas and meta.get(key) != metas[0][1].get(key):
                 raise ValueError(f"feature caches {paths[0]} and {path} differ in {key}: "
-                                 f"{metas[0].get(key)} against {meta.get(key)}")
-        metas.append(meta)
+                                 f"{metas[0][1].get(key)} against {meta.get(key)}")
+        metas.append((path, meta))
+    return metas
+
+
+def _combined_meta(metas: list[tuple[Path, dict]]) -> dict:
+    """One cache's meta as it is; several read as one corpus: next tokens when every cache has
+    them, the smallest top-k of them."""
     if len(metas) == 1:
-        return metas[0]
-    return {**{k: metas[0][k] for k in ("target_layer_ids", "hidden_size", "feature_dtype")},
-            "next_tokens": all(m.get("next_tokens") for m in metas),
-            "top_k": min(m.get("top_k", 0) for m in metas),
-            "num_records": sum(m.get("num_records", 0) for m in metas),
-            "num_tokens": sum(m.get("num_tokens", 0) for m in metas),
-            "caches": [str(p) for p in paths], "complete": True}
+        return metas[0][1]
+    first = metas[0][1]
+    return {**{k: first[k] for k in ("target_layer_ids", "hidden_size", "feature_dtype")},
+            "next_tokens": all(m.get("next_tokens") for _, m in metas),
+            "top_k": min(m.get("top_k", 0) for _, m in metas),
+            "num_records": sum(m.get("num_records", 0) for _, m in metas),
+            "num_tokens": sum(m.get("num_tokens", 0) for _, m in metas),
+            "caches": [str(p) for p, _ in metas], "complete": True}
 
 
 def load_feature_cache(paths) -> FeatureRecords:
     """One feature cache (a directory), or several read as one corpus (a list of directories)."""
     import ml_dtypes
 
-    meta = read_cache_meta(paths)
-    paths = _cache_paths(paths)
+    metas = _cache_metas(paths)
+    meta = _combined_meta(metas)
     top_k = meta.get("top_k", 0)
     shards, features, next_tokens, top_ids, top_logits = [], [], [], [], []
-    for path in paths:
-        for name in json.loads((path / META).read_text())["shards"]:
+    for path, own in metas:
+        for name in own["shards"]:
             d = path / name
             load = lambda f: np.load(d / f, mmap_mode="r")
             shards.append(TokenRecords(load("tokens.npy"), load("loss_mask.npy"), np.load(d / "offsets.npy")))
@@ -256,7 +258,7 @@ def load_feature_cache(paths) -> FeatureRecords:
                 top_ids.append(load("top_ids.npy")[:, :top_k])
                 top_logits.append(load("top_logits.npy")[:, :top_k])
     if sum(len(s) for s in shards) == 0:
-        raise ValueError(f"feature cache {', '.join(map(str, paths))} holds no records")
+        raise ValueError(f"feature cache {', '.join(str(p) for p, _ in metas)} holds no records")
     return FeatureRecords(tuple(shards), tuple(features), meta, tuple(next_tokens), tuple(top_ids),
                           tuple(top_logits))
 

@@ -52,9 +52,9 @@ def drafter_config_for(cfg: TrainConfig, target):
                                              sliding_window=m.sliding_window)
 
 
-def check_feature_cache(cfg: TrainConfig, drafter_config) -> None:
-    """Offline mode: the cache(s) must hold the features of the drafter's target layers."""
-    meta = data_lib.read_cache_meta(cfg.data.paths)
+def check_feature_cache(cfg: TrainConfig, drafter_config, meta: dict) -> None:
+    """Offline mode: the cache(s) (`meta`, FeatureRecords.meta) must hold the features of the
+    drafter's target layers, and the labels the run learns."""
     if tuple(meta["target_layer_ids"]) != drafter_config.target_layer_ids or \
             meta["hidden_size"] != drafter_config.hidden_size:
         raise ConfigError(f"{cfg.data.path}: feature cache has layers {meta['target_layer_ids']} of width "
@@ -183,13 +183,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     drafter_config = drafter_config_for(cfg, target)
     try:
         offline = data_lib.is_offline(cfg.data)
-        if offline:
-            check_feature_cache(cfg, drafter_config)
         records = data_lib.load_records(cfg.data, target.tokenizer)
-    except ConfigError:
-        raise
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data.path: {e}") from e
+    if offline:
+        check_feature_cache(cfg, drafter_config, records.meta)
     prepare_run_dir(cfg, run_dir, resume, drafter_config)
     init = initial_drafter(cfg, target, drafter_config)
     vocab = draft_vocabulary(cfg, run_dir, target, records, init)

@@ -21,7 +21,7 @@ PROMPTS = (
 )
 MAX_NEW_TOKENS = 48
 
-RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2_dflash_stage3.yaml"  # its last stage
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2_dflash_stage4.yaml"  # its last stage
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTER_DIR / "config.json").is_file(),
                                 reason="no drafter ships in checkpoints/smollm2-dflash yet (issue #12)")

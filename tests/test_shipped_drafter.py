@@ -21,7 +21,7 @@ PROMPTS = (
 )
 MAX_NEW_TOKENS = 48
 
-RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2_dflash_stage5.yaml"  # its last stage
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2_dflash_stage6.yaml"  # its last stage
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTER_DIR / "config.json").is_file(),
                                 reason="no drafter ships in checkpoints/smollm2-dflash yet (issue #12)")
@@ -56,8 +56,8 @@ def test_greedy_equals_plain_decoding_and_tau_clears_the_floor(models):
     assert spec.tokens == plain.tokens
     print(f"tau {spec.tau:.2f}, acceptance lengths {spec.acceptance_lengths}")
     # Issue #12 asks for tau > 1.5 with a block-16 drafter. The shipped one drafts one token per
-    # cycle (block 2, tau <= 2), the block that pays on this CPU; it measured tau 1.34 on these
-    # prompts and 1.39 on MT-Bench (stage 5, block 2; stage 4: 1.34 and 1.36). The floor below is
+    # cycle (block 2, tau <= 2), the block that pays on this CPU; it measured tau 1.30 on these
+    # prompts and 1.39 on MT-Bench (stage 6, block 2; stage 5: 1.34 and 1.39). The floor below is
     # what an untrained drafter (tau ~1.0) fails; the issue's 1.5 is not reached yet.
     assert spec.tau > 1.2
     # What the CLIs run with this drafter: its slots filled from the text where it repeats (with

@@ -14,6 +14,13 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def worker_id() -> str:
+    """pytest-xdist's worker name ("gw0", ...), "master" in a run without workers; read from the
+    environment xdist sets, so the fixtures below also work with `-p no:xdist`."""
+    return os.environ.get("PYTEST_XDIST_WORKER", "master")
+
+
 def _shared_dir(tmp_path_factory, worker_id: str) -> Path:
     """A directory every test process of this run shares (pytest-xdist workers have their own
     base temp directories under one parent)."""
@@ -44,6 +51,34 @@ def _fitted_once(shared: Path, name: str, fit):
     return _once(shared / f"fitted-{name}-{key}.pkl", lambda: jax.device_get(fit()),
                  lambda value, path: path.write_bytes(pickle.dumps(value)),
                  lambda path: pickle.loads(path.read_bytes()))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory, worker_id):
+    """JAX's persistent compilation cache in a directory every test process of this run shares: an
+    executable one process (or an earlier module of the same process, after `generate` dropped it)
+    compiled is read back instead of compiled again. Each run starts empty, so nothing stale from
+    an earlier run is read. DFLASH_TEST_COMPILATION_CACHE=0 turns it off."""
+    if os.environ.get("DFLASH_TEST_COMPILATION_CACHE", "1") == "0":
+        yield None
+        return
+    from dflash_jax import compilation_cache
+
+    directory = compilation_cache.enable(_shared_dir(tmp_path_factory, worker_id) / "jax-compilation")
+    yield directory
+    compilation_cache.disable()
+
+
+@pytest.fixture(autouse=True)
+def _back_to_the_shared_compilation_cache(shared_compilation_cache):
+    """A test that moves the cache (a CLI's `compilation_cache.enable()`, a test of the cache
+    itself) does so for itself only: the shared directory is back on after it."""
+    yield
+    if shared_compilation_cache is not None:
+        from dflash_jax import compilation_cache
+
+        if compilation_cache.directory() != shared_compilation_cache:
+            compilation_cache.enable(shared_compilation_cache)
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ class Pool {
     }
     for (int i = 1; i < parts; ++i) Post(i - 1, Job{fn, context, i, parts});
     fn(context, 0, parts);
-    for (int i = 1; i < parts; ++i) TakeBackOrWait(i - 1, fn, context, parts);
+    for (int i = 1; i < parts; ++i) TakeBackOrWait(i - 1);
     busy_.clear(std::memory_order_release);
   }
 
@@ -80,12 +80,19 @@ class Pool {
     }
   }
 
-  // Part i + 1: run here if its helper has not taken it yet, else waited for.
-  void TakeBackOrWait(int i, PartFn fn, const void* context, int parts) {
-    Slot& s = slots_[i];
+  // The posted job of slot s for the thread that calls this first (its helper or the caller).
+  static bool Claim(Slot& s) {
     int posted = kPosted;
-    if (s.state.compare_exchange_strong(posted, kTaken, std::memory_order_acquire)) {
-      fn(context, i + 1, parts);
+    return s.state.compare_exchange_strong(posted, kTaken, std::memory_order_acquire);
+  }
+
+  static void Run(const Job& j) { j.fn(j.context, j.part, j.parts); }
+
+  // Slot i's part: run here if its helper has not claimed it yet, else waited for.
+  void TakeBackOrWait(int i) {
+    Slot& s = slots_[i];
+    if (Claim(s)) {
+      Run(s.job);
     } else {
       for (int spins = 1; s.state.load(std::memory_order_acquire) != kDone; ++spins) {
         _mm_pause();
@@ -109,10 +116,8 @@ class Pool {
           s.sleeping.store(false);
         }
       }
-      int posted = kPosted;
-      if (!s.state.compare_exchange_strong(posted, kTaken, std::memory_order_acquire)) continue;  // taken back
-      const Job& j = s.job;
-      j.fn(j.context, j.part, j.parts);
+      if (!Claim(s)) continue;  // the caller took it back
+      Run(s.job);
       s.state.store(kDone, std::memory_order_release);
     }
   }

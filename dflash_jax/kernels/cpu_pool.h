@@ -36,7 +36,10 @@ using PartFn = void (*)(const void* context, int part, int parts);
 
 class Pool {
  public:
-  explicit Pool(int helpers) : slots_(helpers) {
+  // start_helpers false (tests/cpu_pool_check.cc): the slots without their threads, so that the
+  // caller takes back every part it posts.
+  explicit Pool(int helpers, bool start_helpers = true) : slots_(helpers) {
+    if (!start_helpers) return;
     for (int i = 0; i < helpers; ++i) std::thread([this, i] { Loop(i); }).detach();
   }
   int helpers() const { return static_cast<int>(slots_.size()); }

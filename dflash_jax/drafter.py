@@ -123,6 +123,7 @@ class DrafterModel(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast),
             length=self.config.num_layers,
+            check_constancy_invariants=False,  # as TargetModel's scan (why: there)
             methods=["context_kv", "__call__", "decode"],
         )(self.config, self.dtype, self.attn_impl)
 

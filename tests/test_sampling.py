@@ -131,10 +131,10 @@ def test_sampling_with_gated_drafts_matches_target_distribution(pair):
     the samples keep the target's distribution; the gate changed which cycles verified drafts."""
     target, drafter = pair
     # The gate is batch-wide (a cycle verifies drafts where any live row's first draft passes) and
-    # these 6,000 rows share the prompt: at 0.54 no row's first cycle passes and the second cycle's
-    # drafts do (the threshold where the first cycles of the rows stop passing is 0.51-0.53; the
-    # second cycles' 0.55-0.57)
-    samples, result = sample_sequences(target, drafter, seed=15, temperature=1.0, min_draft_probability=0.54)
+    # these 6,000 rows share the prompt: at 0.42 no row's first cycle passes and the second cycle's
+    # drafts do (the threshold where the first cycles of the rows stop passing is 0.38-0.40; the
+    # second cycles' 0.44-0.45)
+    samples, result = sample_sequences(target, drafter, seed=15, temperature=1.0, min_draft_probability=0.42)
     assert chi_square_pvalue(samples, exact_joint(target)) > 1e-3
     _, ungated = sample_sequences(target, drafter, seed=15, temperature=1.0)
     assert all(a[0] == 1 for a in result.acceptance_lengths)  # every first cycle was gated ...

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The checks to run when a GPU is lent, as ONE command of under 10 minutes (the device tool's limit),
+# in the order that matters: the Pallas kernels compiled against the reference, their timing, then
+# decoding with random weights of the real shapes. Each step has its own time limit, so one that
+# hangs costs only its share; each writes its log to $OUT (the device tool's folder that comes
+# back; /tmp/gpu_check elsewhere). From the repository root, on the GPU machine:
+#
+#   bash infer/gpu_check.sh            # at most 550 s of steps
+#   GPU_CHECK_SMOKE=1 bash infer/gpu_check.sh   # on a CPU: the same steps, small, to catch typos
+#
+# (On a CPU the smoke run's random models keep Qwen3's 151,936-id vocabulary: the cycle and
+# generate steps print their header and then run out of time (exit 124), and cycle-pallas stops
+# at lowering ("Only interpret mode is supported on CPU backend"), after the layer scan traced.)
+#
+# It needs jax with a GPU, flax, optax, numpy, tqdm, transformers, filelock and pytest, which the
+# device image has; nothing is fetched. What it prints answers, in order:
+# 1. kernels: do the compiled kernels pass the interpret-mode tests? An XPASS in
+#    test_kernel_integration.py means the kernel's cache read now traces inside the layer scan
+#    (it failed on jax 0.11.2 before the scans skipped flax's constancy check), so
+#    attention.cache_attention's "auto" may take it on a GPU.
+# 2. attention: kernel against XLA for training, drafting, verifying and decoding shapes.
+# 3. cycle-reference / cycle-pallas: a Qwen3-8B-shaped step, verify, drafter block and cycle, with
+#    the cache read by the chunked reference and by the kernel (issue #9's step / no-cache ratio).
+# 4. generate: the jitted loop end to end, batch 1 and 8 (tokens/s, peak device memory).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+if [[ "${GPU_CHECK_SMOKE:-0}" == 1 ]]; then
+  KERNEL_ENV=()  # interpret mode: no GPU here
+  KERNEL_TESTS=()
+  ATTENTION=(--cpu-smoke)
+  CYCLE=(--random-target qwen3-8b --layers 2 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
+  GENERATE=(--random-target qwen3-8b --layers 2 --prompt-tokens 16 --max-new-tokens 8 --num-prompts 1)
+  BATCHES=(1)
+else
+  KERNEL_ENV=(DFLASH_PALLAS_BACKEND=compiled)
+  KERNEL_TESTS=(-m "")  # the slow-marked large-tile test too
+  ATTENTION=()
+  CYCLE=(--random-target qwen3-8b --capacity 1024 8192 --fill 900 --block 16 8 --repeats 10)
+  GENERATE=(--random-target qwen3-8b --prompt-tokens 128 --max-new-tokens 64 --num-prompts 8)
+  BATCHES=(1 8)
+fi
+
+# step NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output to the screen and $OUT/NAME.log.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+  echo "=== $name: exit $? after $((SECONDS - start)) s"
+}
+
+step versions 30 "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+step kernels 140 env "${KERNEL_ENV[@]}" "$PY" -m pytest -q -rxX -p no:cacheprovider "${KERNEL_TESTS[@]}" \
+  tests/test_block_attention.py tests/test_kernel_integration.py
+step attention 80 "$PY" -m infer.benchmark_attention "${ATTENTION[@]}"
+step cycle-reference 70 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn reference
+step cycle-pallas 70 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn pallas
+for batch in "${BATCHES[@]}"; do
+  step "generate-batch$batch" 80 "$PY" -m infer.benchmark "${GENERATE[@]}" --batch "$batch"
+done

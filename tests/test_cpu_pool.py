@@ -5,7 +5,6 @@ part of a pool without helper threads (the path a busy machine takes, made certa
 the caller, helpers kept off the cores by busy threads, and two callers sharing one pool."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,7 +17,7 @@ CHECK = Path(__file__).with_name("cpu_pool_check.cc")
 
 @pytest.fixture(scope="module")
 def pool_check(tmp_path_factory) -> Path:
-    compiler = shutil.which("g++") or shutil.which("c++")
+    compiler = cpu_ffi.find_compiler()
     if compiler is None or not cpu_ffi._cpu_supports_avx2_fma_f16c():
         pytest.skip("the CPU kernels are not built here (no C++ compiler or not an x86-64 CPU with AVX2)")
     binary = tmp_path_factory.mktemp("pool") / "cpu_pool_check"

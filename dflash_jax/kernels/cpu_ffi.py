@@ -44,6 +44,11 @@ def _cpu_supports_avx2_fma_f16c() -> bool:
     return {"avx2", "fma", "f16c"} <= set(flags)
 
 
+def find_compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX (default g++), else c++; None if neither."""
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
 def _build(compiler: str) -> Path:
     """The shared library for these sources, compiler flags and jaxlib, built once per machine
     into the user cache directory (written to a temporary name, then renamed into place)."""
@@ -74,7 +79,7 @@ def available() -> bool:
         return False
     if not _cpu_supports_avx2_fma_f16c():
         return False
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    compiler = find_compiler()
     if compiler is None:
         log.warning("no C++ compiler found: decoding on the CPU uses XLA's kernels only (slower)")
         return False

@@ -5,7 +5,8 @@
 # hangs costs only its share; each writes its log to $OUT (the device tool's folder that comes
 # back; /tmp/gpu_check elsewhere). From the repository root, on the GPU machine:
 #
-#   bash infer/gpu_check.sh            # at most 580 s of steps
+#   bash infer/gpu_check.sh            # at most 580 s of steps; through the device tool:
+#                                      # run(command="bash infer/gpu_check.sh", timeout_s=600)
 #   GPU_CHECK_SMOKE=1 bash infer/gpu_check.sh   # on a CPU: the same steps, small, to catch typos
 #
 # (On a CPU the smoke run's random models keep Qwen3's 151,936-id vocabulary: the cycle and

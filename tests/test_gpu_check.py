@@ -21,7 +21,8 @@ class Parsed(Exception):
 
 
 def commands(smoke: bool, tmp_path) -> list[list[str]]:
-    env = {**os.environ, "GPU_CHECK_DRY": "1", "GPU_CHECK_SMOKE": "1" if smoke else "0", "OUT": str(tmp_path)}
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "GPU_CHECK_SMOKE": "1" if smoke else "0", "OUT": str(tmp_path),
+           "PYTHON": "python3"}  # the script's default interpreter, whatever the caller's PYTHON says
     out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, check=True).stdout
     return [shlex.split(line) for line in out.splitlines() if line.strip()]
 

@@ -1,4 +1,4 @@
-"""The drafter shipped in checkpoints/smollm2-dflash/ (trained by this project, configs/smollm2_dflash*.yaml)
+"""The drafter shipped in checkpoints/smollm2-dflash/ (trained by this project, configs/smollm2/)
 against the embedded SmolLM2-135M-Instruct target: it loads in the official layout, speculative greedy
 decoding reproduces plain greedy decoding token for token, and it drafts well enough to be worth
 shipping (tau above a quality floor; the benchmark, not this test, measures the real figures)."""
@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from dflash_jax.cli.common import SHIPPED_DRAFTER_DIR, SHIPPED_DRAFTER_LOOKUP, encode_prompt
 from dflash_jax.speculative import generate
+from train.config import load_config
 
 # Chat prompts of the kind the drafter was trained on (not MT-Bench, whose first turns the benchmark uses).
 PROMPTS = (
@@ -21,7 +21,7 @@ PROMPTS = (
 )
 MAX_NEW_TOKENS = 48
 
-RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2_dflash_stage6.yaml"  # its last stage
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2" / "stage6.yaml"  # its last stage
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTER_DIR / "config.json").is_file(),
                                 reason="no drafter ships in checkpoints/smollm2-dflash yet (issue #12)")
@@ -39,11 +39,11 @@ def models():
 def test_ships_in_the_official_layout():
     config = json.loads((SHIPPED_DRAFTER_DIR / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
-    recipe = yaml.safe_load(RECIPE.read_text())["model"]
+    recipe = load_config(RECIPE).model  # resolved through `base:` (the shared values live in base.yaml)
     assert (config["num_hidden_layers"], config["sliding_window"], config["draft_vocab_size"]) == \
-        (recipe["num_layers"], recipe["sliding_window"], recipe["draft_vocab_size"])
+        (recipe.num_layers, recipe.sliding_window, recipe.draft_vocab_size)
     # exported with the block that paid on this CPU (train.export --block-size), at most the trained one
-    assert 2 <= config["block_size"] <= recipe["block_size"]
+    assert 2 <= config["block_size"] <= recipe.block_size
     weights = SHIPPED_DRAFTER_DIR / "model.safetensors"
     assert weights.is_file() and weights.stat().st_size < 64 * 2**20  # a few tens of MB (bf16)
 

@@ -4,6 +4,16 @@
 
 Sections: `model` (target and drafter shape), `data` (train.data.DataConfig), `optim`, `run`.
 Unknown keys and values of the wrong type raise ConfigError naming the file and the key.
+
+A file may name a base (or a list of them, applied in order) at its top level:
+
+    base: base.yaml          # relative to the file that names it
+    optim:
+      learning_rate: 1.0e-3
+
+The file's values deep-merge over its bases': mappings merge key by key, anything else (scalars,
+lists, null) replaces. Bases may have bases; a cycle or a missing base raises ConfigError naming
+the file. Command-line overrides apply last, over the merged values.
 """
 from __future__ import annotations
 
@@ -216,8 +226,71 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     tree[leaf] = value
 
 
-def config_from_dict(values: dict, overrides: typing.Sequence[str] = ()) -> TrainConfig:
-    values = {k: dict(v) if isinstance(v, dict) else v for k, v in (values or {}).items()}
+BASE_KEY = "base"  # top-level key naming the file(s) a config layers over
+
+
+def _merge(base: dict, overlay: dict) -> dict:
+    """`overlay` over `base`: mappings merge key by key, any other value replaces."""
+    out = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _base_names(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{where}: `{BASE_KEY}` must be a file name or a list of them, got {value!r}")
+    return names
+
+
+def _resolve_bases(values: dict, base_dir: Path, where: str, chain: tuple[Path, ...]) -> dict:
+    """`values` (read from `where`, whose bases are named relative to `base_dir`) merged over its bases."""
+    values = dict(values)
+    merged: dict = {}
+    for name in _base_names(values.pop(BASE_KEY, None), where):
+        merged = _merge(merged, _read_layered(base_dir / name, chain, named_by=where))
+    return _merge(merged, values)
+
+
+def _read_layered(path: Path, chain: tuple[Path, ...], named_by: str | None = None) -> dict:
+    """The values of the YAML file at `path`, merged over its bases (recursively)."""
+    if not path.is_file():
+        if named_by is None:
+            raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"{named_by}: base config file not found: {path}")
+    key = path.resolve()
+    if key in chain:
+        cycle = " -> ".join(str(p) for p in (*chain[chain.index(key):], key))
+        raise ConfigError(f"{path}: `{BASE_KEY}` files form a cycle: {cycle}")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: config: expected a mapping, got {values!r}")
+    return _resolve_bases(values, path.parent, str(path), (*chain, key))
+
+
+def load_values(path: str | Path) -> dict:
+    """The raw values of a config file after its `base:` files are merged in (no overrides, no
+    validation): what `load_config` builds the TrainConfig from."""
+    return _read_layered(Path(path), ())
+
+
+def config_from_dict(values: dict, overrides: typing.Sequence[str] = (),
+                     base_dir: str | Path | None = None) -> TrainConfig:
+    """A TrainConfig from parsed YAML values; a `base:` key in them names files relative to
+    `base_dir` (default: the working directory). Overrides apply after the bases."""
+    values = values or {}
+    if isinstance(values, dict) and BASE_KEY in values:
+        values = _resolve_bases(values, Path.cwd() if base_dir is None else Path(base_dir), "config", ())
+    values = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -228,12 +301,8 @@ def config_from_dict(values: dict, overrides: typing.Sequence[str] = ()) -> Trai
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+    values = _read_layered(path, ())  # names the file on a missing file, bad YAML, a bad or cyclic base
     try:
-        values = yaml.safe_load(path.read_text()) or {}
         return config_from_dict(values, overrides)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from e

@@ -9,24 +9,64 @@
     result = dflash_jax.generate(target, drafter, [ids], max_new_tokens=256)
     print(target.tokenizer.decode(result.tokens[0], skip_special_tokens=True), result.tau)
 
-`drafter=None` decodes plainly (autoregressively) through the same loop. Bad files and mismatched pairs
-raise one exception naming the file: FileNotFoundError, ConfigError, CheckpointError,
-TorchRequiredError (a .bin checkpoint without torch) or DrafterMismatchError, all ValueErrors except
-the first.
-"""
-from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import Drafter
-from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.errors import CheckpointError, ConfigError, DrafterMismatchError, TorchRequiredError
-from dflash_jax.loading.drafter_io import load_drafter, save_drafter
-from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
-from dflash_jax.loading.target_loader import load_target
-from dflash_jax.speculative import GenerationResult, generate, generate_stream
-from dflash_jax.target import Target
+`drafter=None` decodes plainly (autoregressively) through the same loop. `Generator(target, drafter)`
+holds the decode params and compiled programs of one pair (what `generate` uses underneath).
+Bad files and mismatched pairs raise one exception naming the file: FileNotFoundError, ConfigError,
+CheckpointError, TorchRequiredError (a .bin checkpoint without torch) or DrafterMismatchError, all
+ValueErrors except the first.
 
-__all__ = [
-    "ModelConfig", "DrafterConfig", "Target", "Drafter", "GenerationResult",
-    "ConfigError", "CheckpointError", "TorchRequiredError", "DrafterMismatchError",
-    "load_target", "load_drafter", "save_drafter", "load_orbax_drafter", "save_orbax_drafter",
-    "generate", "generate_stream",
-]
+The names below are imported on first use, so `import dflash_jax` stays quick (no orbax, grain or
+transformers until a loader that needs them runs).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "ModelConfig": "dflash_jax.config",
+    "DrafterConfig": "dflash_jax.drafter_config",
+    "Target": "dflash_jax.target",
+    "Drafter": "dflash_jax.drafter",
+    "GenerationResult": "dflash_jax.speculative",
+    "Generator": "dflash_jax.speculative",
+    "generate": "dflash_jax.speculative",
+    "generate_stream": "dflash_jax.speculative",
+    "ConfigError": "dflash_jax.errors",
+    "CheckpointError": "dflash_jax.errors",
+    "TorchRequiredError": "dflash_jax.errors",
+    "DrafterMismatchError": "dflash_jax.errors",
+    "load_target": "dflash_jax.loading.target_loader",
+    "load_drafter": "dflash_jax.loading.drafter_io",
+    "save_drafter": "dflash_jax.loading.drafter_io",
+    "load_orbax_drafter": "dflash_jax.loading.orbax_io",
+    "save_orbax_drafter": "dflash_jax.loading.orbax_io",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dflash_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from dflash_jax.config import ModelConfig
+    from dflash_jax.drafter import Drafter
+    from dflash_jax.drafter_config import DrafterConfig
+    from dflash_jax.errors import CheckpointError, ConfigError, DrafterMismatchError, TorchRequiredError
+    from dflash_jax.loading.drafter_io import load_drafter, save_drafter
+    from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
+    from dflash_jax.loading.target_loader import load_target
+    from dflash_jax.speculative import GenerationResult, Generator, generate, generate_stream
+    from dflash_jax.target import Target

@@ -9,8 +9,9 @@ softmax and accumulation are float32. A query that sees no key yields zeros (nev
 
 `cache_attention` attends over two parts, the used slots of one layer of a cache and the new keys,
 and merges them with their softmax statistics (out, log-sum-exp): the cache is only read, in key
-chunks whose count follows the filled length (not the capacity), and never concatenated. On a CPU,
-float32, it is one custom call instead (`kernels.cpu_attention`).
+chunks whose count follows the filled length (not the capacity), and never concatenated. A backend
+may take the cache read over (`backends.base.Backend.cache_attention`: the CPU backend's one custom
+call for float32).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.kernels import block_attention, block_attention_with_lse, cpu_attention, unsupported_reason
+from dflash_jax import backends
+from dflash_jax.kernels import block_attention, block_attention_with_lse, unsupported_reason
 from dflash_jax.kernels.reference import (
     CACHE_CHUNK,
     chunked_cache_attention_with_lse,
@@ -96,21 +98,22 @@ def _partial(q, k, v, ranges: KeyRanges, scale, impl: str):
 
 
 def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, ranges: KeyRanges, *,
-                    scale: float | None = None, impl: str = "auto", chunk_size: int = CACHE_CHUNK):
+                    scale: float | None = None, impl: str = "auto", chunk_size: int = CACHE_CHUNK,
+                    backend: str = "xla"):
     """Attention of q [B, Tq, Hq, D] over [layer `layer` of cache_k/v [L, B, S, Hkv, D] ; k, v
     [B, T, Hkv, D]]: cache_ranges index the cache slots, ranges the new keys (0 .. T-1); build
     both from one `KeyRanges` with `KeyRanges.segment`. -> [B, Tq, Hq, D] in q's dtype.
 
     The reference reads the cache in chunks of chunk_size keys bounded by the visible slots; the
     kernel ("pallas" / "pallas_interpret") reads the layer's slots and skips key tiles outside the
-    ranges. "auto" takes the CPU kernel for float32 on a CPU where it is built
-    (`kernels.cpu_attention`), the reference elsewhere (see below).
+    ranges. "auto" first offers the read to `backend` (the calling model's: the CPU backend takes
+    float32 where its kernels are built), then takes the reference (see below).
     """
-    if impl == "auto" and cpu_attention.applies(q, cache_k, k):  # float32 on a CPU: one custom call
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return cpu_attention.cache_attention(q, cache_k, cache_v, layer, cache_ranges, k, v, ranges,
-                                             scale=scale).astype(q.dtype)
     if impl == "auto":
+        taken = backends.get(backend).cache_attention(q, cache_k, cache_v, layer, cache_ranges, k, v, ranges,
+                                                      scale=q.shape[-1] ** -0.5 if scale is None else scale)
+        if taken is not None:
+            return taken
         # The kernel path inside the models' layer scan (cache passed as a broadcast input) failed
         # to trace on jax 0.11.2 / flax 0.12.10 on a GPU ("broadcasted variable has a data
         # dependency on the scan body", raised by flax's constancy check, which the scans no

@@ -25,17 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import masks
+from dflash_jax import backends, masks
 from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache
 from dflash_jax.draft_vocab import DraftVocab
 from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.kernels.cpu_matmul import is_packed, pack_kernel, rows_matmul
-from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, has_packed_kernels, make_dense,
-                               pack_stacked_kernels, scan_stacked_layers)
+from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary, make_dense
 from dflash_jax.model_spec import on_spec
 
-DECODE_WEIGHTS = ("stored", "q8_0")  # how `DrafterSpec.decode_params` packs the weights a CPU drafts with
+DECODE_WEIGHTS = ("stored", "q8_0")  # the weights a backend's decode layout keeps (`DrafterSpec`)
 
 
 def _select_ranges(windowed: bool, windowed_ranges, full_ranges):
@@ -49,16 +47,16 @@ class DrafterLayer(nn.Module):
     config: DrafterConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
-    packed_weights: bool = False  # kernels packed for the CPU rows kernel (`layers.DensePacked`)
+    backend: str = "xla"  # whose products and cache read (`dflash_jax.backends`)
 
     def setup(self):
         cfg = self.config
         self.self_attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                                               cfg.head_dim, True, cfg.attention_bias, cfg.rms_norm_eps,
-                                              self.dtype, self.packed_weights)
+                                              self.dtype, self.backend)
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.packed_weights)
+        self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.backend)
 
     def context_kv(self, carry, _, shared):
         """shared (context [B, C, D], cos, sin) -> per-layer context keys/values [B, C, Hkv, Dh]."""
@@ -95,25 +93,27 @@ class DrafterLayer(nn.Module):
         ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
         slots = cache.capacity
         attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, slots), k_blk, v_blk,
-                                   ranges.segment(slots, slots + k_blk.shape[1]), impl=self.attn_impl)
+                                   ranges.segment(slots, slots + k_blk.shape[1]), impl=self.attn_impl,
+                                   backend=self.backend)
         return self._residual(hidden, attended), None
 
 
 class DrafterModel(nn.Module):
+    """The drafter over params in `backend`'s layout (stacked for XLA, what `init` makes; a
+    backend's own decode layout otherwise, `backends.base.Backend.drafter_params`)."""
+
     config: DrafterConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
+    backend: str = "xla"
 
     def setup(self):
         cfg = self.config
-        self.fc = self._make_fc()
+        self.fc = make_dense(cfg.hidden_size, False, self.dtype, self.backend)
         self.hidden_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self._make_layers()
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.rotary = Rotary(cfg)
-
-    def _make_fc(self):
-        return nn.Dense(self.config.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
 
     def _make_layers(self):
         """All layers as one scanned module: params stacked [L, ...] under "layers"."""
@@ -125,7 +125,7 @@ class DrafterModel(nn.Module):
             length=self.config.num_layers,
             check_constancy_invariants=False,  # as TargetModel's scan (why: there)
             methods=["context_kv", "__call__", "decode"],
-        )(self.config, self.dtype, self.attn_impl)
+        )(self.config, self.dtype, self.attn_impl, self.backend)
 
     def _windowed_layers(self):
         return jnp.asarray([w > 0 for w in self.config.layer_windows])
@@ -139,8 +139,16 @@ class DrafterModel(nn.Module):
 
     def _run_layers(self, method: str, carry, xs, shared):
         """Every layer's `method` in turn: carry through, xs sliced per layer (leading axis L),
-        shared the same for all -> (carry, per-layer outputs stacked [L, ...]). One scan here."""
-        return getattr(self.layers, method)(carry, xs, shared)
+        shared the same for all -> (carry, per-layer outputs stacked [L, ...]): the scanned module,
+        or the backend's own loop over the stacked params."""
+        loop = backends.get(self.backend).layer_loop
+        if loop is None:
+            return getattr(self.layers, method)(carry, xs, shared)
+        if self.is_initializing():
+            raise TypeError(f"the {self.backend} backend's params are made from stacked ones "
+                            "(Backend.drafter_params); initialise DrafterModel with backend='xla'")
+        layer = DrafterLayer(self.config, self.dtype, self.attn_impl, self.backend, parent=None)
+        return loop(layer, self.variables["params"]["layers"], carry, xs, shared, method=method)
 
     def context_kv(self, features, positions):
         """features [B, C, n*D] at positions [B, C] -> keys, values [L, B, C, Hkv, Dh]."""
@@ -170,36 +178,12 @@ class DrafterModel(nn.Module):
         return self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
 
 
-class PackedDrafterModel(DrafterModel):
-    """DrafterModel over stacked layers whose kernels are packed for the CPU rows kernel
-    (`DrafterSpec.decode_params`, `layers.pack_stacked_kernels`), what a CPU drafts with: the
-    layers run as a loop over the layer index that reads each kernel inside its stack
-    (`layers.scan_stacked_layers`), where the scan would copy every layer's weights out of the stack
-    in every call, and the products go through `kernels.cpu_matmul.rows_matmul`. Same results."""
-
-    def _make_fc(self):
-        """The context projection packed too (`decode_params`), which every cycle applies to its
-        committed tokens: the shipped drafter's append of 2 tokens 0.51 -> 0.33 ms (both forms in
-        one process, called alternately, median of 200)."""
-        return make_dense(self.config.hidden_size, False, self.dtype, packed=True)
-
-    def _make_layers(self):
-        pass  # params["layers"] are read as they are in _run_layers
-
-    def _run_layers(self, method: str, carry, xs, shared):
-        if self.is_initializing():
-            raise TypeError("PackedDrafterModel reads packed params (DrafterSpec.decode_params); "
-                            "initialise DrafterModel")
-        layer = DrafterLayer(self.config, self.dtype, self.attn_impl, packed_weights=True, parent=None)
-        return scan_stacked_layers(layer, self.variables["params"]["layers"], carry, xs, shared, method=method)
-
-
 @dataclasses.dataclass(frozen=True)
 class DrafterSpec:
     """What a drafter computes, without its weights: config, compute dtype, attention
-    implementation and the weights a CPU drafts with (`decode_weights`: "stored", the weights as
-    loaded, bfloat16 panels for a bfloat16 checkpoint, bit for bit; "q8_0", 8 bits and a scale per
-    32 weights, about half of bfloat16's bytes to stream in every cycle: drafts from slightly
+    implementation and the weights a backend's decode layout keeps (`decode_weights`: "stored", the
+    weights as loaded; "q8_0", 8 bits and a scale per 32 weights where the backend has such panels
+    (the CPU's: about half of bfloat16's bytes to stream in every cycle): drafts from slightly
     different weights, verified as any draft, so the output does not change). Static and hashable
     (a jit static argument and a compile-cache key). `params` below is `Drafter.loop_params`: the
     module params, or {"drafter": module params, "draft_head": ...} with a reduced draft
@@ -223,38 +207,25 @@ class DrafterSpec:
         return DrafterModel(self.config, self.dtype, self.attn_impl)
 
     def module_for(self, loop_params) -> DrafterModel:
-        """The module that reads `loop_params`: scanned, or packed (`decode_params`)."""
+        """The module that reads `loop_params`, on the backend whose layout they are in
+        (`backends.of_drafter_params`)."""
         return self._module_reading(self._module_params(loop_params))
 
     def _module_reading(self, module_params) -> DrafterModel:
-        cls = PackedDrafterModel if has_packed_kernels(module_params["layers"]) else DrafterModel
-        return cls(self.config, self.dtype, self.attn_impl)
+        return DrafterModel(self.config, self.dtype, self.attn_impl, backends.of_drafter_params(module_params))
 
-    def decode_params(self, loop_params):
-        """`loop_params` with the layers' and the context projection's kernels packed (what a CPU
-        drafts with, `PackedDrafterModel`), and a reduced draft vocabulary's head too, quantized
-        as `decode_weights` says. Run it outside jit."""
-        module_params = self._module_params(loop_params)
-        if has_packed_kernels(module_params["layers"]):
-            return loop_params
-        quantize = None if self.decode_weights == "stored" else self.decode_weights
-        pack = functools.partial(pack_kernel, quantize=quantize)
-        packed = {**module_params, "fc": {"kernel": pack(module_params["fc"]["kernel"])},
-                  "layers": pack_stacked_kernels(module_params["layers"], quantize=quantize)}
-        if self.config.draft_vocab_size is None:
-            return packed
-        head = loop_params["draft_head"]
-        return {**loop_params, "drafter": packed, "draft_head": {**head, "kernel": pack(head["kernel"])}}
+    def decode_params(self, loop_params, backend: str = "auto"):
+        """`loop_params` in the layout `backend` drafts with ("auto": this process's,
+        `backends.resolve`), `decode_weights` applied; params already in it are returned as they
+        are. Run it outside jit."""
+        return backends.get(backends.resolve(backend)).drafter_params(self, loop_params)
 
     def draft_head_logits(self, loop_params, hidden):
-        """float32 logits [..., Vd] of a reduced draft vocabulary's own head for hidden [..., D]; its
-        kernel is [D, Vd], or packed by `decode_params` for the CPU rows kernel, which reads it once
-        for all the block's slots (a profile of SmolLM2's drafter at block 3: XLA's product of its 2
-        slots 2.8 ms per cycle, 1.1 for block 2's one slot; the kernel's 1.3 and 1.2)."""
-        kernel = loop_params["draft_head"]["kernel"]
-        if not is_packed(kernel):
-            kernel = kernel.astype(jnp.float32)
-        return rows_matmul(hidden.astype(jnp.float32), kernel, self.config.draft_vocab_size)
+        """float32 logits [..., Vd] of a reduced draft vocabulary's own head for hidden [..., D]
+        (kernel [D, Vd], or in the backend's layout, which reads it once for all the block's slots)."""
+        backend = backends.get(backends.of_drafter_params(self._module_params(loop_params)))
+        return backend.matmul(hidden.astype(jnp.float32), loop_params["draft_head"]["kernel"],
+                              self.config.draft_vocab_size)
 
     @property
     def block_size(self) -> int:

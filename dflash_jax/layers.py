@@ -1,17 +1,16 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, rotary embedding, SwiGLU MLP,
-attention projections, and the by-row dense layer a CPU decode multiplies with."""
+"""Building blocks shared by the target and the drafter: RMSNorm, rotary embedding, SwiGLU MLP and
+attention projections. Their weight products come from the module's backend (`make_dense`)."""
 from __future__ import annotations
 
 import math
 from typing import Any
 
 import flax.linen as nn
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.kernels.cpu_matmul import is_packed, pack_kernel, packs_side_by_side, rows_matmul
+from dflash_jax import backends
 
 Dtype = Any
 
@@ -30,104 +29,25 @@ class RMSNorm(nn.Module):
         return scale * normed.astype(x.dtype)
 
 
-STACKED = "stacked"  # the variable collection of stacked layers' kernels in a loop (see DensePacked)
-
-
-class DensePacked(nn.Module):
-    """`nn.Dense` whose kernel ("kernel", same name and bias) is stored as `cpu_matmul.pack_kernel`
-    leaves it: panels [N / 16, in, 16] where the CPU rows kernel is built, else [in, out]. Products
-    of a few rows then go through `kernels.cpu_matmul.rows_matmul`, which streams every weight once
-    on a CPU. The packed target and drafter that a CPU decodes with use it (`target.pack_layers`,
-    `DrafterSpec.decode_params`); nothing else does.
-
-    In a loop over stacked layers (`scan_stacked_layers`) the kernel comes instead from the
-    `STACKED` collection: "kernel" holds every layer's ([L, P, K, 16]) and "layer" the index of
-    this one, which the rows kernel reads in place (a slice of the stack would be a copy)."""
-
-    features: int
-    use_bias: bool = False
-    dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        def init(key, shape, dtype):
-            return pack_kernel(nn.initializers.lecun_normal()(key, shape, dtype))
-
-        if self.has_variable(STACKED, "kernel"):  # a loop over stacked layers: every layer's kernel, and which
-            kernel, layer = self.get_variable(STACKED, "kernel"), self.get_variable(STACKED, "layer")
-        elif self.has_variable("params", "kernel"):  # float32 or narrow panels (`pack_kernel`)
-            kernel, layer = self.get_variable("params", "kernel"), None
-        else:
-            kernel, layer = self.param("kernel", init, (x.shape[-1], self.features), self.dtype), None
-        y = rows_matmul(x.astype(self.dtype), kernel, self.features, layer)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        return y
-
-
-def scan_stacked_layers(layer: nn.Module, stack, carry, xs, *args, method: str = "__call__"):
-    """Every layer of `stack` (one layer's params with a leading axis L: stacked, kernels packed by
-    `pack_kernel` for the CPU rows kernel) applied in turn as a `lax.scan`: the unbound `layer`
-    (built with packed_weights=True) runs `method`(carry, xs[i], *args) with its small params (norm
-    scales, biases) sliced at i and every kernel read in place through `STACKED` (a slice of a
-    stack would be a copy of the weight in every call). -> (carry, outputs stacked [L, ...])."""
-    flat = flax.traverse_util.flatten_dict(dict(stack))
-    kernels = {path: w for path, w in flat.items() if path[-1] == "kernel"}
-    small = {path: w for path, w in flat.items() if path[-1] != "kernel"}
-    num_layers = next(iter(flat.values())).shape[0]
-
-    def body(carry, scanned):
-        index, layer_xs = scanned
-        params = {path: jax.lax.dynamic_index_in_dim(w, index, keepdims=False) for path, w in small.items()}
-        stacked = {**kernels, **{path[:-1] + ("layer",): index for path in kernels}}
-        variables = {"params": flax.traverse_util.unflatten_dict(params),
-                     STACKED: flax.traverse_util.unflatten_dict(stacked)}
-        return layer.apply(variables, carry, layer_xs, *args, method=method)
-
-    return jax.lax.scan(body, carry, (jnp.arange(num_layers, dtype=jnp.int32), xs))
-
-
-def pack_stacked_kernels(stack: dict, *, release: bool = False, quantize: str | None = None) -> dict:
-    """Stacked layer params with every kernel packed ([L, K, N] -> [L, P, K, 16], `pack_kernel`,
-    with its `quantize`), what `scan_stacked_layers` reads. release: the caller gives `stack` up:
-    each weight leaves it once packed, so that the weights are never all held twice."""
-    flat = flax.traverse_util.flatten_dict(stack)
-    if release:
-        stack.clear()
-    out = {}
-    for path in list(flat):
-        weight = flat.pop(path)
-        out[path] = pack_kernel(weight, quantize=quantize) if path[-1] == "kernel" else weight
-        del weight
-    return flax.traverse_util.unflatten_dict(out)
-
-
-def has_packed_kernels(stack) -> bool:
-    """Whether stacked layer params hold `pack_kernel`'s panels ([L, P, K, 16])."""
-    return any(path[-1] == "kernel" and is_packed(w, stacked=True)
-               for path, w in flax.traverse_util.flatten_dict(dict(stack)).items())
-
-
-def make_dense(features: int, use_bias: bool, dtype: Dtype, packed: bool = False, name: str | None = None):
-    """`nn.Dense` (kernel [in, out]) or, packed, `DensePacked`."""
-    if packed:
-        return DensePacked(features, use_bias, dtype, name=name)
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+def make_dense(features: int, use_bias: bool, dtype: Dtype, backend: str = "xla", name: str | None = None):
+    """The module of one weight product on `backend` (`backends.base.Backend.dense`): `nn.Dense`
+    (kernel [in, out]) on XLA."""
+    return backends.get(backend).dense(features, use_bias, dtype, name=name)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). fused: gate and up are one product ("gate_up_proj",
-    their columns side by side, `fuse_stacked_projections`)."""
+    their columns side by side: a backend's decode layout, `Backend.fuses`)."""
 
     intermediate_size: int
     use_bias: bool = False
     dtype: Dtype = jnp.float32
-    packed_weights: bool = False  # kernels packed for the CPU rows kernel (`DensePacked`)
+    backend: str = "xla"  # whose products (`make_dense`)
     fused: bool = False
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, name: make_dense(n, self.use_bias, self.dtype, self.packed_weights, name=name)
+        dense = lambda n, name: make_dense(n, self.use_bias, self.dtype, self.backend, name=name)
         n = self.intermediate_size
         if self.fused:
             gate_up = dense(2 * n, "gate_up_proj")(x)
@@ -135,38 +55,6 @@ class MLP(nn.Module):
         else:
             gate, up = dense(n, "gate_proj")(x), dense(n, "up_proj")(x)
         return dense(x.shape[-1], "down_proj")(nn.silu(gate) * up)
-
-
-# The products a packed layer fuses: (fused name, parent, the parts whose columns it holds in order).
-FUSED_PROJECTIONS = (("qkv_proj", "self_attn", ("q_proj", "k_proj", "v_proj")),
-                     ("gate_up_proj", "mlp", ("gate_proj", "up_proj")))
-
-
-def fuse_stacked_projections(stack: dict, *, release: bool = False) -> dict:
-    """Stacked layer params with q/k/v and gate/up each made one packed product (`FUSED_PROJECTIONS`:
-    kernels side by side, packed by `pack_kernel`; biases concatenated), where `packs_side_by_side` allows;
-    the other kernels as they are. One product streams the weights of all three (or two) with one
-    call and one split of the columns over the cores: SmolLM2's 211 products per step become 121,
-    bit-identical, and a step 0-5% faster (1, 2 and 16 tokens through a 300-slot cache, both
-    layouts compiled in one process and called alternately, two runs: 31.4 -> 30.9 and 31.7 ->
-    31.6 ms, 34.9 -> 34.8 and 35.0 -> 33.3, 78.5 -> 77.8 and 59.6 -> 57.7). release: see
-    `pack_stacked_kernels`."""
-    out = dict(stack)
-    if release:
-        stack.clear()
-    for fused, parent, parts in FUSED_PROJECTIONS:
-        group = dict(out.get(parent, {}))
-        if not all(part in group for part in parts):
-            continue
-        widths = [group[part]["kernel"].shape[-1] for part in parts]
-        if not packs_side_by_side(*widths):
-            continue
-        params = [group.pop(part) for part in parts]
-        entry = {"kernel": pack_kernel(*[p.pop("kernel") if release else p["kernel"] for p in params])}
-        if any("bias" in p for p in params):
-            entry["bias"] = jnp.concatenate([p["bias"] for p in params], axis=-1)
-        out[parent] = {**group, fused: entry}
-    return out
 
 
 def _yarn_inv_freq(head_dim: int, theta: float, rope: dict, max_pos: int) -> tuple[np.ndarray, float]:
@@ -266,11 +154,11 @@ class AttentionProjections(nn.Module):
     use_bias: bool = False
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
-    packed_weights: bool = False  # kernels packed for the CPU rows kernel (`DensePacked`)
-    fused: bool = False  # q, k, v as one product ("qkv_proj", `fuse_stacked_projections`)
+    backend: str = "xla"  # whose products (`make_dense`)
+    fused: bool = False  # q, k, v as one product ("qkv_proj": a backend's decode layout, `Backend.fuses`)
 
     def setup(self):
-        dense = lambda n: make_dense(n, self.use_bias, self.dtype, self.packed_weights)
+        dense = lambda n: make_dense(n, self.use_bias, self.dtype, self.backend)
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.fused:
             self.qkv_proj = dense(q_width + 2 * kv_width)

@@ -1,9 +1,15 @@
-"""Generation from Python: `generate`, `generate_stream` and their results (the host side).
+"""Generation from Python: `Generator`, `generate`, `generate_stream` and their results (the host side).
 
 The device side (decode state, prefill, the speculative cycle, the `lax.while_loop`) lives in
 `dflash_jax.decode_loop`. Here: checking every argument (each error names it), padding prompts to a
 few length buckets, compiling the executables ahead of time once per shape (compile time is reported
-apart) and keeping the most recent ones, timing, and turning the final state into a result.
+apart), timing, and turning the final state into a result.
+
+A `Generator` holds a target and a drafter with the params its backend decodes with (derived once:
+on a CPU the packed layout, `backends.cpu`) and the executables it compiled, the most recent
+`max_compiled` of them. `generate` and `generate_stream` use one Generator per pair of specs
+(`generator_for`): a model with the same spec and other weights reuses its executables, since
+weights enter them as arguments.
 
 Prompt buckets: prompts are right-padded to the next power of two from 16 up to 1024 tokens, and
 beyond that to the next multiple of 1024 (`prompt_bucket`). A chat that grows to n tokens compiles
@@ -25,13 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import backends
 from dflash_jax.config import default_stop_token_ids
 from dflash_jax.decode_loop import (ACCEPTANCE_RULES, GenerationConfig, SamplingParams, cycle, decode,
                                     prefill, round_up)
 from dflash_jax.drafter_config import validate_pair
-from dflash_jax.target import is_packed_layout, pack_layers
 
-MAX_COMPILED = 16  # compiled executables kept (least recently used dropped first)
+MAX_COMPILED = 16  # compiled executables a Generator keeps by default (least recently used dropped first)
+_DEFAULT_GENERATORS = 2  # the Generators `generate` keeps, one per pair of specs (least recently used dropped)
 _SMALLEST_BUCKET, _LARGEST_POWER_BUCKET = 16, 1024
 _STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this: few shapes, no recompiles
 
@@ -90,95 +97,6 @@ class GenerationResult:
         if ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]
         return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Compiled executables: one per (models, config, argument shapes), least recently used dropped.
-
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
-
-
-def compile_cache_size() -> int:
-    """Number of compiled executables held (at most MAX_COMPILED)."""
-    return len(_COMPILED)
-
-
-_DECODE_PARAMS: collections.OrderedDict = collections.OrderedDict()  # id(params) -> (params, packed)
-_DECODE_DRAFTER_PARAMS: collections.OrderedDict = collections.OrderedDict()
-
-
-def _kept(cache: collections.OrderedDict, key, owner, make, keep: int = 2):
-    """make(), remembered under key (with `owner` held alive, so the id in key stays unique) for
-    the last `keep` keys."""
-    if key not in cache:
-        cache[key] = (owner, make())
-        while len(cache) > keep:
-            cache.popitem(last=False)
-    cache.move_to_end(key)
-    return cache[key][1]
-
-
-def decode_params(target):
-    """The target params the decode loop runs on. On a CPU: laid out for it (`target.pack_layers`,
-    `target.PackedTargetModel`): a target from `load_target` holds them so already (its default
-    layout there); stacked params are packed once per params object and kept for the last two (a
-    copy of the weights each). Elsewhere the params as they are."""
-    params = target.params
-    if jax.default_backend() != "cpu" or is_packed_layout(params):
-        return params
-    return _kept(_DECODE_PARAMS, id(params), params, lambda: pack_layers(params))
-
-
-def decode_drafter_params(drafter):
-    """The drafter params the decode loop runs on (`Drafter.loop_params`): on a CPU with the layers'
-    kernels packed (`drafter.PackedDrafterModel`, quantized as `decode_weights` says), made once per
-    params object and weights choice and kept for the last two; elsewhere as they are."""
-    if jax.default_backend() != "cpu":
-        return drafter.loop_params
-    owner = (drafter.params, drafter.draft_head)
-    return _kept(_DECODE_DRAFTER_PARAMS, (*map(id, owner), drafter.decode_weights), owner,
-                 lambda: drafter.spec.decode_params(drafter.loop_params))
-
-
-def _spec(model):
-    """The model's static, hashable description (None for no drafter): what the jitted functions
-    close over and what keys their executables. Params always enter as arguments."""
-    return None if model is None else model.spec
-
-
-def _compiled(key, build):
-    """(executable, seconds spent compiling it: 0.0 when it was held)."""
-    if key in _COMPILED:
-        _COMPILED.move_to_end(key)
-        return _COMPILED[key], 0.0
-    start = time.perf_counter()
-    _COMPILED[key] = build()
-    while len(_COMPILED) > MAX_COMPILED:
-        _COMPILED.popitem(last=False)
-    return _COMPILED[key], time.perf_counter() - start
-
-
-def _executables(target, drafter, cfg: GenerationConfig, args, step: str):
-    """(prefill, step, compile seconds) for these argument shapes; step "decode" is the whole loop
-    (for `generate`), "cycle" one cycle (for `generate_stream`). args = (target_params,
-    drafter_params, prompt_tokens, prompt_lengths, rng, sampling_params)."""
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    signature = (treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves))
-    static = (_spec(target), _spec(drafter), cfg)  # closed over by the traced functions
-    key = (*static, signature)
-    run_prefill = functools.partial(prefill, *static)
-    prefill_fn, prefill_seconds = _compiled(("prefill", key),
-                                            lambda: jax.jit(run_prefill).lower(*args).compile())
-    run_step = functools.partial({"decode": decode, "cycle": cycle}[step], *static)
-
-    def build_step():
-        # the prefill's output shapes from its executable: tracing the prefill again (eval_shape)
-        # was a third of this step's first compile on a CPU (with the 30 SmolLM2 layers unrolled)
-        state = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), prefill_fn.out_info)
-        return jax.jit(run_step, donate_argnums=2).lower(args[0], args[1], state, args[-1]).compile()
-
-    step_fn, step_seconds = _compiled((step, key), build_step)
-    return prefill_fn, step_fn, prefill_seconds + step_seconds
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,13 +191,14 @@ def _block_size(drafter, block_size) -> int:
     if block_size > drafter.config.block_size:
         warnings.warn(f"block_size {block_size} is larger than the block size the drafter was trained "
                       f"for ({drafter.config.block_size}): the extra slots are rarely accepted",
-                      stacklevel=4)
+                      stacklevel=6)
     return block_size
 
 
 def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
              block_size, seed, acceptance, lookup=0, min_draft_probability=0.0):
-    """Check every argument -> (GenerationConfig, executable args, stop ids)."""
+    """Check every argument -> (GenerationConfig, the executables' inputs after the params: prompt
+    tokens, prompt lengths, rng, sampling params; stop ids)."""
     if drafter is not None:
         validate_pair(drafter.config, target)
     vocab = target.config.vocab_size
@@ -323,10 +242,8 @@ def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, to
     params = SamplingParams(temperature=jnp.float32(max(temperature, 1e-6)), top_p=jnp.float32(top_p),
                             stop_token_ids=jnp.asarray(padded_stops),
                             min_draft_probability=jnp.float32(min_draft_probability))
-    drafter_params = decode_drafter_params(drafter) if drafter is not None else None
-    args = (decode_params(target), drafter_params, jnp.asarray(tokens), jnp.asarray(lengths),
-            jax.random.PRNGKey(seed), params)
-    return cfg, args, stops
+    inputs = (jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed), params)
+    return cfg, inputs, stops
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,47 +256,6 @@ def _cut(tokens: np.ndarray, start: int, end: int, max_new: int, stops: Sequence
         if t in stops:
             return out[: i + 1]
     return out
-
-
-def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
-             block_size: int | None = None, seed: int = 0, acceptance: str = "exact",
-             lookup: int = 0, min_draft_probability: float = 0.0) -> GenerationResult:
-    """Generate from a target, speculatively with a DFlash drafter (or plainly with drafter=None).
-
-    prompts: a list of prompts, each a list of token ids (ragged; one prompt is `[ids]`), or a
-    tuple (tokens [B, P], lengths [B]). temperature 0 = greedy (bit-identical to plain greedy
-    decoding); otherwise sampling with top-k (0 = off, at most the vocabulary size) and top-p
-    (1 = off), lossless under `acceptance="exact"` (speculative sampling) or "match" (the official
-    rule: the target's sample must equal the greedy draft). stop_token_ids: one id or a sequence;
-    None = the target's EOS ids; () disables stopping. block_size defaults to the drafter's
-    (larger than that warns). lookup (0 = off): n >= 2 drafts, where a row's last 2..n tokens
-    occurred earlier in it, the tokens that followed them instead of the drafter's
-    (`dflash_jax.lookup`; still lossless). min_draft_probability (0 = off): a cycle verifies its
-    drafts only where some live row's first draft had at least this probability under the drafter
-    (1 for a looked-up one), else it runs the anchor alone, an autoregressive step (still lossless:
-    the choice never looks at the target). Bad arguments raise TypeError/ValueError naming the
-    argument.
-    """
-    cfg, args, stops = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens,
-                                temperature=temperature, top_k=top_k, top_p=top_p,
-                                stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-                                acceptance=acceptance, lookup=lookup,
-                                min_draft_probability=min_draft_probability)
-    prefill_fn, decode_fn, compile_seconds = _executables(target, drafter, cfg, args, "decode")
-    start = time.perf_counter()
-    state = jax.block_until_ready(prefill_fn(*args))
-    prefill_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    state = jax.block_until_ready(decode_fn(args[0], args[1], state, args[-1]))
-    decode_seconds = time.perf_counter() - start
-    tokens, lengths, prompt_lengths, cycles, emitted = jax.device_get(
-        (state.tokens, state.lengths, state.prompt_lengths, state.cycles, state.emitted_per_cycle))
-    rows = [_cut(tokens[b], int(prompt_lengths[b]), int(lengths[b]), cfg.max_new_tokens, stops)
-            for b in range(tokens.shape[0])]
-    acceptance_lengths = [[int(n) for n in emitted[b, : cycles[b]]] for b in range(tokens.shape[0])]
-    return GenerationResult(rows, acceptance_lengths, prefill_seconds, decode_seconds, compile_seconds,
-                            cfg.block_size, tuple(stops))
 
 
 class GenerationStream:
@@ -415,6 +291,178 @@ def _stream_chunks(prefill_fn, cycle_fn, cfg, args, stops) -> Iterator[list[list
         state = cycle_fn(args[0], args[1], state, args[-1])
 
 
+class Generator:
+    """A target and a drafter (None: plain autoregressive decoding) ready to generate.
+
+        generator = Generator(target, drafter)
+        result = generator.generate([ids], max_new_tokens=256)
+        for new_tokens in generator.stream([ids]): ...
+
+    It owns what generation derives from the models: their params in the layout `backend` decodes
+    with (`TargetSpec.decode_params`, `DrafterSpec.decode_params`; "auto": this process's,
+    `backends.resolve`), made once here, and the executables it compiles, one prefill and one loop
+    (or cycle) per argument shape, the `max_compiled` most recently used kept (None:
+    `MAX_COMPILED`). Executables are keyed by the models' static specs, and params enter them as
+    arguments: `bind` swaps in other models of the same specs without compiling again.
+    """
+
+    def __init__(self, target, drafter=None, *, backend: str = "auto", max_compiled: int | None = None):
+        self.backend = backends.resolve(backend)
+        self.max_compiled = max_compiled
+        self._compiled: collections.OrderedDict = collections.OrderedDict()
+        self.target = self.drafter = self._target_params = self._drafter_params = None
+        self.bind(target, drafter)
+
+    def bind(self, target, drafter=None) -> "Generator":
+        """Generate with these models from now on (of this Generator's specs once it has compiled
+        anything); decode params are derived for params objects it does not hold already."""
+        if drafter is not None:
+            validate_pair(drafter.config, target)
+        if self.target is not None and (target.spec, _spec(drafter)) != self.specs:
+            raise ValueError("bind: these models' specs differ from the Generator's; make a new Generator")
+        if self.target is None or target.params is not self.target.params:
+            self._target_params = target.spec.decode_params(target.params, self.backend)
+        if drafter is None:
+            self._drafter_params = None
+        elif (self.drafter is None or drafter.params is not self.drafter.params
+              or drafter.draft_head is not self.drafter.draft_head):
+            self._drafter_params = drafter.spec.decode_params(drafter.loop_params, self.backend)
+        self.target, self.drafter = target, drafter
+        return self
+
+    @property
+    def specs(self):
+        """(target spec, drafter spec or None): what the executables are compiled for."""
+        return self.target.spec, _spec(self.drafter)
+
+    @property
+    def compile_cache_size(self) -> int:
+        """Number of compiled executables held (at most `max_compiled`)."""
+        return len(self._compiled)
+
+    def generate(self, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
+                 block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
+                 min_draft_probability: float = 0.0) -> GenerationResult:
+        """Generate for `prompts` (see `generate` for every argument)."""
+        cfg, args, stops = self._prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
+                                         block_size=block_size, seed=seed, acceptance=acceptance,
+                                         lookup=lookup, min_draft_probability=min_draft_probability)
+        prefill_fn, decode_fn, compile_seconds = self._executables(cfg, args, "decode")
+        start = time.perf_counter()
+        state = jax.block_until_ready(prefill_fn(*args))
+        prefill_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        state = jax.block_until_ready(decode_fn(args[0], args[1], state, args[-1]))
+        decode_seconds = time.perf_counter() - start
+        tokens, lengths, prompt_lengths, cycles, emitted = jax.device_get(
+            (state.tokens, state.lengths, state.prompt_lengths, state.cycles, state.emitted_per_cycle))
+        rows = [_cut(tokens[b], int(prompt_lengths[b]), int(lengths[b]), cfg.max_new_tokens, stops)
+                for b in range(tokens.shape[0])]
+        acceptance_lengths = [[int(n) for n in emitted[b, : cycles[b]]] for b in range(tokens.shape[0])]
+        return GenerationResult(rows, acceptance_lengths, prefill_seconds, decode_seconds, compile_seconds,
+                                cfg.block_size, tuple(stops))
+
+    def stream(self, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
+               block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
+               min_draft_probability: float = 0.0) -> "GenerationStream":
+        """Like `generate`, streaming (see `generate_stream`)."""
+        cfg, args, stops = self._prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
+                                         block_size=block_size, seed=seed, acceptance=acceptance,
+                                         lookup=lookup, min_draft_probability=min_draft_probability)
+        prefill_fn, cycle_fn, compile_seconds = self._executables(cfg, args, "cycle")
+        return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, cfg, args, stops), compile_seconds)
+
+    def _prepare(self, prompts, **options):
+        """Check every argument -> (GenerationConfig, executable args, stop ids); args =
+        (target params, drafter params, prompt tokens, prompt lengths, rng, sampling params)."""
+        cfg, inputs, stops = _prepare(self.target, self.drafter, prompts, **options)
+        return cfg, (self._target_params, self._drafter_params, *inputs), stops
+
+    def _compiled_executable(self, key, build):
+        """(executable, seconds spent compiling it: 0.0 when it was held)."""
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key], 0.0
+        start = time.perf_counter()
+        self._compiled[key] = build()
+        while len(self._compiled) > (MAX_COMPILED if self.max_compiled is None else self.max_compiled):
+            self._compiled.popitem(last=False)
+        return self._compiled[key], time.perf_counter() - start
+
+    def _executables(self, cfg: GenerationConfig, args, step: str):
+        """(prefill, step, compile seconds) for these argument shapes; step "decode" is the whole
+        loop (for `generate`), "cycle" one cycle (for `stream`)."""
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        signature = (treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves))
+        static = (*self.specs, cfg)  # closed over by the traced functions
+        key = (*static, signature)
+        run_prefill = functools.partial(prefill, *static)
+        prefill_fn, prefill_seconds = self._compiled_executable(
+            ("prefill", key), lambda: jax.jit(run_prefill).lower(*args).compile())
+        run_step = functools.partial({"decode": decode, "cycle": cycle}[step], *static)
+
+        def build_step():
+            # the prefill's output shapes from its executable: tracing the prefill again (eval_shape)
+            # would cost a third of this step's first compile
+            state = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), prefill_fn.out_info)
+            return jax.jit(run_step, donate_argnums=2).lower(args[0], args[1], state, args[-1]).compile()
+
+        step_fn, step_seconds = self._compiled_executable((step, key), build_step)
+        return prefill_fn, step_fn, prefill_seconds + step_seconds
+
+
+def _spec(model):
+    """The model's static, hashable description (None for no drafter)."""
+    return None if model is None else model.spec
+
+
+_GENERATORS: collections.OrderedDict = collections.OrderedDict()  # (specs, backend) -> Generator
+
+
+def generator_for(target, drafter=None) -> Generator:
+    """The Generator `generate` and `generate_stream` use for these models: one per pair of specs
+    on this process's backend (the `_DEFAULT_GENERATORS` most recently used kept), bound to them."""
+    key = (target.spec, _spec(drafter), backends.resolve())
+    if key in _GENERATORS:
+        _GENERATORS.move_to_end(key)
+        return _GENERATORS[key].bind(target, drafter)
+    generator = Generator(target, drafter)
+    _GENERATORS[key] = generator
+    while len(_GENERATORS) > _DEFAULT_GENERATORS:
+        _GENERATORS.popitem(last=False)
+    return generator
+
+
+def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
+             block_size: int | None = None, seed: int = 0, acceptance: str = "exact",
+             lookup: int = 0, min_draft_probability: float = 0.0) -> GenerationResult:
+    """Generate from a target, speculatively with a DFlash drafter (or plainly with drafter=None).
+
+    prompts: a list of prompts, each a list of token ids (ragged; one prompt is `[ids]`), or a
+    tuple (tokens [B, P], lengths [B]). temperature 0 = greedy (bit-identical to plain greedy
+    decoding); otherwise sampling with top-k (0 = off, at most the vocabulary size) and top-p
+    (1 = off), lossless under `acceptance="exact"` (speculative sampling) or "match" (the official
+    rule: the target's sample must equal the greedy draft). stop_token_ids: one id or a sequence;
+    None = the target's EOS ids; () disables stopping. block_size defaults to the drafter's
+    (larger than that warns). lookup (0 = off): n >= 2 drafts, where a row's last 2..n tokens
+    occurred earlier in it, the tokens that followed them instead of the drafter's
+    (`dflash_jax.lookup`; still lossless). min_draft_probability (0 = off): a cycle verifies its
+    drafts only where some live row's first draft had at least this probability under the drafter
+    (1 for a looked-up one), else it runs the anchor alone, an autoregressive step (still lossless:
+    the choice never looks at the target). Bad arguments raise TypeError/ValueError naming the
+    argument.
+    """
+    return generator_for(target, drafter).generate(
+        prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        stop_token_ids=stop_token_ids, block_size=block_size, seed=seed, acceptance=acceptance, lookup=lookup,
+        min_draft_probability=min_draft_probability)
+
+
 def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: int | Sequence[int] | None = None, block_size: int | None = None,
@@ -424,10 +472,7 @@ def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temp
     cycle (a host loop over the same cycle, compiled ahead of time). Tokens past a stop token are
     never yielded. Arguments are checked and the executables compiled at the call, not at the first
     `next()`; the returned stream carries `compile_seconds`."""
-    cfg, args, stops = _prepare(target, drafter, prompts, max_new_tokens=max_new_tokens,
-                                temperature=temperature, top_k=top_k, top_p=top_p,
-                                stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-                                acceptance=acceptance, lookup=lookup,
-                                min_draft_probability=min_draft_probability)
-    prefill_fn, cycle_fn, compile_seconds = _executables(target, drafter, cfg, args, "cycle")
-    return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, cfg, args, stops), compile_seconds)
+    return generator_for(target, drafter).stream(
+        prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        stop_token_ids=stop_token_ids, block_size=block_size, seed=seed, acceptance=acceptance, lookup=lookup,
+        min_draft_probability=min_draft_probability)

@@ -4,10 +4,10 @@
 offset (`cache.lengths`), returns the final-normed hidden states, the features of the captured
 layers concatenated on the last axis (layer id i = Hugging Face `hidden_states[i + 1]`: the output
 of decoder layer i, except that the last layer's entry is after the final norm, as in HF),
-and the NEW cache. Layers run under `nn.scan` over stacked per-layer params; `PackedTargetModel`
-runs the same layers over params laid out for a CPU decode (`pack_layers`: kernels packed for the
-CPU rows kernel, read in place), which is what `generate` decodes with on a CPU. `TargetSpec`
-(static, hashable) picks the module from the params' layout; `Target` is a loaded target: spec,
+and the NEW cache. The weight products, the loop over the stacked layers, the LM head and the
+cache read come from the module's backend (`dflash_jax.backends`): on XLA (the default) the
+layers run under `nn.scan` over stacked per-layer params. `TargetSpec` (static, hashable) builds
+the module for the backend whose layout the params are in; `Target` is a loaded target: spec,
 params and tokenizer.
 """
 from __future__ import annotations
@@ -21,14 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import masks
+from dflash_jax import backends, masks
 from dflash_jax.attention import attention, cache_attention
 from dflash_jax.cache import KVCache, resolve_kv_cache_dtype
 from dflash_jax.config import ModelConfig
-from dflash_jax.kernels.cpu_matmul import (PANEL, dequantize_panels, is_packed, is_narrow, pack_kernel,
-                                         packs_side_by_side, rows_matmul, uses_int8_activations)
-from dflash_jax.layers import (MLP, AttentionProjections, RMSNorm, Rotary, fuse_stacked_projections,
-                               pack_stacked_kernels, scan_stacked_layers)
+from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
 from dflash_jax.model_spec import on_spec
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
@@ -50,18 +47,18 @@ class TargetLayer(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
-    packed_weights: bool = False  # kernels packed for the CPU rows kernel (`layers.DensePacked`)
+    backend: str = "xla"  # whose products and cache read (`dflash_jax.backends`)
 
     @nn.compact
     def __call__(self, carry, layer_xs, positions, cos, sin, cache: KVCache | None):
         cfg = self.config
+        ops = backends.get(self.backend)
         hidden, features = carry
         layer, window, slot = layer_xs
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        fused_qkv = self.packed_weights and packs_side_by_side(q_width, kv_width, kv_width)  # as pack_layers fuses
         attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype,
-                                    self.packed_weights, fused_qkv, name="self_attn")
+                                    self.backend, ops.fuses(q_width, kv_width, kv_width), name="self_attn")
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
         q, k, v = attn.queries_keys_values(x, cos, sin)
         ranges = masks.causal(positions, window)  # over cache slots (== positions)
@@ -71,11 +68,12 @@ class TargetLayer(nn.Module):
             offsets = cache.lengths
             k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
             attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, offsets), k, v,
-                                       ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl)
+                                       ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl,
+                                       backend=self.backend)
         hidden = hidden + attn.output(attended)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        fused_mlp = self.packed_weights and packs_side_by_side(cfg.intermediate_size, cfg.intermediate_size)
-        hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.packed_weights, fused_mlp,
+        fused_mlp = ops.fuses(cfg.intermediate_size, cfg.intermediate_size)
+        hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.backend, fused_mlp,
                               name="mlp")(x)
         if features is not None:
             index = jnp.maximum(slot, 0)
@@ -86,9 +84,13 @@ class TargetLayer(nn.Module):
 
 
 class TargetModel(nn.Module):
+    """The target over params in `backend`'s layout (stacked for XLA, what `init` makes; a
+    backend's own decode layout otherwise, `backends.base.Backend.target_params`)."""
+
     config: ModelConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
+    backend: str = "xla"
 
     def setup(self):
         cfg = self.config
@@ -159,138 +161,27 @@ class TargetModel(nn.Module):
             # read on a GPU (jax 0.11.2; see attention.cache_attention). The scanned layers'
             # random initialisation from a given seed changed with it (compared leaf by leaf).
             check_constancy_invariants=False,
-        )(self.config, self.dtype, self.attn_impl)
+        )(self.config, self.dtype, self.attn_impl, self.backend)
 
     def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
-        return self.layers(carry, layer_xs, positions, cos, sin, cache)
+        """The layers in turn: the scanned module, or the backend's own loop over the stacked params
+        (with a cache, every layer's attention reads it inside the loop and the new rows are
+        written after it, so XLA does not copy the cache to order the two)."""
+        loop = backends.get(self.backend).layer_loop
+        if loop is None:
+            return self.layers(carry, layer_xs, positions, cos, sin, cache)
+        if self.is_initializing():
+            raise TypeError(f"the {self.backend} backend's params are made from stacked ones "
+                            "(Backend.target_params); initialise TargetModel with backend='xla'")
+        layer = TargetLayer(self.config, self.dtype, self.attn_impl, self.backend, parent=None)
+        return loop(layer, self.variables["params"]["layers"], carry, layer_xs, positions, cos, sin, cache)
 
     def embed(self, tokens):
-        return self.embed_tokens(tokens)
+        return backends.get(self.backend).embed(self, tokens)
 
     def logits(self, hidden):
         """Final-normed hidden [..., D] -> float32 logits [..., V]."""
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
-
-
-class PackedTargetModel(TargetModel):
-    """TargetModel over params laid out for a CPU decode (`pack_layers`): the layers stacked as in
-    the scanned model, but every kernel packed for the CPU rows kernel ([L, P, K, 16],
-    `kernels.cpu_matmul.pack_kernel`), and the LM head packed as "head". Same results as the scanned
-    model (the products stream each weight once where XLA's GEMM reads it several times over for a
-    few rows), bit for bit the same as a Python loop over per-layer params, which it replaced.
-
-    The layers run as a loop over the layer index (`layers.scan_stacked_layers`, a `lax.scan`), as
-    in the scanned model, but the products read their layer's kernel inside the stack
-    (`layers.DensePacked` and its `STACKED` collection): the scanned model slices every layer's
-    weights out of the stack with a copy in every step (SmolLM2-135M, one token, no cache: 42 ms
-    scanned, 25 ms with per-layer arrays).
-    Only the small per-layer params (norm scales, biases) are sliced. q/k/v and gate/up are one
-    product each where their widths allow (`pack_layers`). XLA compiles one layer, not
-    all of them: SmolLM2's 300-token prefill 5.1 -> 2.0 s, one-token step 3.1 -> 1.6 s, 16-token
-    verify 2.4 -> 0.9 s against the Python loop over per-layer params (one-off script, one process).
-
-    The LM head is read by the rows kernel too: XLA CPU turns one row against the [V, D] embedding
-    into a loop fusion that transposes it (SmolLM2: 7.2 ms of a 50 ms decode step). A tied
-    embedding is not kept beside it: `embed` reads the token rows out of the packed head."""
-
-    def _make_layers(self):
-        pass  # params["layers"] are read as they are in _run_layers
-
-    def setup(self):
-        super().setup()
-        cfg = self.config
-        if self.has_variable("params", "head"):  # float32 or quantized panels (loading.gguf_panels)
-            self.head = self.get_variable("params", "head")
-        else:
-            self.head = self.param("head", lambda key: pack_kernel(jnp.zeros((cfg.hidden_size, cfg.vocab_size),
-                                                                             self.dtype)))
-
-    def embed(self, tokens):
-        """With tied embeddings the token rows are read out of the packed head (`pack_layers`
-        keeps no second copy of the embedding): the same floats, gathered."""
-        if not self.config.tie_word_embeddings:
-            return super().embed(tokens)
-        head = self.head
-        if is_narrow(head):  # [P, D / 32, bytes]: the token's panel, dequantized, at lane t % 16
-            panels = dequantize_panels(head[tokens // PANEL])  # [..., D, 16]
-            return jnp.take_along_axis(panels, (tokens % PANEL)[..., None, None], axis=-1)[..., 0].astype(self.dtype)
-        if is_packed(head):  # [P, D, 16]: column t of [D, V] is panel t // 16, lane t % 16
-            return head[tokens // PANEL, :, tokens % PANEL].astype(self.dtype)
-        return jnp.take(head.T, tokens, axis=0).astype(self.dtype)
-
-    def logits(self, hidden):
-        # the barrier keeps the final norm out of XLA's product, which would make it a loop fusion
-        hidden = jax.lax.optimization_barrier(hidden.astype(self.dtype))
-        return rows_matmul(hidden, self.head, self.config.vocab_size).astype(jnp.float32)
-
-    def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
-        if self.is_initializing():
-            raise TypeError("PackedTargetModel reads packed params (pack_layers); initialise TargetModel")
-        layer = TargetLayer(self.config, self.dtype, self.attn_impl, packed_weights=True, parent=None)
-        # With a cache, every layer's attention reads it inside the loop and the new rows are
-        # written after it, so XLA does not copy the cache to order the two.
-        return scan_stacked_layers(layer, self.variables["params"]["layers"], carry, layer_xs, positions, cos,
-                                   sin, cache)
-
-
-def pack_layers(params, *, release: bool = False) -> dict:
-    """Stacked target params -> PackedTargetModel params: every stacked kernel packed
-    ([L, K, N] -> [L, P, K, 16]), q/k/v and gate/up each fused into one product where their widths
-    allow (`layers.fuse_stacked_projections`: "qkv_proj", "gate_up_proj"; `TargetLayer` fuses by
-    the same rule), and the LM head packed as "head" (an untied lm_head moves there; a
-    tied embedding moves there too, and the model's `embed` reads it from there; params without
-    either leave "head" to their caller, as `load_target` does with a GGUF's own blocks). Packed params are
-    returned as they are. release: the caller gives `params` up: each stacked weight leaves the dict
-    once it is packed, so that the copy never holds all the weights twice."""
-    if is_packed_layout(params):
-        return params
-    layers = fuse_stacked_projections(params.pop("layers") if release else params["layers"], release=release)
-    layers = pack_stacked_kernels(layers, release=release)
-    head_entry = "lm_head" if "lm_head" in params else "embed_tokens"
-    out = {k: v for k, v in params.items() if k not in ("layers", head_entry)}
-    head = params.pop(head_entry, None) if release else params.get(head_entry)
-    if head is None:  # a loader that has the head's panels already (`loading.gguf_panels`) adds them
-        return {**out, "layers": layers}
-    kernel = head["kernel"] if head_entry == "lm_head" else np.asarray(head["embedding"]).T
-    del head
-    return {**out, "layers": layers, "head": pack_kernel(kernel)}
-
-
-def is_packed_layout(params) -> bool:
-    """Whether `params` are laid out for a CPU decode (`pack_layers`, `PackedTargetModel`)."""
-    return "head" in params
-
-
-LAYOUTS = ("auto", "stacked", "packed")
-
-
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-
-
-def resolve_layout(layout: str) -> str:
-    """"stacked" or "packed": the layout asked for, "auto" resolved for JAX's default backend."""
-    check_layout(layout)
-    if layout == "auto":
-        return "packed" if jax.default_backend() == "cpu" else "stacked"
-    return layout
-
-
-def params_in_layout(params, layout: str = "auto", *, release: bool = False):
-    """Stacked target params in the layout asked for: "stacked" as they are (what the scanned
-    `TargetModel`, training, sharding and GPUs use), "packed" through `pack_layers` (what a CPU
-    decodes with: `PackedTargetModel`), "auto" packed when JAX's default backend is the CPU,
-    stacked elsewhere. release: see `pack_layers` (a loader's own params)."""
-    layout = resolve_layout(layout)
-    if layout == "packed":
-        return pack_layers(params, release=release)
-    if is_packed_layout(params):
-        raise ValueError("these params are packed for a CPU decode; the stacked layout is made at load "
-                         "time: load_target(..., layout=\"stacked\")")
-    return params
+        return backends.get(self.backend).logits(self, hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,9 +206,14 @@ class TargetSpec:
         return TargetModel(self.config, self.dtype, self.attn_impl)
 
     def module_for(self, params) -> TargetModel:
-        """The module that reads `params`: scanned (stacked layers) or packed (`pack_layers`)."""
-        cls = PackedTargetModel if is_packed_layout(params) else TargetModel
-        return cls(self.config, self.dtype, self.attn_impl)
+        """The module that reads `params`, on the backend whose layout they are in
+        (`backends.of_target_params`)."""
+        return TargetModel(self.config, self.dtype, self.attn_impl, backends.of_target_params(params))
+
+    def decode_params(self, params, backend: str = "auto", *, release: bool = False):
+        """Stacked `params` in the layout `backend` decodes with ("auto": this process's,
+        `backends.resolve`); params already in it are returned as they are. Run it outside jit."""
+        return backends.get(backends.resolve(backend)).target_params(params, release=release)
 
     def forward(self, params, tokens, cache=None, *, positions=None, capture: Sequence[int] = (),
                 num_new=None, write_cache: bool = True):
@@ -392,7 +288,7 @@ class Target:
         return TargetSpec(self.config, self.dtype, self.attn_impl, self.kv_cache_dtype)
 
     module = property(lambda self: self.spec.module_for(self.params),
-                      doc="The Flax module that reads `params`: scanned, or packed on a CPU (`module_for`).")
+                      doc="The Flax module that reads `params`, on the backend of their layout (`module_for`).")
     module_for = on_spec("module_for")
     forward = on_spec("forward")
     prefill = on_spec("prefill")
@@ -402,9 +298,9 @@ class Target:
 
     @property
     def decode_activations(self) -> str:
-        """"int8" where the params hold Q4_1 panels for int8 activations (`load_target(...,
-        decode_activations="int8")`), else "float32"."""
-        return "int8" if any(uses_int8_activations(w) for w in jax.tree_util.tree_leaves(self.params)) else "float32"
+        """How the decode's products round activations: "int8" for a GGUF target loaded with
+        `load_target(..., decode_activations="int8")`, else "float32"."""
+        return backends.get(backends.of_target_params(self.params)).activations(self.params)
 
 
 def check_fits(cache: KVCache, num_tokens: int) -> None:

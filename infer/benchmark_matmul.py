@@ -6,7 +6,7 @@
 A decode step multiplies one row per weight matrix, a verify of G tokens G rows. When the weights
 stream from memory, G rows should cost about what one row costs; the printed bandwidth (bytes of W
 over the median time) shows how far from that the compiled product is on this machine. The last
-column is the same product through `kernels.cpu_matmul.rows_matmul` with W packed in panels of 16
+column is the same product through `backends.cpu.matmul.rows_matmul` with W packed in panels of 16
 columns (`pack_kernel`, what the unrolled CPU decode multiplies with; "-" where it does not run:
 not float32, no kernel on this machine).
 """
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d, v = args.shape
     dtype = jnp.dtype(args.dtype)
     w = jax.random.normal(jax.random.PRNGKey(0), (d, v), dtype)
-    from dflash_jax.kernels.cpu_matmul import available, pack_kernel, rows_matmul
+    from dflash_jax.backends.cpu.matmul import available, pack_kernel, rows_matmul
 
     product = jax.jit(lambda x, w: x @ w)
     packed_product = jax.jit(lambda x, w: rows_matmul(x, w, v))

@@ -39,8 +39,8 @@ import numpy as np
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterSpec, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids
-from dflash_jax.kernels.cpu_matmul import ACTIVATIONS
-from dflash_jax.target import TargetSpec, init_target_params, pack_layers
+from dflash_jax.backends import ACTIVATIONS
+from dflash_jax.target import TargetSpec, init_target_params
 
 RANDOM_TARGETS = {
     "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -86,8 +86,8 @@ def build_models(args):
         config = RANDOM_TARGETS[args.random_target]
         name = args.random_target
     else:
-        from dflash_jax.loading.gguf_reader import smollm2_gguf_path
         from dflash_jax.loading.target_loader import load_target
+        from dflash_jax.resources import smollm2_gguf_path
 
         loaded = load_target(args.target or smollm2_gguf_path(), args.dtype, tokenizer=False,
                              decode_activations=args.decode_activations)
@@ -113,9 +113,9 @@ def build_models(args):
     drafter = DrafterSpec(drafter_config, dtype, args.attn)
     drafter_params = random_params(jax.eval_shape(
         lambda: init_drafter_params(drafter_config, jax.random.PRNGKey(0), dtype)), 1)
-    if jax.default_backend() == "cpu":  # the layouts generate decodes with here (speculative.decode_params)
-        target_params = pack_layers(target_params)
-        drafter_params = drafter.decode_params(drafter_params)
+    # the layouts generate decodes with on this backend (`Generator`)
+    target_params = target.decode_params(target_params)
+    drafter_params = drafter.decode_params(drafter_params)
     return target, target_params, drafter, drafter_params, name
 
 

@@ -1,4 +1,4 @@
-// Checks dflash::Pool (dflash_jax/kernels/cpu_pool.h) on its own, built and run by
+// Checks dflash::Pool (dflash_jax/backends/cpu/cpu_pool.h) on its own, built and run by
 // tests/test_cpu_pool.py: every part of every job runs exactly once, whichever thread claims it
 // (its helper, or the caller taking it back), also when another thread keeps the cores busy and
 // when two callers share the pool. Part 0 does no work, so the caller reaches for part 1 while its

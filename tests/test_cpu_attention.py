@@ -1,5 +1,5 @@
-"""The CPU cache-attention kernel (`dflash_jax.kernels.cpu_attention`, what `cache_attention`
-runs for float32 queries over a float32 or float16 cache on a CPU): equal to the jnp reference
+"""The CPU cache-attention kernel (`dflash_jax.backends.cpu.attention`, what `cache_attention`
+runs on the CPU backend for float32 queries over a float32 or float16 cache): equal to the jnp reference
 over ragged rows, sliding windows, GQA, queries that see nothing and ranges that overlap; a
 query's result does not depend on the other queries of the call; the compiled program calls it in
 place of the reference's loop."""
@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from dflash_jax import masks
-from dflash_jax.attention import cache_attention
-from dflash_jax.kernels.cpu_attention import TARGET_NAMES, applies
+from dflash_jax import attention
+from dflash_jax.backends.cpu.attention import TARGET_NAMES, applies
 from dflash_jax.masks import KeyRanges
 
+cache_attention = functools.partial(attention.cache_attention, backend="cpu")  # what the CPU backend's models call
 needs_kernel = pytest.mark.skipif(not applies(jnp.zeros(1), jnp.zeros(1), jnp.zeros(1)),
                                   reason="the CPU kernels are not built here")
 

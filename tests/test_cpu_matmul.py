@@ -1,4 +1,4 @@
-"""The CPU rows kernel (`dflash_jax.kernels.cpu_matmul`): its products over packed weights equal
+"""The CPU rows kernel (`dflash_jax.backends.cpu.matmul`): its products over packed weights equal
 numpy's for every row count, odd sizes included, and a row's result does not depend on how many
 rows share the product; it is what the compiled program calls for float32; other dtypes and
 DFLASH_CPU_KERNELS=0 keep plain kernels and XLA's product."""
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.kernels import cpu_ffi
-from dflash_jax.kernels.cpu_matmul import (GGML_BLOCK_BYTES, PANEL, PANEL_BLOCK_BYTES, NARROW_TARGET_NAME,
+from dflash_jax.backends.cpu import ffi as cpu_ffi
+from dflash_jax.backends.cpu.matmul import (GGML_BLOCK_BYTES, PANEL, PANEL_BLOCK_BYTES, NARROW_TARGET_NAME,
                                          TARGET_NAME, available, dequantize_panels, pack_kernel, pack_quantized,
                                          rows_matmul)
 
@@ -94,7 +94,7 @@ def test_a_stacks_layer_is_read_in_place_and_equals_its_own_product(kernels, mon
     kernel reading the stack in place; without the kernel (plain stacks) XLA multiplies the slice."""
     if not kernels:
         monkeypatch.setattr(cpu_ffi, "available", lambda: False)
-        monkeypatch.setattr("dflash_jax.kernels.cpu_matmul.available", lambda: False)
+        monkeypatch.setattr("dflash_jax.backends.cpu.matmul.available", lambda: False)
     elif not available():
         pytest.skip("the CPU rows kernel is not built here")
     rng = np.random.default_rng(5)
@@ -119,7 +119,7 @@ def test_kernels_side_by_side_pack_as_their_concatenation(kernels, monkeypatch):
     concrete and traced; without the rows kernel it is the plain concatenation. Widths that are not
     whole panels (but the last) or different leading shapes are refused."""
     if not kernels:
-        monkeypatch.setattr("dflash_jax.kernels.cpu_matmul.available", lambda: False)
+        monkeypatch.setattr("dflash_jax.backends.cpu.matmul.available", lambda: False)
     elif not available():
         pytest.skip("the CPU rows kernel is not built here")
     rng = np.random.default_rng(9)
@@ -158,7 +158,7 @@ def test_other_dtypes_keep_plain_kernels_and_xlas_product():
 
 def test_disabled_by_the_environment():
     env = {**os.environ, "DFLASH_CPU_KERNELS": "0"}
-    code = ("import numpy as np; from dflash_jax.kernels.cpu_matmul import available, pack_kernel; "
+    code = ("import numpy as np; from dflash_jax.backends.cpu.matmul import available, pack_kernel; "
             "assert not available(); assert pack_kernel(np.ones((8, 40), np.float32)).shape == (8, 40)")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 

@@ -1,4 +1,4 @@
-"""The CPU kernels' helper threads (`dflash_jax/kernels/cpu_pool.h`) on their own: a small C++
+"""The CPU kernels' helper threads (`dflash_jax/backends/cpu/cpu_pool.h`) on their own: a small C++
 program (`tests/cpu_pool_check.cc`), built here with the compiler the kernels use, runs jobs through
 a pool and checks that every part runs exactly once, whoever claims it: the caller taking back every
 part of a pool without helper threads (the path a busy machine takes, made certain), helpers racing
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_jax.kernels import cpu_ffi
+from dflash_jax.backends.cpu import ffi as cpu_ffi
 
 CHECK = Path(__file__).with_name("cpu_pool_check.cc")
 

@@ -17,7 +17,8 @@ from dflash_jax.cache import UNROLLED_ROWS, write_rows
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import Drafter, init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.target import Target, init_target_params, pack_layers
+from dflash_jax.target import Target, init_target_params
+from dflash_jax.backends.cpu.layout import pack_layers
 
 CAPACITY = 1000
 TARGET = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -159,11 +160,12 @@ def test_generate_loop_touches_only_new_rows(target, drafter, draft, temperature
     from dflash_jax.kernels import KEY_TILE, round_up
 
     model = drafter if draft else None
-    cfg, args, _ = speculative._prepare(target, model, [[1, 2, 3]], max_new_tokens=1000,
+    generator = speculative.Generator(target, model)
+    cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=1000,
                                         temperature=temperature, top_k=0, top_p=1.0, stop_token_ids=(),
                                         block_size=None, seed=0, acceptance="exact", lookup=lookup,
                                         min_draft_probability=gate)
     capacity = round_up(speculative.prompt_bucket(3) + 1000 + cfg.block_size, KEY_TILE)
     assert capacity == 1024  # a number no other dimension of these models has
-    _, loop, _ = speculative._executables(target, model, cfg, args, "decode")
+    _, loop, _ = generator._executables(cfg, args, "decode")
     assert whole_buffer_ops(loop.as_text(), capacity) == []

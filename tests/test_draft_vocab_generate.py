@@ -90,7 +90,7 @@ def test_draft_distribution_lives_on_the_kept_ids(fitted, prompts):
 def test_cpu_decode_packs_the_draft_head(fitted):
     """What a CPU drafts with (`DrafterSpec.decode_params`) packs the reduced vocabulary's head for
     the rows kernel too; its logits equal the plain product's, for a block's several slots."""
-    from dflash_jax.kernels.cpu_matmul import available, is_packed
+    from dflash_jax.backends.cpu.matmul import available, is_packed
 
     target, drafter = fitted
     small = reduced(drafter, target, HALF_IDS)

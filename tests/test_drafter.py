@@ -109,18 +109,17 @@ def test_training_entry_equals_inference_entry(tmp_path, target):
 
 
 def test_packed_drafter_equals_the_scan(tmp_path, target):
-    """What a CPU drafts with (`DrafterSpec.decode_params`: kernels packed in their stacks,
-    `PackedDrafterModel`) gives the scanned drafter's context cache, blocks and training blocks."""
-    from dflash_jax.drafter import PackedDrafterModel
-    from dflash_jax.kernels.cpu_matmul import available, pack_kernel
+    """What a CPU drafts with (`DrafterSpec.decode_params`: kernels packed in their stacks, read by
+    the CPU backend) gives the scanned drafter's context cache, blocks and training blocks."""
+    from dflash_jax.backends.cpu.matmul import available, pack_kernel
 
     official(tmp_path, layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=3,
              block_size=4)
     drafter = load_drafter(tmp_path, target)
     spec = drafter.spec
     packed = spec.decode_params(drafter.loop_params)
-    assert isinstance(spec.module_for(packed), PackedDrafterModel) == available()
-    assert not isinstance(spec.module_for(drafter.loop_params), PackedDrafterModel)
+    assert (spec.module_for(packed).backend == "cpu") == available()
+    assert spec.module_for(drafter.loop_params).backend == "xla"
     assert spec.decode_params(packed)["layers"]["mlp"]["up_proj"]["kernel"] is \
         packed["layers"]["mlp"]["up_proj"]["kernel"]
     kernel = drafter.params["layers"]["mlp"]["up_proj"]["kernel"]

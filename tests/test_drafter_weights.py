@@ -12,7 +12,7 @@ import pytest
 
 from dflash_jax.cli import common
 from dflash_jax.drafter import DECODE_WEIGHTS, DrafterSpec
-from dflash_jax.kernels.cpu_matmul import (PANEL_BLOCK_BYTES, QUANT_BLOCK, available, dequantize_panels,
+from dflash_jax.backends.cpu.matmul import (PANEL_BLOCK_BYTES, QUANT_BLOCK, available, dequantize_panels,
                                            pack_kernel, quantize_q8_0, rows_matmul)
 from dflash_jax.loading.drafter_io import load_drafter
 from dflash_jax.speculative import generate

@@ -103,14 +103,15 @@ def test_block_size_override_and_stream(fitted):
 def test_same_bucket_does_not_recompile_and_no_transfers_in_loop(fitted):
     target, drafter = fitted
     first = generate(target, drafter, [[1, 2, 3], [4, 5]], max_new_tokens=16, stop_token_ids=())
-    size = gen.compile_cache_size()
+    generator = gen.generator_for(target, drafter)  # what generate used
+    size = generator.compile_cache_size
     second = generate(target, drafter, [[7, 8, 9, 10, 11], [3]], max_new_tokens=16, stop_token_ids=())
-    assert second.compile_seconds == 0.0 and gen.compile_cache_size() == size
+    assert second.compile_seconds == 0.0 and generator.compile_cache_size == size
     assert first.compile_seconds >= 0.0
-    cfg, args, _ = gen._prepare(target, drafter, [[1, 2, 3], [4, 5]], max_new_tokens=16, temperature=0.0,
-                                top_k=0, top_p=1.0, stop_token_ids=(), block_size=None, seed=0,
-                                acceptance="exact")
-    prefill_fn, decode_fn, compile_seconds = gen._executables(target, drafter, cfg, args, "decode")
+    cfg, args, _ = generator._prepare([[1, 2, 3], [4, 5]], max_new_tokens=16, temperature=0.0,
+                                      top_k=0, top_p=1.0, stop_token_ids=(), block_size=None, seed=0,
+                                      acceptance="exact")
+    prefill_fn, decode_fn, compile_seconds = generator._executables(cfg, args, "decode")
     assert compile_seconds == 0.0
     state = prefill_fn(*args)
     with jax.transfer_guard("disallow"):

@@ -127,14 +127,17 @@ def test_prompt_buckets_are_powers_of_two_then_multiples_of_1024():
     assert len({speculative.prompt_bucket(n) for n in range(1, 8193)}) == 7 + 7
 
 
-def test_compiled_executables_are_bounded(pair, monkeypatch):
+@pytest.mark.parametrize("bound", ["argument", "default"])
+def test_compiled_executables_are_bounded(pair, monkeypatch, bound):
     target, _ = pair
-    monkeypatch.setattr(speculative, "MAX_COMPILED", 2)
+    if bound == "default":
+        monkeypatch.setattr(speculative, "MAX_COMPILED", 2)
+    generator = speculative.Generator(target, None, max_compiled=2 if bound == "argument" else None)
     for new in (2, 3):  # each max_new_tokens is a new program: prefill + loop
-        generate(target, None, [[1]], max_new_tokens=new, stop_token_ids=())
-        assert speculative.compile_cache_size() == 2
-    assert generate(target, None, [[1]], max_new_tokens=3, stop_token_ids=()).compile_seconds == 0.0
-    assert generate(target, None, [[1]], max_new_tokens=2, stop_token_ids=()).compile_seconds > 0.0
+        generator.generate([[1]], max_new_tokens=new, stop_token_ids=())
+        assert generator.compile_cache_size == 2
+    assert generator.generate([[1]], max_new_tokens=3, stop_token_ids=()).compile_seconds == 0.0
+    assert generator.generate([[1]], max_new_tokens=2, stop_token_ids=()).compile_seconds > 0.0
 
 
 def test_models_with_one_spec_share_executables_and_weights_are_arguments(pair):

@@ -16,13 +16,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from dflash_jax.loading.gguf_reader import (  # noqa: E402
-    STORED_BLOCK_BYTES,
-    GGUFCheckpoint,
-    gguf_tokenizer,
-    read_gguf,
-    smollm2_gguf_path,
-)
+from dflash_jax.loading.gguf_file import STORED_BLOCK_BYTES, GGUFCheckpoint  # noqa: E402
+from dflash_jax.loading.gguf_reader import read_gguf  # noqa: E402
+from dflash_jax.loading.gguf_tokenizer import gguf_tokenizer  # noqa: E402
+from dflash_jax.resources import smollm2_gguf_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +332,7 @@ def _assert_same_tensors(a: GGUFCheckpoint, b: GGUFCheckpoint):
 
 
 def test_cache_is_built_once_and_reused(tmp_path):
-    from dflash_jax.loading.gguf_reader import cache_entry_path
+    from dflash_jax.loading.gguf_cache import cache_entry_path
 
     gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
     cache = tmp_path / "cache"
@@ -352,7 +349,7 @@ def test_cache_is_built_once_and_reused(tmp_path):
 
 @pytest.mark.parametrize("damage", ["flip a data byte", "truncate", "empty", "garbage manifest"])
 def test_damaged_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
-    from dflash_jax.loading.gguf_reader import cache_entry_path
+    from dflash_jax.loading.gguf_cache import cache_entry_path
 
     gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
     cache = tmp_path / "cache"
@@ -428,10 +425,10 @@ def test_a_cpu_load_keeps_the_stored_blocks_it_can_and_checks_their_shapes(tmp_p
     import jax.numpy as jnp
 
     from dflash_jax.errors import CheckpointError
-    from dflash_jax.kernels.cpu_matmul import available, is_narrow
-    from dflash_jax.loading.gguf_reader import GGUFTensors
+    from dflash_jax.backends.cpu.matmul import available, is_narrow
+    from dflash_jax.loading.gguf_file import GGUFTensors
     from dflash_jax.loading.target_loader import load_target
-    from dflash_jax.target import pack_layers
+    from dflash_jax.backends.cpu.layout import pack_layers
 
     if not available():
         pytest.skip("the CPU rows kernel is not built here")

@@ -115,3 +115,48 @@ def test_library_imports_no_entry_point():
     _, entry_imports = _graph(_modules())
     assert not entry_imports, "library modules import CLI/training entry points:\n" + "\n".join(
         f"  {module} imports {name} (line {line})" for module, name, line in entry_imports)
+
+
+CPU_BACKEND = "dflash_jax.backends.cpu"
+REGISTRY = "dflash_jax.backends"  # the one module outside the CPU backend that may import it (lazily, by name)
+# Modules written once for every backend: they reach a backend's operations through the registry only.
+BACKEND_FREE = ("dflash_jax.target", "dflash_jax.drafter", "dflash_jax.layers", "dflash_jax.decode_loop",
+                "dflash_jax.speculative", "dflash_jax.cache", "dflash_jax.masks", "dflash_jax.objective")
+
+
+def _in_cpu_backend(module: str) -> bool:
+    return module == CPU_BACKEND or module.startswith(CPU_BACKEND + ".")
+
+
+def test_nothing_outside_the_cpu_backend_imports_it():
+    modules = _modules()
+    assert CPU_BACKEND in modules and f"{CPU_BACKEND}.matmul" in modules
+    edges, _ = _graph(modules)
+    assert CPU_BACKEND in edges[REGISTRY]  # the parse sees the registry's lazy import
+    offenders = [f"  {module} imports {target} (line {line})"
+                 for module, targets in sorted(edges.items()) if not _in_cpu_backend(module) and module != REGISTRY
+                 for target, line in sorted(targets.items()) if _in_cpu_backend(target)]
+    assert not offenders, "modules outside the CPU backend import it:\n" + "\n".join(offenders)
+
+
+def _calls_default_backend(source: str) -> list[int]:
+    """Lines that name `default_backend` (jax.default_backend(), or the name imported)."""
+    return sorted({node.lineno for node in ast.walk(ast.parse(source))
+                   if (isinstance(node, ast.Attribute) and node.attr == "default_backend")
+                   or (isinstance(node, ast.Name) and node.id == "default_backend")
+                   or (isinstance(node, ast.alias) and node.name.endswith("default_backend"))
+                   and hasattr(node, "lineno")})
+
+
+def test_default_backend_check_sees_calls():
+    assert _calls_default_backend("import jax\nif jax.default_backend() == 'cpu':\n    pass\n") == [2]
+    assert _calls_default_backend("import jax\nx = jax.devices()\n") == []
+
+
+def test_the_models_do_not_branch_on_the_jax_backend():
+    """The models and the decode loop are written once: which backend runs them is the registry's
+    choice (`backends.resolve`), never a `jax.default_backend()` test of their own."""
+    modules = _modules()
+    found = {name: _calls_default_backend(modules[name].read_text()) for name in BACKEND_FREE}
+    offenders = {name: lines for name, lines in found.items() if lines}
+    assert not offenders, f"jax.default_backend() in backend-free modules (module: lines): {offenders}"

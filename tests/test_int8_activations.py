@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.kernels.cpu_matmul import (ACTIVATIONS, INT8_TARGET_NAME, PANEL, PANEL_BLOCK_BYTES, _xla_panels,
+from dflash_jax.backends.cpu.matmul import (ACTIVATIONS, INT8_TARGET_NAME, PANEL, PANEL_BLOCK_BYTES, _xla_panels,
                                            available, dequantize_panels, pack_quantized, round_activations,
                                            uses_int8_activations)
 from test_cpu_matmul import (_ggml_blocks, check_rows_products, check_stacked_layers_are_their_own_products,

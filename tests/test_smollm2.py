@@ -135,7 +135,7 @@ def test_cli_mismatched_drafter_and_long_prompt(target, tmp_path, monkeypatch, c
 
 
 def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_ids, monkeypatch):  # noqa: F811
-    """On a CPU the packed target keeps the GGUF's own Q4_1 / Q8_0 blocks (`loading.gguf_panels`),
+    """On a CPU the packed target keeps the GGUF's own Q4_1 / Q8_0 blocks (`backends.cpu.gguf_panels`),
     98 MB of params instead of 544, without ever reading the float32 weights they stand for, and its
     logits (a prompt through a cache, then one token) are those of the float32 panels of the same
     (dequantised) weights to float rounding (the kernel multiplies the blocks in factored form) and
@@ -143,10 +143,10 @@ def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_i
     import flax
     import jax.numpy as jnp
 
-    from dflash_jax.kernels.cpu_matmul import available, is_narrow
-    from dflash_jax.loading.gguf_reader import GGUFTensors
+    from dflash_jax.backends.cpu.matmul import available, is_narrow
+    from dflash_jax.loading.gguf_file import GGUFTensors
     from dflash_jax.loading.target_loader import load_target
-    from dflash_jax.target import pack_layers
+    from dflash_jax.backends.cpu.layout import pack_layers
 
     if not available():
         pytest.skip("the CPU rows kernel is not built here")

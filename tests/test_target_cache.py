@@ -130,17 +130,17 @@ def test_write_rows_writes_each_row_at_its_offset(batch):
 
 
 def test_packed_layers_equal_the_scan_and_copy_no_weights(target):
-    """`pack_layers` + PackedTargetModel (what generate decodes with on a CPU) give the scanned
+    """`pack_layers` on the CPU backend (what generate decodes with on a CPU) give the scanned
     model's results, and the compiled one-token step produces no layer-weight-shaped value (the
     scan slices every layer's weights out of the stack with a copy: checked as the counter-case;
     the packed model's products read each layer's kernel inside its stack)."""
     import re
 
-    from dflash_jax.target import PackedTargetModel, is_packed_layout, pack_layers
+    from dflash_jax.backends.cpu.layout import is_packed_layout, pack_layers
 
     packed = pack_layers(target.params)
     assert is_packed_layout(packed) and not is_packed_layout(target.params)
-    assert isinstance(target.module_for(packed), PackedTargetModel)
+    assert target.module_for(packed).backend == "cpu" and target.module_for(target.params).backend == "xla"
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, size=(2, 9)), jnp.int32)
     want = target.forward(target.params, tokens, capture=(0, 2))
     got = target.forward(packed, tokens, capture=(0, 2))
@@ -179,7 +179,8 @@ def test_packed_layers_equal_a_loop_over_single_kernels():
     import dataclasses
 
     from dflash_jax.layers import RMSNorm, Rotary
-    from dflash_jax.target import TargetLayer, pack_layers
+    from dflash_jax.target import TargetLayer
+    from dflash_jax.backends.cpu.layout import pack_layers
 
     config = dataclasses.replace(CFG, hidden_size=64, intermediate_size=96)  # several panels
     model = Target(config, init_target_params(config, jax.random.PRNGKey(7)))
@@ -187,7 +188,7 @@ def test_packed_layers_equal_a_loop_over_single_kernels():
     tokens = jnp.asarray(np.random.default_rng(8).integers(0, 97, size=(2, 5)), jnp.int32)
     got = model.forward(packed, tokens, capture=(0, 1))
 
-    layer = TargetLayer(config, packed_weights=True, parent=None)
+    layer = TargetLayer(config, backend="cpu", parent=None)
     hidden = model.embed(packed, tokens)
     positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
     cos, sin = Rotary(config)(positions)
@@ -210,7 +211,7 @@ def test_packed_layers_fuse_qkv_and_gate_up_where_the_widths_allow(widths):
     scanned model's results and the stacked params it was given stay whole."""
     import dataclasses
 
-    from dflash_jax.target import pack_layers
+    from dflash_jax.backends.cpu.layout import pack_layers
 
     if widths == "fused":  # q 4 x 8 = 32, k and v 2 x 8 = 16 columns, gate and up 48
         config = dataclasses.replace(CFG, head_dim=8, intermediate_size=48, attention_bias=True, mlp_bias=True)
@@ -244,12 +245,12 @@ def test_packed_layers_fuse_qkv_and_gate_up_where_the_widths_allow(widths):
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_packed_lm_head_equals_the_scanned_one(rows, tied):
     """The packed params carry the LM head packed for the rows kernel ("head", from the tied
-    embedding or the moved lm_head; `PackedTargetModel.logits`): any number of rows read it and
+    embedding or the moved lm_head; the CPU backend's `logits`): any number of rows read it and
     give the scanned model's logits."""
     import dataclasses
 
-    from dflash_jax.kernels.cpu_matmul import pack_kernel
-    from dflash_jax.target import pack_layers
+    from dflash_jax.backends.cpu.matmul import pack_kernel
+    from dflash_jax.backends.cpu.layout import pack_layers
 
     config = dataclasses.replace(CFG, tie_word_embeddings=tied)
     model = Target(config, init_target_params(config, jax.random.PRNGKey(4)))
@@ -267,13 +268,13 @@ def test_packed_lm_head_equals_the_scanned_one(rows, tied):
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_params_keep_one_copy_of_a_tied_embedding(tied, kernels, monkeypatch):
     """A tied embedding moves into the packed head (no second copy of it in the packed params) and
-    `PackedTargetModel.embed` reads the token rows back out of it: the same floats, with the head
+    the CPU backend's `embed` reads the token rows back out of it: the same floats, with the head
     packed into panels or left [D, V] (no CPU kernel: then the layers' kernels stay [L, K, N] too,
     and the same model multiplies them with XLA)."""
     import dataclasses
 
-    from dflash_jax.kernels import cpu_matmul
-    from dflash_jax.target import pack_layers
+    from dflash_jax.backends.cpu import matmul as cpu_matmul
+    from dflash_jax.backends.cpu.layout import pack_layers
 
     if not kernels:
         monkeypatch.setattr(cpu_matmul, "available", lambda: False)
@@ -293,7 +294,8 @@ def test_packed_params_keep_one_copy_of_a_tied_embedding(tied, kernels, monkeypa
 def test_released_params_are_given_up_and_pack_the_same(target):
     """`pack_layers(..., release=True)` (how `load_target` lays out its own params) empties the
     stacked dict weight by weight and returns what the copying call returns."""
-    from dflash_jax.target import pack_layers, params_in_layout
+    from dflash_jax.backends.cpu.layout import pack_layers
+    from dflash_jax.backends import params_in_layout
 
     kept = pack_layers(target.params)
     whole = jax.tree.structure(target.params)

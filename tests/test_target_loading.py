@@ -102,7 +102,7 @@ def test_layouts(qwen_dir):
     """On a CPU a loaded target holds its params laid out for decoding (kernels packed, what generate
     runs on: one copy of the weights); layout="stacked" keeps them as training and conversion read
     them; the two compute the same."""
-    from dflash_jax.target import is_packed_layout
+    from dflash_jax.backends.cpu.layout import is_packed_layout
 
     packed, stacked = load_target(qwen_dir), load_target(qwen_dir, layout="stacked")
     assert is_packed_layout(packed.params) and not is_packed_layout(stacked.params)

@@ -56,7 +56,8 @@ def tiny_target():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from dflash_jax.loading.gguf_reader import gguf_tokenizer, smollm2_gguf_path
+    from dflash_jax.loading.gguf_tokenizer import gguf_tokenizer
+    from dflash_jax.resources import smollm2_gguf_path
 
     return gguf_tokenizer(smollm2_gguf_path())
 

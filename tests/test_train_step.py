@@ -11,7 +11,8 @@ import fitted_models
 from dflash_jax import objective
 from dflash_jax.config import ModelConfig
 from dflash_jax.drafter import DrafterSpec
-from dflash_jax.target import Target, init_target_params, pack_layers
+from dflash_jax.target import Target, init_target_params
+from dflash_jax.backends.cpu.layout import pack_layers
 from train import drafter_init, step as step_lib
 
 NUM_ANCHORS = 6

@@ -91,8 +91,8 @@ def make_batch(target, config, batch_size: int, seq_len: int, seed: int = 0) -> 
 
 def load_benchmark_target(name: str | None, dtype: str):
     if name is None:
-        from dflash_jax.loading.gguf_reader import smollm2_gguf_path
         from dflash_jax.loading.target_loader import load_target
+        from dflash_jax.resources import smollm2_gguf_path
 
         return load_target(smollm2_gguf_path(), dtype=dtype, tokenizer=False, layout="stacked")
     config = RANDOM_TARGETS[name]

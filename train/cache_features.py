@@ -206,8 +206,8 @@ def main(argv=None) -> int:
                         "token at 8), for run.labels=distribution; 0 = only the greedy next token")
     args = p.parse_args(argv)
     try:
-        from dflash_jax.loading.gguf_reader import smollm2_gguf_path
         from dflash_jax.loading.target_loader import load_target
+        from dflash_jax.resources import smollm2_gguf_path
 
         buckets = tuple(int(b) for b in args.buckets.split(","))
         target = load_target(args.target or smollm2_gguf_path(), args.dtype)

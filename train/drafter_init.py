@@ -12,7 +12,7 @@ import numpy as np
 from dflash_jax.drafter import init_drafter_params
 from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids, resolve_mask_token_id
 from dflash_jax.loading.drafter_io import validate_pair
-from dflash_jax.target import is_packed_layout
+from dflash_jax import backends
 
 LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
 
@@ -49,7 +49,7 @@ def build_drafter_config(target, *, num_layers: int, block_size: int, intermedia
 
 
 def _require_stacked(target_params):
-    if is_packed_layout(target_params):
+    if backends.of_target_params(target_params) != "xla":
         raise DrafterFitError("the target's params are packed for CPU decoding; a drafter is initialised "
                               "from the stacked layout: load_target(..., layout=\"stacked\")")
 

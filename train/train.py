@@ -38,7 +38,7 @@ VOCAB_FILE = "draft_vocab.npz"
 
 def load_target_model(cfg: TrainConfig):
     if cfg.model.target == "smollm2":
-        from dflash_jax.loading.gguf_reader import smollm2_gguf_path
+        from dflash_jax.resources import smollm2_gguf_path
 
         return load_target(smollm2_gguf_path(), dtype=cfg.model.target_dtype, layout="stacked")
     return load_target(cfg.model.target, dtype=cfg.model.target_dtype, layout="stacked")

@@ -1,3 +1,4 @@
 """Command-line programs, installed as console scripts (dflash-generate, dflash-benchmark,
-dflash-convert, dflash-train) and run in the repository as `python -m infer.generate` etc.
+dflash-convert) and run in the repository as `python -m infer.generate` etc. (training runs from a
+checkout, `python -m train.train`).
 `common` holds what they share; nothing in the library imports this package."""

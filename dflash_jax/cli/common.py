@@ -17,7 +17,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from dflash_jax.cache import KV_CACHE_DTYPE_NAMES  # noqa: E402  (the package is imported already)
 from dflash_jax.drafter import DECODE_WEIGHTS  # noqa: E402
-from dflash_jax.kernels.cpu_matmul import ACTIVATIONS  # noqa: E402
+from dflash_jax.backends import ACTIVATIONS  # noqa: E402
 
 EXIT_ERROR = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, for an editable or in-repo run
@@ -433,19 +433,3 @@ def exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
             pass
     os._exit(code)
-
-
-def run_checkout_module(module: str, argv: Sequence[str] | None = None) -> int:
-    """Run `module.main(argv)` from a dflash-jax checkout (for CLIs whose code still lives in the
-    repository's infer/ or train/ folders); one `error:` line when it cannot be imported."""
-    import importlib
-
-    try:
-        entry = importlib.import_module(module).main
-    except ModuleNotFoundError as e:
-        if e.name is None or not module.startswith(e.name):
-            raise
-        print(f"error: this command runs {module} of a dflash-jax checkout, which is not importable here; "
-              f"run `python -m {module}` from the repository root", file=sys.stderr)
-        return EXIT_ERROR
-    return entry(argv)

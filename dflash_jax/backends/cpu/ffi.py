@@ -1,5 +1,5 @@
-"""The CPU kernels' shared library: `cpu_rows_matmul.cc` (`cpu_matmul.rows_matmul`) and
-`cpu_cache_attention.cc` (`cpu_attention.cache_attention`), compiled on first use with the
+"""The CPU kernels' shared library: `cpu_rows_matmul.cc` (`matmul.rows_matmul`) and
+`cpu_cache_attention.cc` (`attention.cache_attention`), compiled on first use with the
 machine's C++ compiler (-O3 -mavx2 -mfma -mf16c, about 10 s) into the user cache directory, keyed by the
 sources, the flags and jaxlib, and registered with XLA's FFI once per process.
 

@@ -1,5 +1,5 @@
 """Attention over one layer of a KV cache plus the step's new keys, on a CPU, as one custom call
-(`cpu_cache_attention.cc`, built by `kernels.cpu_ffi`): what `attention.cache_attention` runs for
+(`cpu_cache_attention.cc`, built by `backends.cpu.ffi`): what `attention.cache_attention` runs for
 float32 queries over float32 or float16 keys and values on a CPU where the kernels are built. XLA
 runs the jnp reference (`reference.chunked_cache_attention_with_lse`) as a few dozen small
 operations per cache chunk, which cost more than their arithmetic at decode sizes. Other backends
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.kernels.cpu_ffi import available
+from dflash_jax.backends.cpu.ffi import available
 from dflash_jax.masks import KeyRanges
 
 TARGET_NAMES = {jnp.dtype(jnp.float32): "dflash_cache_attention",  # by the dtype of the K/V

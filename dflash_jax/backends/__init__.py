@@ -1,0 +1,79 @@
+"""Backends: the one place that knows which operations run where (the interface: `backends.base`).
+
+Two backends:
+- "xla" (`base.Backend`): XLA's products and the layers' `nn.scan` over stacked params, with the
+  attention seam's Pallas kernels on GPUs. Training, sharding, conversion, GPUs and TPUs use it.
+- "cpu" (`backends.cpu`): C++ kernels through XLA's FFI for the products of a few rows and the
+  KV-cache read, over weights packed in panels (a GGUF file's quantized blocks kept as stored),
+  the layers read in place inside their stacks. What a CPU decodes with; imported on first use.
+
+`resolve("auto")` names the backend a decode uses on this process's default JAX device ("cpu" on a
+CPU, "xla" elsewhere). Params carry their layout: `of_target_params` / `of_drafter_params` name the
+backend that reads them. Layouts by their user-facing names (`load_target(..., layout=...)`):
+"stacked" is the XLA backend's, "packed" the CPU backend's, "auto" the one `resolve` picks.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from dflash_jax.backends.base import ACTIVATIONS, Backend
+
+__all__ = ["ACTIVATIONS", "Backend", "NAMES", "LAYOUTS", "get", "resolve", "of_target_params",
+           "of_drafter_params", "check_layout", "layout_backend", "params_in_layout"]
+
+NAMES = ("xla", "cpu")
+LAYOUTS = {"stacked": "xla", "packed": "cpu"}  # user-facing layout name -> backend
+
+
+@functools.cache
+def get(name: str) -> Backend:
+    """The backend called `name` ("xla" or "cpu"), built once."""
+    if name == "xla":
+        return Backend()
+    if name == "cpu":
+        from dflash_jax.backends.cpu import CpuBackend
+
+        return CpuBackend()
+    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(NAMES)}")
+
+
+def resolve(name: str = "auto") -> str:
+    """A backend name, "auto" resolved: "cpu" where JAX's default backend is the CPU, else "xla"."""
+    if name == "auto":
+        return "cpu" if jax.default_backend() == "cpu" else "xla"
+    get(name)  # validates
+    return name
+
+
+def of_target_params(params) -> str:
+    """The backend whose decode layout target `params` are in ("xla" for stacked params)."""
+    return "cpu" if get("cpu").owns_target(params) else "xla"
+
+
+def of_drafter_params(module_params) -> str:
+    """The backend whose decode layout drafter module params are in ("xla" for stacked params)."""
+    return "cpu" if get("cpu").owns_drafter(module_params) else "xla"
+
+
+def check_layout(layout: str) -> None:
+    if layout != "auto" and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of auto, {', '.join(LAYOUTS)}, not {layout!r}")
+
+
+def layout_backend(layout: str) -> str:
+    """The backend of a user-facing layout name ("auto": `resolve("auto")`)."""
+    check_layout(layout)
+    return resolve("auto") if layout == "auto" else LAYOUTS[layout]
+
+
+def params_in_layout(params, layout: str = "auto", *, release: bool = False):
+    """Stacked target params in the layout asked for: "stacked" as they are (what training,
+    sharding and GPUs use), "packed" the CPU backend's (what a CPU decodes with), "auto" the one
+    `resolve` picks. release: the caller gives `params` up (see `Backend.target_params`)."""
+    backend = layout_backend(layout)
+    if backend == "xla" and of_target_params(params) != "xla":
+        raise ValueError("these params are packed for a CPU decode; the stacked layout is made at load "
+                         "time: load_target(..., layout=\"stacked\")")
+    return get(backend).target_params(params, release=release)

@@ -1,0 +1,90 @@
+"""The transformers baseline (`--baseline transformers`): the same weights in transformers' greedy
+`generate` (torch, CPU), on the same token ids, timed like our own runs."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from dflash_jax.cli.bench_run import median, rate
+from dflash_jax.cli.common import CLIError
+
+
+def load_transformers_model(target_path: Path, dtype: str):
+    """The same weights in transformers (torch, CPU), no hub access: a GGUF through our reader (its
+    dequantisation cache) into a LlamaForCausalLM, a directory through `from_pretrained`."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    if target_path.suffix != ".gguf":
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            target_path, dtype=torch_dtype, local_files_only=True).eval()
+    from dflash_jax.loading.gguf_reader import read_gguf
+
+    checkpoint = read_gguf(target_path)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**checkpoint.hf_config))
+    state = {name: torch.from_numpy(checkpoint.tensors[name].copy()) for name in checkpoint.tensors}
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+        raise CLIError(f"transformers baseline: {target_path} does not fit LlamaForCausalLM "
+                       f"(missing {result.missing_keys}, unexpected {result.unexpected_keys})")
+    model.tie_weights()
+    return model.to(torch_dtype).eval()
+
+
+def _cut_at_stop(ids: list[int], stops: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[: i + 1]
+    return ids
+
+
+def run_transformers(model, rows: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int) -> dict:
+    """Greedy `generate` of one batch (left-padded). Its prefill time is that of a 1-token generate;
+    decode time is the rest of a full generate; decode tokens exclude each row's first token."""
+    import torch
+
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+
+    def timed(n: int):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=0,
+                                 do_sample=False, eos_token_id=stops, pad_token_id=pad_id)
+        return out, time.perf_counter() - start
+
+    _, prefill_seconds = timed(1)
+    out, total_seconds = timed(max_new_tokens)
+    tokens = [_cut_at_stop(row[width:].tolist(), set(stops)) for row in out]
+    decode_tokens = sum(max(len(t) - 1, 0) for t in tokens)
+    decode_seconds = max(total_seconds - prefill_seconds, 0.0)
+    return {"tokens": tokens, "new_tokens": [len(t) for t in tokens], "decode_tokens": decode_tokens,
+            "prefill_seconds": round(prefill_seconds, 5), "decode_seconds": round(decode_seconds, 5),
+            "prefill_tokens_per_second": round(rate(sum(map(len, rows)), prefill_seconds), 3),
+            "decode_tokens_per_second": round(rate(decode_tokens, decode_seconds), 3)}
+
+
+def run_baseline(target_path: Path, records: list[dict], args, stops: list[int], pad_id: int) -> dict:
+    """Adds "transformers" to every record (same ids, same max_new_tokens); returns its summary."""
+    start = time.perf_counter()
+    model = load_transformers_model(target_path, args.dtype)
+    load_seconds = time.perf_counter() - start
+    run_transformers(model, records[0]["prompt_ids"], 2, stops, pad_id)  # warm-up, not measured
+    for i, record in enumerate(records):
+        rows = record["prompt_ids"]
+        record["transformers"] = hf = run_transformers(model, rows, args.max_new_tokens, stops, pad_id)
+        record["transformers_identical"] = hf.pop("tokens") == record["tokens"] if args.temperature == 0 else None
+        print(f"[{i + 1}/{len(records)}] transformers {hf['decode_tokens_per_second']:7.1f} tok/s", flush=True)
+    ours = median([r["autoregressive"]["decode_tokens_per_second"] for r in records])
+    theirs = median([r["transformers"]["decode_tokens_per_second"] for r in records])
+    return {"load_seconds": round(load_seconds, 3), "torch_threads": os.cpu_count(),
+            "decode_tokens_per_second_median": round(theirs, 3),
+            "prefill_tokens_per_second_median":
+                round(median([r["transformers"]["prefill_tokens_per_second"] for r in records]), 3),
+            "autoregressive_over_transformers": round(ours / theirs, 4),
+            "identical_batches": sum(bool(r["transformers_identical"]) for r in records),
+            "decode_activations": args.decode_activations}

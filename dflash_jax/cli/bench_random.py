@@ -1,0 +1,85 @@
+"""Random-weight models of real shapes for `--random-target`: the official config values of the
+targets it builds, their DFlash drafters' configs, and random parameters drawn on the device."""
+from __future__ import annotations
+
+# Official config values (Hugging Face config.json) of the targets `--random-target` builds, and the
+# mask token id of their DFlash drafters.
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+          "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+          "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+          "bos_token_id": 151643, "eos_token_id": 151645}
+RANDOM_TARGETS = {
+    "qwen3-8b": ({**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
+                 151669),
+    "qwen3-4b": ({**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True},
+                 151669),
+    "llama3-8b": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+                   "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                   "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+                   "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128009]},
+                  128002),  # <|reserved_special_token_0|>
+}
+RANDOM_DRAFT_LAYERS = 5  # the official DFlash drafters of these targets
+
+
+def random_params(shapes, seed: int):
+    """Params of the given shapes (a pytree of ShapeDtypeStruct) drawn on the default device:
+    normal(0, 0.02) weights, unit norm scales (leaves named "scale")."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+
+    @jax.jit
+    def draw(key):
+        keys = jax.random.split(key, len(leaves))
+        return treedef.unflatten([
+            jnp.ones(s.shape, s.dtype) if getattr(path[-1], "key", None) == "scale"
+            else 0.02 * jax.random.normal(k, s.shape, s.dtype)
+            for k, (path, s) in zip(keys, leaves)])
+
+    return jax.block_until_ready(draw(jax.random.PRNGKey(seed)))
+
+
+def random_configs(name: str, layers: int | None, block_size: int | None):
+    """(ModelConfig, DrafterConfig) of `name`'s official shapes, from their config.json values.
+    `layers` cuts the target to that many layers (and the drafter to at most that many, its
+    target layers spread over the cut target)."""
+    import numpy as np
+
+    from dflash_jax.config import ModelConfig
+    from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids
+
+    hf, mask_token_id = RANDOM_TARGETS[name]
+    num_layers = layers or hf["num_hidden_layers"]
+    config = ModelConfig.from_hf_config({**hf, "num_hidden_layers": num_layers})
+    draft_layers = min(RANDOM_DRAFT_LAYERS, num_layers)
+    if layers is None:
+        layer_ids = default_target_layer_ids(num_layers, draft_layers)
+    else:  # the official rule needs more layers than a cut target may have
+        layer_ids = tuple(int(i) for i in np.linspace(0, num_layers - 1, draft_layers).round())
+    drafter_config = DrafterConfig.from_hf_config({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        **{k: hf[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                              "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+                              "rope_theta", "max_position_embeddings")},
+        "num_hidden_layers": draft_layers, "num_target_layers": num_layers, "block_size": block_size or 16,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)}})
+    return config, drafter_config
+
+
+def random_models(name: str, layers: int | None, block_size: int | None, dtype: str, seed: int,
+                  kv_cache_dtype: str = "auto"):
+    """(target, drafter) of `random_configs`, random weights drawn on the device, no tokenizer."""
+    from dflash_jax.drafter import Drafter, drafter_param_shapes
+    from dflash_jax.loading.dtypes import resolve_dtype
+    from dflash_jax.target import Target, target_param_shapes
+
+    config, drafter_config = random_configs(name, layers, block_size)
+    jdtype = resolve_dtype(dtype)
+    target = Target(config=config, params=random_params(target_param_shapes(config, jdtype), seed),
+                    dtype=jdtype, kv_cache_dtype=kv_cache_dtype)
+    drafter = Drafter(config=drafter_config, dtype=jdtype,
+                      params=random_params(drafter_param_shapes(drafter_config, jdtype), seed + 1))
+    return target, drafter

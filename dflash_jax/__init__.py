@@ -9,7 +9,9 @@
     result = dflash_jax.generate(target, drafter, [ids], max_new_tokens=256)
     print(target.tokenizer.decode(result.tokens[0], skip_special_tokens=True), result.tau)
 
-`drafter=None` decodes plainly (autoregressively) through the same loop. `Generator(target, drafter)`
+`drafter=None` decodes plainly (autoregressively) through the same loop. `TargetSpec` / `DrafterSpec`
+are the static (hashable) halves of a model that jitted code takes apart from the params, and
+`init_target_params` / `init_drafter_params` make random params of a config. `Generator(target, drafter)`
 holds the decode params and compiled programs of one pair (what `generate` uses underneath).
 Bad files and mismatched pairs raise one exception naming the file: FileNotFoundError, ConfigError,
 CheckpointError, TorchRequiredError (a .bin checkpoint without torch) or DrafterMismatchError, all
@@ -25,18 +27,22 @@ from typing import TYPE_CHECKING
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "ModelConfig": "dflash_jax.config",
-    "DrafterConfig": "dflash_jax.drafter_config",
-    "Target": "dflash_jax.target",
-    "Drafter": "dflash_jax.drafter",
-    "GenerationResult": "dflash_jax.speculative",
-    "Generator": "dflash_jax.speculative",
-    "generate": "dflash_jax.speculative",
-    "generate_stream": "dflash_jax.speculative",
-    "ConfigError": "dflash_jax.errors",
-    "CheckpointError": "dflash_jax.errors",
-    "TorchRequiredError": "dflash_jax.errors",
-    "DrafterMismatchError": "dflash_jax.errors",
+    "ModelConfig": "dflash_jax._config",
+    "DrafterConfig": "dflash_jax._drafter_config",
+    "Target": "dflash_jax._target",
+    "Drafter": "dflash_jax._drafter",
+    "TargetSpec": "dflash_jax._target",
+    "DrafterSpec": "dflash_jax._drafter",
+    "init_target_params": "dflash_jax._target",
+    "init_drafter_params": "dflash_jax._drafter",
+    "GenerationResult": "dflash_jax._speculative",
+    "Generator": "dflash_jax._speculative",
+    "generate": "dflash_jax._speculative",
+    "generate_stream": "dflash_jax._speculative",
+    "ConfigError": "dflash_jax._errors",
+    "CheckpointError": "dflash_jax._errors",
+    "TorchRequiredError": "dflash_jax._errors",
+    "DrafterMismatchError": "dflash_jax._errors",
     "load_target": "dflash_jax.loading.target_loader",
     "load_drafter": "dflash_jax.loading.drafter_io",
     "save_drafter": "dflash_jax.loading.drafter_io",
@@ -61,12 +67,12 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from dflash_jax.config import ModelConfig
-    from dflash_jax.drafter import Drafter
-    from dflash_jax.drafter_config import DrafterConfig
-    from dflash_jax.errors import CheckpointError, ConfigError, DrafterMismatchError, TorchRequiredError
+    from dflash_jax._config import ModelConfig
+    from dflash_jax._drafter import Drafter, DrafterSpec, init_drafter_params
+    from dflash_jax._drafter_config import DrafterConfig
+    from dflash_jax._errors import CheckpointError, ConfigError, DrafterMismatchError, TorchRequiredError
     from dflash_jax.loading.drafter_io import load_drafter, save_drafter
     from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
     from dflash_jax.loading.target_loader import load_target
-    from dflash_jax.speculative import GenerationResult, Generator, generate, generate_stream
-    from dflash_jax.target import Target
+    from dflash_jax._speculative import GenerationResult, Generator, generate, generate_stream
+    from dflash_jax._target import Target, TargetSpec, init_target_params

@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import DrafterSpec, init_drafter_params
-from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids
+from dflash_jax._config import ModelConfig
+from dflash_jax._drafter import DrafterSpec, init_drafter_params
+from dflash_jax._drafter_config import DrafterConfig, default_target_layer_ids
 from dflash_jax.backends import ACTIVATIONS
-from dflash_jax.target import TargetSpec, init_target_params
+from dflash_jax._target import TargetSpec, init_target_params
 
 RANDOM_TARGETS = {
     "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -87,7 +87,7 @@ def build_models(args):
         name = args.random_target
     else:
         from dflash_jax.loading.target_loader import load_target
-        from dflash_jax.resources import smollm2_gguf_path
+        from dflash_jax._resources import smollm2_gguf_path
 
         loaded = load_target(args.target or smollm2_gguf_path(), args.dtype, tokenizer=False,
                              decode_activations=args.decode_activations)

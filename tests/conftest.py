@@ -62,7 +62,7 @@ def shared_compilation_cache(tmp_path_factory, worker_id):
     if os.environ.get("DFLASH_TEST_COMPILATION_CACHE", "1") == "0":
         yield None
         return
-    from dflash_jax import compilation_cache
+    from dflash_jax import _compilation_cache as compilation_cache
 
     directory = compilation_cache.enable(_shared_dir(tmp_path_factory, worker_id) / "jax-compilation")
     yield directory
@@ -75,7 +75,7 @@ def _back_to_the_shared_compilation_cache(shared_compilation_cache):
     itself) does so for itself only: the shared directory is back on after it."""
     yield
     if shared_compilation_cache is not None:
-        from dflash_jax import compilation_cache
+        from dflash_jax import _compilation_cache as compilation_cache
 
         if compilation_cache.directory() != shared_compilation_cache:
             compilation_cache.enable(shared_compilation_cache)
@@ -93,7 +93,7 @@ def hf_model(tmp_path_factory, worker_id):
     """
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from dflash_jax.resources import smollm2_gguf_path
+    from dflash_jax._resources import smollm2_gguf_path
 
     try:
         gguf_path = smollm2_gguf_path()
@@ -135,7 +135,7 @@ def fitted_target(tmp_path_factory, worker_id):
     """The tiny target fitted to the pattern (`fitted_models.fit_target`), fitted once per test run."""
     import fitted_models
 
-    from dflash_jax.target import Target
+    from dflash_jax._target import Target
 
     params = _fitted_once(_shared_dir(tmp_path_factory, worker_id), "target",
                           lambda: fitted_models.fit_target().params)
@@ -147,7 +147,7 @@ def fitted(fitted_target, tmp_path_factory, worker_id):
     """(target, drafter) fitted to a pattern so that speculative decoding accepts long runs."""
     import fitted_models
 
-    from dflash_jax.drafter import Drafter
+    from dflash_jax._drafter import Drafter
 
     params = _fitted_once(_shared_dir(tmp_path_factory, worker_id), "drafter",
                           lambda: fitted_models.fit_drafter(fitted_target).params)

@@ -1,5 +1,5 @@
 """An independent PyTorch reference of the DFlash drafter forward, built from transformers' Qwen3
-blocks and DESIGN.md's description, with the official parameter names."""
+blocks and the description in docs/architecture.md, with the official parameter names."""
 from __future__ import annotations
 
 import json

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from dflash_jax.cli import common  # noqa: E402
 from dflash_jax.convert import main as convert  # noqa: E402
-from dflash_jax.errors import CheckpointError, ConfigError, TorchRequiredError  # noqa: E402
+from dflash_jax._errors import CheckpointError, ConfigError, TorchRequiredError  # noqa: E402
 from dflash_jax.loading.drafter_io import load_drafter, save_drafter  # noqa: E402
 from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors  # noqa: E402
 from dflash_jax.loading.target_loader import load_target  # noqa: E402

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import compilation_cache
-from dflash_jax.speculative import GenerationResult
+from dflash_jax import _compilation_cache as compilation_cache
+from dflash_jax._speculative import GenerationResult
 from dflash_jax.cli import benchmark
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def test_transformers_baseline_decodes_like_our_greedy_loop(tmp_path, monkeypatc
     from test_gguf_reader import _write_tiny_llama
 
     from dflash_jax.loading.target_loader import load_target
-    from dflash_jax.speculative import generate
+    from dflash_jax._speculative import generate
 
     gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
     monkeypatch.setenv("DFLASH_JAX_GGUF_CACHE", "0")  # nothing of this test in the user cache

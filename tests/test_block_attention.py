@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import attention as attention_mod
-from dflash_jax import masks
-from dflash_jax.attention import attention
+from dflash_jax import _attention as attention_mod
+from dflash_jax import _masks as masks
+from dflash_jax._attention import attention
 from dflash_jax.kernels import (
     BlockSizes,
     block_attention,
@@ -343,7 +343,7 @@ def test_dispatcher_falls_back_with_logged_reason(monkeypatch, caplog):
         attention(q, k, v, ranges, impl="pallas")
     monkeypatch.setattr(attention_mod.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(attention_mod, "_logged_reasons", set())
-    with caplog.at_level(logging.WARNING, logger="dflash_jax.attention"):
+    with caplog.at_level(logging.WARNING, logger="dflash_jax._attention"):
         out1 = attention(q, k, v, ranges)
         out2 = attention(q, k, v, ranges)
     np.testing.assert_array_equal(np.asarray(out1), np.asarray(reference_attention(q, k, v, ranges)))

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import masks
-from dflash_jax import attention
+from dflash_jax import _masks as masks
+from dflash_jax import _attention as attention
 from dflash_jax.backends.cpu.attention import TARGET_NAMES, applies
-from dflash_jax.masks import KeyRanges
+from dflash_jax._masks import KeyRanges
 
 cache_attention = functools.partial(attention.cache_attention, backend="cpu")  # what the CPU backend's models call
 needs_kernel = pytest.mark.skipif(not applies(jnp.zeros(1), jnp.zeros(1), jnp.zeros(1)),

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax.cache import UNROLLED_ROWS, write_rows
-from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import Drafter, init_drafter_params
-from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.target import Target, init_target_params
+from dflash_jax._cache import UNROLLED_ROWS, write_rows
+from dflash_jax._config import ModelConfig
+from dflash_jax._drafter import Drafter, init_drafter_params
+from dflash_jax._drafter_config import DrafterConfig
+from dflash_jax._target import Target, init_target_params
 from dflash_jax.backends.cpu.layout import pack_layers
 
 CAPACITY = 1000
@@ -94,7 +94,7 @@ def test_target_decode_step_touches_only_new_rows(target, num_tokens, layout, kv
 @pytest.mark.parametrize("layout", ["stacked", "packed"])
 def test_chunked_prefill_touches_only_new_rows(target, layout):
     """A prompt longer than one prefill chunk: a scan over chunks, each writing its rows."""
-    from dflash_jax.target import PREFILL_CHUNK
+    from dflash_jax._target import PREFILL_CHUNK
 
     def prefill(params, tokens, cache):
         hidden, features, cache = target.prefill(params, tokens, cache, capture=(0, 2))
@@ -156,7 +156,7 @@ def test_generate_loop_touches_only_new_rows(target, drafter, draft, temperature
     no cache: its step cost does not follow the capacity (prompt bucket + 1000 + block, rounded up
     to 1024). With gated drafts (min_draft_probability) the verify is a `lax.cond` whose branches
     only read the caches (a branch that returned the target cache made XLA copy it)."""
-    from dflash_jax import speculative
+    from dflash_jax import _speculative as speculative
     from dflash_jax.kernels import KEY_TILE, round_up
 
     model = drafter if draft else None

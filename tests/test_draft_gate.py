@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.cli import common
-from dflash_jax.decode_loop import _first_draft_probability
-from dflash_jax.speculative import generate
+from dflash_jax._decode_loop import _first_draft_probability
+from dflash_jax._speculative import generate
 from test_generate import plain_greedy, prompts_mix
 
 

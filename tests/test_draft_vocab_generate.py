@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 import fitted_models
-from dflash_jax import sampling
-from dflash_jax.decode_loop import GenerationConfig, SamplingParams, _propose, prefill
-from dflash_jax.draft_vocab import DraftVocab
-from dflash_jax.drafter import Drafter
-from dflash_jax.errors import CheckpointError, ConfigError
+from dflash_jax import _sampling as sampling
+from dflash_jax._decode_loop import GenerationConfig, SamplingParams, _propose, prefill
+from dflash_jax._draft_vocab import DraftVocab
+from dflash_jax._drafter import Drafter
+from dflash_jax._errors import CheckpointError, ConfigError
 from dflash_jax.loading.drafter_io import load_drafter, save_drafter
 from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors
-from dflash_jax.speculative import generate
-from dflash_jax.target import Target
+from dflash_jax._speculative import generate
+from dflash_jax._target import Target
 from train.drafter_init import target_head_kernel
 
 PATTERN_IDS = np.arange(fitted_models.MODULUS)  # every id the fitted pattern uses

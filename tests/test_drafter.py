@@ -211,14 +211,14 @@ def test_missing_directory_and_tensor(tmp_path, target):
 
 
 def test_default_layer_selection_rule():
-    from dflash_jax.drafter_config import default_target_layer_ids
+    from dflash_jax._drafter_config import default_target_layer_ids
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert default_target_layer_ids(30, 1) == (15,)
     assert default_target_layer_ids(28, 5) == (1, 7, 13, 19, 25)
 
 
 def test_block_size_inside_dflash_config_and_default_ids(tmp_path):
-    from dflash_jax.drafter_config import DrafterConfig
+    from dflash_jax._drafter_config import DrafterConfig
     hf = drafter_hf_config(layers=5, num_target_layers=36)
     del hf["block_size"]
     del hf["dflash_config"]["target_layer_ids"]
@@ -230,7 +230,7 @@ def test_block_size_inside_dflash_config_and_default_ids(tmp_path):
 def test_mask_token_resolution_order():
     from types import SimpleNamespace
 
-    from dflash_jax.drafter_config import resolve_mask_token_id
+    from dflash_jax._drafter_config import resolve_mask_token_id
 
     class Tok(SimpleNamespace):
         def __len__(self):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import fitted_models as fm
-from dflash_jax import speculative as gen
-from dflash_jax.speculative import generate, generate_stream
+from dflash_jax import _speculative as gen
+from dflash_jax._speculative import generate, generate_stream
 from dflash_jax.loading.drafter_io import DrafterMismatchError
 
 

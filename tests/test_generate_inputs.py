@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax import speculative
-from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import Drafter, init_drafter_params
-from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.speculative import GenerationResult, generate, generate_stream
-from dflash_jax.target import Target, TargetSpec, init_target_params
+from dflash_jax import _speculative as speculative
+from dflash_jax._config import ModelConfig
+from dflash_jax._drafter import Drafter, init_drafter_params
+from dflash_jax._drafter_config import DrafterConfig
+from dflash_jax._speculative import GenerationResult, generate, generate_stream
+from dflash_jax._target import Target, TargetSpec, init_target_params
 
 VOCAB = 16
 TARGET = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2,

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 from dflash_jax.loading.gguf_file import STORED_BLOCK_BYTES, GGUFCheckpoint  # noqa: E402
 from dflash_jax.loading.gguf_reader import read_gguf  # noqa: E402
 from dflash_jax.loading.gguf_tokenizer import gguf_tokenizer  # noqa: E402
-from dflash_jax.resources import smollm2_gguf_path  # noqa: E402
+from dflash_jax._resources import smollm2_gguf_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,7 @@ def test_not_a_gguf(tmp_path):
 def test_smollm2_path_without_import(gguf_path):
     import sys
 
-    from dflash_jax import resources
+    from dflash_jax import _resources as resources
     from dflash_jax.loading import gguf_reader
 
     assert gguf_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf_path.is_file()
@@ -424,7 +424,7 @@ def test_a_cpu_load_keeps_the_stored_blocks_it_can_and_checks_their_shapes(tmp_p
     import flax
     import jax.numpy as jnp
 
-    from dflash_jax.errors import CheckpointError
+    from dflash_jax._errors import CheckpointError
     from dflash_jax.backends.cpu.matmul import available, is_narrow
     from dflash_jax.loading.gguf_file import GGUFTensors
     from dflash_jax.loading.target_loader import load_target

@@ -1,10 +1,10 @@
-"""`dflash_jax.host_arrays`: aligned host buffers that JAX adopts without a copy on a CPU (what
+"""`dflash_jax._host_arrays`: aligned host buffers that JAX adopts without a copy on a CPU (what
 loading a target and packing its kernels rely on to build each weight once)."""
 import jax
 import numpy as np
 import pytest
 
-from dflash_jax import host_arrays
+from dflash_jax import _host_arrays as host_arrays
 
 
 @pytest.mark.parametrize("shape,dtype", [((7,), np.float32), ((3, 5, 16), np.float32), ((4, 9), np.int32),

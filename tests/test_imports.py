@@ -1,5 +1,7 @@
-"""Imports point down: the `dflash_jax` modules import each other without a cycle, and no library
-module imports a CLI or training entry point (the `infer` and `train` packages).
+"""Imports point down: the `dflash_jax` modules import each other without a cycle, no library
+module imports a CLI or training entry point (the `infer` and `train` packages), nothing outside the
+CPU backend imports it, the models never ask which JAX backend runs them, and `import dflash_jax`
+loads no heavy package before a name is used.
 
 Every `import` / `from ... import` statement counts, at module level or inside a function (a lazy
 import hides a cycle from Python, not from this test). ``from package import name`` is an edge to
@@ -10,7 +12,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import dflash_jax
 
@@ -104,9 +110,9 @@ def test_imports_resolve_submodules_relative_and_lazy():
 
 def test_package_imports_have_no_cycle():
     modules = _modules()
-    assert "dflash_jax.attention" in modules and "dflash_jax.kernels.block_attention" in modules
+    assert "dflash_jax._attention" in modules and "dflash_jax.kernels.block_attention" in modules
     edges, _ = _graph(modules)
-    assert "dflash_jax.masks" in edges["dflash_jax.attention"]  # the parse sees the imports
+    assert "dflash_jax._masks" in edges["dflash_jax._attention"]  # the parse sees the imports
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle:\n" + _describe(cycle, edges, modules)
 
@@ -120,8 +126,8 @@ def test_library_imports_no_entry_point():
 CPU_BACKEND = "dflash_jax.backends.cpu"
 REGISTRY = "dflash_jax.backends"  # the one module outside the CPU backend that may import it (lazily, by name)
 # Modules written once for every backend: they reach a backend's operations through the registry only.
-BACKEND_FREE = ("dflash_jax.target", "dflash_jax.drafter", "dflash_jax.layers", "dflash_jax.decode_loop",
-                "dflash_jax.speculative", "dflash_jax.cache", "dflash_jax.masks", "dflash_jax.objective")
+BACKEND_FREE = ("dflash_jax._target", "dflash_jax._drafter", "dflash_jax._layers", "dflash_jax._decode_loop",
+                "dflash_jax._speculative", "dflash_jax._cache", "dflash_jax._masks", "dflash_jax._objective")
 
 
 def _in_cpu_backend(module: str) -> bool:
@@ -160,3 +166,18 @@ def test_the_models_do_not_branch_on_the_jax_backend():
     found = {name: _calls_default_backend(modules[name].read_text()) for name in BACKEND_FREE}
     offenders = {name: lines for name, lines in found.items() if lines}
     assert not offenders, f"jax.default_backend() in backend-free modules (module: lines): {offenders}"
+
+
+def test_import_loads_no_heavy_package_until_a_name_is_used():
+    """`import dflash_jax` imports its public names on first use: jax, flax, orbax, grain and
+    transformers are not loaded by the import itself (the quick import a notebook or CLI --help
+    sees), and a name, once used, is the module's own object."""
+    heavy = ("jax", "flax", "orbax", "grain", "transformers", "torch")
+    code = ("import sys, dflash_jax; print(sorted(m for m in %r if m in sys.modules)); "
+            "from dflash_jax._speculative import generate; print(dflash_jax.generate is generate)") % (heavy,)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout
+    assert set(dflash_jax.__all__) <= set(dir(dflash_jax))
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        dflash_jax.nonexistent

@@ -119,7 +119,7 @@ def test_smollm2_with_int8_activations_verifies_a_block_as_its_steps(targets):
 def test_greedy_speculative_decoding_of_the_int8_model_equals_its_plain_decoding(targets):
     from dflash_jax.cli.common import encode_prompt, shipped_drafter_dir
     from dflash_jax.loading.drafter_io import load_drafter
-    from dflash_jax.speculative import generate
+    from dflash_jax._speculative import generate
 
     target = targets[1]
     if shipped_drafter_dir() is None:

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import Drafter, init_drafter_params
-from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.target import Target, init_target_params
+from dflash_jax._config import ModelConfig
+from dflash_jax._drafter import Drafter, init_drafter_params
+from dflash_jax._drafter_config import DrafterConfig
+from dflash_jax._target import Target, init_target_params
 
 KERNEL_IMPL = "pallas" if os.environ.get("DFLASH_PALLAS_BACKEND") == "compiled" else "pallas_interpret"
 

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.cache import KV_CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
+from dflash_jax._cache import KV_CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 from dflash_jax.backends.cpu.attention import applies
 from dflash_jax.loading.target_loader import load_target
-from dflash_jax.speculative import generate
-from dflash_jax.target import Target, TargetSpec, init_target_params
+from dflash_jax._speculative import generate
+from dflash_jax._target import Target, TargetSpec, init_target_params
 from dflash_jax.backends.cpu.layout import pack_layers
 from fitted_models import TARGET_CONFIG
 from test_generate import plain_greedy, prompts_mix

@@ -1,4 +1,4 @@
-"""Looked-up drafts (`dflash_jax.lookup`): the search against a plain Python one, and generate with
+"""Looked-up drafts (`dflash_jax._lookup`): the search against a plain Python one, and generate with
 lookup: greedy output bit-identical to plain greedy decoding while the looked-up tokens change
 what is drafted; argument checks; the CLI default."""
 import argparse
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.cli import common
-from dflash_jax.lookup import lookup_drafts, merge_lookup
-from dflash_jax.speculative import generate
+from dflash_jax._lookup import lookup_drafts, merge_lookup
+from dflash_jax._speculative import generate
 from test_generate import plain_greedy, prompts_mix
 
 

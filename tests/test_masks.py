@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import masks
+from dflash_jax import _masks as masks
 
 
 def _dense(ranges: masks.KeyRanges, num_keys: int) -> np.ndarray:

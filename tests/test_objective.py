@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax.objective import (block_distributions, block_inputs, block_targets, chunked_cross_entropy,
+from dflash_jax._objective import (block_distributions, block_inputs, block_targets, chunked_cross_entropy,
                                   default_decay, draft_distributions, greedy_and_top_tokens, greedy_tokens,
                                   sample_anchors)
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dflash_jax import sampling
-from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import Drafter, init_drafter_params
-from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.speculative import generate
+from dflash_jax import _sampling as sampling
+from dflash_jax._config import ModelConfig
+from dflash_jax._drafter import Drafter, init_drafter_params
+from dflash_jax._drafter_config import DrafterConfig
+from dflash_jax._speculative import generate
 
 V = 6
 TARGET = ModelConfig(arch="llama", vocab_size=V + 1, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -25,7 +25,7 @@ SAMPLES = 6000
 
 @pytest.fixture(scope="module")
 def pair():
-    from dflash_jax.target import Target, init_target_params
+    from dflash_jax._target import Target, init_target_params
 
     params = init_target_params(TARGET, jax.random.PRNGKey(3))
     # Sharpen the LM head so the distribution is far from uniform, and never emit the mask token.

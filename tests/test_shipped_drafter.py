@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_jax.cli.common import SHIPPED_DRAFTER_DIR, SHIPPED_DRAFTER_LOOKUP, encode_prompt
-from dflash_jax.speculative import generate
+from dflash_jax._speculative import generate
 from train.config import load_config
 
 # Chat prompts of the kind the drafter was trained on (not MT-Bench, whose first turns the benchmark uses).

@@ -61,7 +61,7 @@ def test_logits_match_transformers_gguf(target, hf_model, chat_ids):
 def test_greedy_answer_is_sensible(target, hf_model, chat_ids):
     import torch
 
-    from dflash_jax.speculative import generate
+    from dflash_jax._speculative import generate
 
     result = generate(target, None, [chat_ids], max_new_tokens=16)
     tokens = result.tokens[0]
@@ -114,7 +114,7 @@ def test_cli_mismatched_drafter_and_long_prompt(target, tmp_path, monkeypatch, c
     import json
 
     import dflash_jax.loading.target_loader as target_loader
-    from dflash_jax.drafter_config import DrafterConfig
+    from dflash_jax._drafter_config import DrafterConfig
     from infer.generate import main
 
     monkeypatch.setattr(target_loader, "load_target", lambda path, dtype="float32", **kwargs: target)

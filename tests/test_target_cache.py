@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.cache import UNROLLED_ROWS, write_rows
-from dflash_jax.config import ModelConfig
-from dflash_jax.target import Target, init_target_params
+from dflash_jax._cache import UNROLLED_ROWS, write_rows
+from dflash_jax._config import ModelConfig
+from dflash_jax._target import Target, init_target_params
 
 CFG = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
@@ -101,8 +101,8 @@ def test_prefill_in_chunks_equals_one_pass(target):
 def test_chunked_cache_attention_equals_dense(window):
     """Key chunks of 4 over 10 slots (the last chunk overlaps the one before), ragged rows, one
     row with nothing visible: the same as dense attention over the layer."""
-    from dflash_jax.attention import chunked_cache_attention_with_lse, reference_attention_with_lse
-    from dflash_jax import masks
+    from dflash_jax._attention import chunked_cache_attention_with_lse, reference_attention_with_lse
+    from dflash_jax import _masks as masks
 
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.normal(size=(3, 2, 4, 8)), jnp.float32)
@@ -178,8 +178,8 @@ def test_packed_layers_equal_a_loop_over_single_kernels():
     decode this way)."""
     import dataclasses
 
-    from dflash_jax.layers import RMSNorm, Rotary
-    from dflash_jax.target import TargetLayer
+    from dflash_jax._layers import RMSNorm, Rotary
+    from dflash_jax._target import TargetLayer
     from dflash_jax.backends.cpu.layout import pack_layers
 
     config = dataclasses.replace(CFG, hidden_size=64, intermediate_size=96)  # several panels

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dflash_jax.config import ModelConfig  # noqa: E402
+from dflash_jax._config import ModelConfig  # noqa: E402
 from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors  # noqa: E402
 from dflash_jax.loading.target_loader import load_target  # noqa: E402
 from tiny_models import make_hf_model  # noqa: E402

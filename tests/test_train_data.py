@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.speculative import generate
-from dflash_jax.target import Target, init_target_params
+from dflash_jax._speculative import generate
+from dflash_jax._target import Target, init_target_params
 from train.cache_features import cache_features
 from train.data import (DataConfig, count_tokens, load_feature_cache, load_records, load_token_records, make_iterator,
                         tokenize_conversation)
@@ -57,7 +57,7 @@ def tiny_target():
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     from dflash_jax.loading.gguf_tokenizer import gguf_tokenizer
-    from dflash_jax.resources import smollm2_gguf_path
+    from dflash_jax._resources import smollm2_gguf_path
 
     return gguf_tokenizer(smollm2_gguf_path())
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fitted_models
-from dflash_jax.target import Target, init_target_params
+from dflash_jax._target import Target, init_target_params
 from train import drafter_init, mesh as mesh_lib, step as step_lib
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ import yaml
 
 import fitted_models
 from dflash_jax import generate
-from dflash_jax.config import write_config_json
-from dflash_jax.drafter import Drafter, init_drafter_params
+from dflash_jax._config import write_config_json
+from dflash_jax._drafter import Drafter, init_drafter_params
 from dflash_jax.loading.drafter_io import load_drafter
 from dflash_jax.loading.names import params_to_hf, target_rules
 from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import fitted_models
-from dflash_jax import objective
-from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import DrafterSpec
-from dflash_jax.target import Target, init_target_params
+from dflash_jax import _objective as objective
+from dflash_jax._config import ModelConfig
+from dflash_jax._drafter import DrafterSpec
+from dflash_jax._target import Target, init_target_params
 from dflash_jax.backends.cpu.layout import pack_layers
 from train import drafter_init, step as step_lib
 

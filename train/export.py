@@ -22,10 +22,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import read_config_json
-from dflash_jax.draft_vocab import DraftVocab
-from dflash_jax.drafter import Drafter
-from dflash_jax.drafter_config import DrafterConfig
+from dflash_jax._config import read_config_json
+from dflash_jax._draft_vocab import DraftVocab
+from dflash_jax._drafter import Drafter
+from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax.loading.drafter_io import save_drafter
 from dflash_jax.loading.dtypes import resolve_dtype
 from train import checkpointing

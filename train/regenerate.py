@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from dflash_jax.speculative import generate
+from dflash_jax._speculative import generate
 from train.sources import read_records, sharegpt_package_file
 
 MANIFEST = "manifest.json"
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
                                max_prompt_tokens=args.max_prompt_tokens, shard_size=args.shard_size,
                                seed=args.seed)
         from dflash_jax.loading.target_loader import load_target
-        from dflash_jax.resources import smollm2_gguf_path
+        from dflash_jax._resources import smollm2_gguf_path
 
         source = Path(args.input) if args.input else sharegpt_package_file()
         records = list(read_records(source, args.limit))

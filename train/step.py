@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dflash_jax import objective
-from dflash_jax.drafter import DrafterSpec
-from dflash_jax.drafter_config import DrafterConfig
+from dflash_jax import _objective as objective
+from dflash_jax._drafter import DrafterSpec
+from dflash_jax._drafter_config import DrafterConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -24,11 +24,11 @@ import numpy as np
 import yaml
 from tqdm.auto import tqdm
 
-from dflash_jax.draft_vocab import DraftVocab, build_draft_vocab
-from dflash_jax.drafter import Drafter
+from dflash_jax._draft_vocab import DraftVocab, build_draft_vocab
+from dflash_jax._drafter import Drafter
 from dflash_jax.loading.target_loader import load_target
-from dflash_jax.objective import default_decay
-from dflash_jax.speculative import generate
+from dflash_jax._objective import default_decay
+from dflash_jax._speculative import generate
 from train import checkpointing, data as data_lib, drafter_init, mesh as mesh_lib, step as step_lib
 from train.config import ConfigError, TrainConfig, load_config
 
@@ -38,7 +38,7 @@ VOCAB_FILE = "draft_vocab.npz"
 
 def load_target_model(cfg: TrainConfig):
     if cfg.model.target == "smollm2":
-        from dflash_jax.resources import smollm2_gguf_path
+        from dflash_jax._resources import smollm2_gguf_path
 
         return load_target(smollm2_gguf_path(), dtype=cfg.model.target_dtype, layout="stacked")
     return load_target(cfg.model.target, dtype=cfg.model.target_dtype, layout="stacked")

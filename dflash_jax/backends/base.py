@@ -1,6 +1,6 @@
 """The backend seam: the operations a backend may replace, each with its default.
 
-The models (`dflash_jax.target`, `dflash_jax.drafter`, `dflash_jax.layers`) are written once against
+The models (`dflash_jax._target`, `dflash_jax._drafter`, `dflash_jax._layers`) are written once against
 `Backend`. A module names its backend by a string (a static, hashable module attribute) and asks
 `dflash_jax.backends.get(name)` for:
 
@@ -11,7 +11,7 @@ The models (`dflash_jax.target`, `dflash_jax.drafter`, `dflash_jax.layers`) are 
 - `embed` / `logits`: the target's token embedding and LM head;
 - `matmul`: a product with a kernel kept outside a module (a reduced draft vocabulary's head);
 - `cache_attention`: the read of one KV-cache layer plus the new keys, or None to let the attention
-  seam (`dflash_jax.attention`) choose between its Pallas kernel and the jnp reference;
+  seam (`dflash_jax._attention`) choose between its Pallas kernel and the jnp reference;
 - `target_params` / `drafter_params`: the parameter layout a decode reads, derived from the
   stacked params every loader, trainer and converter uses; `owns_target` / `owns_drafter` tell a
   layout apart; `activations` names how its products round activations;

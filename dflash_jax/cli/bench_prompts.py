@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from dflash_jax.cli.common import CLIError, notice
-from dflash_jax.resources import package_file
+from dflash_jax._resources import package_file
 
 SMOKE_PROMPTS = ["What is the capital of France?", "Name three primary colors."]
 

@@ -48,8 +48,8 @@ def random_configs(name: str, layers: int | None, block_size: int | None):
     target layers spread over the cut target)."""
     import numpy as np
 
-    from dflash_jax.config import ModelConfig
-    from dflash_jax.drafter_config import DrafterConfig, default_target_layer_ids
+    from dflash_jax._config import ModelConfig
+    from dflash_jax._drafter_config import DrafterConfig, default_target_layer_ids
 
     hf, mask_token_id = RANDOM_TARGETS[name]
     num_layers = layers or hf["num_hidden_layers"]
@@ -72,9 +72,9 @@ def random_configs(name: str, layers: int | None, block_size: int | None):
 def random_models(name: str, layers: int | None, block_size: int | None, dtype: str, seed: int,
                   kv_cache_dtype: str = "auto"):
     """(target, drafter) of `random_configs`, random weights drawn on the device, no tokenizer."""
-    from dflash_jax.drafter import Drafter, drafter_param_shapes
+    from dflash_jax._drafter import Drafter, drafter_param_shapes
     from dflash_jax.loading.dtypes import resolve_dtype
-    from dflash_jax.target import Target, target_param_shapes
+    from dflash_jax._target import Target, target_param_shapes
 
     config, drafter_config = random_configs(name, layers, block_size)
     jdtype = resolve_dtype(dtype)

@@ -15,8 +15,8 @@ from typing import NoReturn, Sequence
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here ever reaches a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from dflash_jax.cache import KV_CACHE_DTYPE_NAMES  # noqa: E402  (the package is imported already)
-from dflash_jax.drafter import DECODE_WEIGHTS  # noqa: E402
+from dflash_jax._cache import KV_CACHE_DTYPE_NAMES  # noqa: E402  (the package is imported already)
+from dflash_jax._drafter import DECODE_WEIGHTS  # noqa: E402
 from dflash_jax.backends import ACTIVATIONS  # noqa: E402
 
 EXIT_ERROR = 2
@@ -166,7 +166,7 @@ def decoding_mode(drafter, lookup: int, min_draft_probability: float = 0.0) -> s
 def resolve_target_path(path: str | None) -> tuple[Path, bool]:
     """(path, is_the_embedded_default). Fails early, before anything heavy is imported."""
     if path is None:
-        from dflash_jax.resources import smollm2_gguf_path
+        from dflash_jax._resources import smollm2_gguf_path
 
         try:
             return smollm2_gguf_path(), True
@@ -213,7 +213,7 @@ def load_models(target_path: Path, drafter_path: Path | None, dtype: str, kv_cac
                 drafter_weights: str = "stored", decode_activations: str = "float32"):
     """(target, drafter or None); every loader failure (missing or damaged file, bad config.json,
     a .bin without torch, a drafter for another target) becomes one CLIError."""
-    from dflash_jax.errors import DrafterMismatchError
+    from dflash_jax._errors import DrafterMismatchError
     from dflash_jax.loading.drafter_io import load_drafter
     from dflash_jax.loading.target_loader import load_target
 
@@ -297,7 +297,7 @@ def stop_reason(tokens: Sequence[int], stops: Sequence[int]) -> str:
 
 def default_stop_ids(target) -> list[int]:
     """The stop tokens generate() uses by default (target EOS ids plus the tokenizer's EOS)."""
-    from dflash_jax.config import default_stop_token_ids
+    from dflash_jax._config import default_stop_token_ids
 
     return default_stop_token_ids(target.config, target.tokenizer)
 
@@ -321,7 +321,7 @@ def describe(label: str, result, stops: Sequence[int]) -> list[str]:
 def generate_measured(target, drafter, ids: list[int], warmup: bool, **kwargs):
     """generate() for one prompt; with warmup, run it once unmeasured first (the compile time of
     that run is reported). A ValueError (prompt too long, bad block size, ...) becomes a CLIError."""
-    from dflash_jax.speculative import generate
+    from dflash_jax._speculative import generate
 
     try:
         compile_seconds = generate(target, drafter, [ids], **kwargs).compile_seconds if warmup else None
@@ -345,7 +345,7 @@ class StreamedAnswer:
 def stream_answer(target, drafter, ids: list[int], **kwargs) -> StreamedAnswer:
     """Print one prompt's answer as generate_stream commits it (incremental detokenizing).
     A ValueError (prompt too long, bad block size, ...) becomes a CLIError."""
-    from dflash_jax.speculative import generate_stream
+    from dflash_jax._speculative import generate_stream
 
     detok = IncrementalDetokenizer(target.tokenizer)
     per_cycle, stamps = [], []
@@ -395,7 +395,7 @@ def enable_compile_cache(args) -> Path | None:
     """Turn JAX's persistent compilation cache on unless --no-compile-cache; its directory or None."""
     if args.no_compile_cache:
         return None
-    from dflash_jax import compilation_cache
+    from dflash_jax import _compilation_cache as compilation_cache
 
     try:
         return compilation_cache.enable()

@@ -3,7 +3,7 @@
 `block_attention` (Pallas GPU kernels, forward and backward) and its tiles (`BlockSizes`,
 `KEY_TILE`; the tile bookkeeping in `tile_plan`) sit beside `reference` (dense and cache-chunked
 attention: the ground truth in the kernel tests and the path where the kernel cannot run).
-`dflash_jax.attention` dispatches between them; nothing in this package imports it. The CPU
+`dflash_jax._attention` dispatches between them; nothing in this package imports it. The CPU
 kernels (C++ through XLA's FFI) belong to the CPU backend, `dflash_jax.backends.cpu`.
 """
 from dflash_jax.kernels.block_attention import (

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import check_gqa
-from dflash_jax.masks import KeyRanges
+from dflash_jax._config import check_gqa
+from dflash_jax._masks import KeyRanges
 
 CACHE_CHUNK = 256  # keys per step of `chunked_cache_attention_with_lse`'s loop over a cache
 

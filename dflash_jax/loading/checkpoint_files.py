@@ -14,8 +14,8 @@ from typing import Callable, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
-from dflash_jax.config import read_json
-from dflash_jax.errors import CheckpointError, ConfigError, TorchRequiredError
+from dflash_jax._config import read_json
+from dflash_jax._errors import CheckpointError, ConfigError, TorchRequiredError
 from dflash_jax.loading.safetensors_io import SafetensorsFile
 
 SAFETENSORS_INDEX, SAFETENSORS = "model.safetensors.index.json", "model.safetensors"

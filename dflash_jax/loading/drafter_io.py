@@ -11,11 +11,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dflash_jax.config import read_config_json, write_config_json
-from dflash_jax.draft_vocab import DraftVocab
-from dflash_jax.drafter import DECODE_WEIGHTS, Drafter, drafter_param_shapes
-from dflash_jax.drafter_config import DrafterConfig, resolve_mask_token_id, validate_pair
-from dflash_jax.errors import CheckpointError, DrafterMismatchError
+from dflash_jax._config import read_config_json, write_config_json
+from dflash_jax._draft_vocab import DraftVocab
+from dflash_jax._drafter import DECODE_WEIGHTS, Drafter, drafter_param_shapes
+from dflash_jax._drafter_config import DrafterConfig, resolve_mask_token_id, validate_pair
+from dflash_jax._errors import CheckpointError, DrafterMismatchError
 from dflash_jax.loading.checkpoint_files import checkpoint_file, open_checkpoint
 from dflash_jax.loading.dtypes import dtype_name, resolve_dtype
 from dflash_jax.loading.names import drafter_rules, hf_to_params, params_to_hf

@@ -3,7 +3,7 @@
 Parsing a GGUF (its vocabulary is ~100k small strings) and dequantising it take seconds, so by
 default the first `read_gguf` of a file writes everything a load needs (config, metadata,
 vocabulary, float32 tensors) into one file under the user cache directory
-(``dflash_jax.resources.user_cache_dir("gguf")``), and later reads memory-map it. An entry is keyed
+(``dflash_jax._resources.user_cache_dir("gguf")``), and later reads memory-map it. An entry is keyed
 by the GGUF's resolved path; its size and modification time, the cache format and the ``gguf``
 package version are checked on every read (a mismatch rebuilds the entry), and so are a CRC32 of the
 manifest and the entry's size (a damaged or partial entry is rebuilt with a warning, never used);
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from dflash_jax.loading.gguf_file import GGUFCheckpoint, GGUFTensors, TensorInfo, Vocabulary, parse_gguf
-from dflash_jax.resources import user_cache_dir
+from dflash_jax._resources import user_cache_dir
 
 CACHE_ENV = "DFLASH_JAX_GGUF_CACHE"  # "0" turns the dequantisation cache off
 

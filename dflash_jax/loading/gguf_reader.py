@@ -18,10 +18,10 @@ from pathlib import Path
 from dflash_jax.loading.gguf_cache import CACHE_ENV, cached_checkpoint
 from dflash_jax.loading.gguf_file import GGUFCheckpoint, existing_gguf, parse_gguf
 from dflash_jax.loading.gguf_tokenizer import gguf_tokenizer  # noqa: F401  (target_loader imports it from here)
-from dflash_jax.resources import smollm2_gguf_path, user_cache_dir
+from dflash_jax._resources import smollm2_gguf_path, user_cache_dir
 
 __all__ = ["gguf_tokenizer", "read_gguf",
-           "smollm2_gguf_path"]  # smollm2_gguf_path: an alias of dflash_jax.resources.smollm2_gguf_path
+           "smollm2_gguf_path"]  # smollm2_gguf_path: an alias of dflash_jax._resources.smollm2_gguf_path
 
 
 def read_gguf(path: str | Path, *, cache: bool | str | Path = True) -> GGUFCheckpoint:

@@ -12,9 +12,9 @@ from typing import Any, Callable, Collection, Mapping
 import jax
 import numpy as np
 
-from dflash_jax import host_arrays
-from dflash_jax.config import ModelConfig
-from dflash_jax.errors import CheckpointError
+from dflash_jax import _host_arrays as host_arrays
+from dflash_jax._config import ModelConfig
+from dflash_jax._errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,10 +10,10 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from dflash_jax.config import read_config_json, write_config_json
-from dflash_jax.drafter import Drafter, drafter_param_shapes
-from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.errors import CheckpointError
+from dflash_jax._config import read_config_json, write_config_json
+from dflash_jax._drafter import Drafter, drafter_param_shapes
+from dflash_jax._drafter_config import DrafterConfig
+from dflash_jax._errors import CheckpointError
 from dflash_jax.loading.dtypes import PARAM_DTYPES_BY_NAME, dtype_name, resolve_dtype, stored_dtype_name
 
 

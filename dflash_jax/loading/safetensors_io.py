@@ -16,7 +16,7 @@ from typing import Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
-from dflash_jax.errors import CheckpointError
+from dflash_jax._errors import CheckpointError
 
 # safetensors dtype code -> numpy dtype, and back.
 SAFETENSORS_DTYPES = {

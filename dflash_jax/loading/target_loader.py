@@ -12,14 +12,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dflash_jax import backends
-from dflash_jax.cache import resolve_kv_cache_dtype
-from dflash_jax.config import ConfigFields, ModelConfig, read_config_json, read_json
-from dflash_jax.errors import CheckpointError
+from dflash_jax._cache import resolve_kv_cache_dtype
+from dflash_jax._config import ConfigFields, ModelConfig, read_config_json, read_json
+from dflash_jax._errors import CheckpointError
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
 from dflash_jax.loading.names import hf_to_params, target_rules
-from dflash_jax.resources import smollm2_gguf_path
-from dflash_jax.target import Target, target_param_shapes
+from dflash_jax._resources import smollm2_gguf_path
+from dflash_jax._target import Target, target_param_shapes
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from dflash_jax.resources import user_cache_dir
+from dflash_jax._resources import user_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import host_arrays
+from dflash_jax import _host_arrays as host_arrays
 from dflash_jax.backends.base import ACTIVATIONS  # what `pack_quantized(..., activations=...)` takes
 from dflash_jax.backends.cpu.ffi import available
 

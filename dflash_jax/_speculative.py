@@ -1,7 +1,7 @@
 """Generation from Python: `Generator`, `generate`, `generate_stream` and their results (the host side).
 
 The device side (decode state, prefill, the speculative cycle, the `lax.while_loop`) lives in
-`dflash_jax.decode_loop`. Here: checking every argument (each error names it), padding prompts to a
+`dflash_jax._decode_loop`. Here: checking every argument (each error names it), padding prompts to a
 few length buckets, compiling the executables ahead of time once per shape (compile time is reported
 apart), timing, and turning the final state into a result.
 
@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import backends
-from dflash_jax.config import default_stop_token_ids
-from dflash_jax.decode_loop import (ACCEPTANCE_RULES, GenerationConfig, SamplingParams, cycle, decode,
+from dflash_jax._config import default_stop_token_ids
+from dflash_jax._decode_loop import (ACCEPTANCE_RULES, GenerationConfig, SamplingParams, cycle, decode,
                                     prefill, round_up)
-from dflash_jax.drafter_config import validate_pair
+from dflash_jax._drafter_config import validate_pair
 
 MAX_COMPILED = 16  # compiled executables a Generator keeps by default (least recently used dropped first)
 _DEFAULT_GENERATORS = 2  # the Generators `generate` keeps, one per pair of specs (least recently used dropped)
@@ -451,7 +451,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     None = the target's EOS ids; () disables stopping. block_size defaults to the drafter's
     (larger than that warns). lookup (0 = off): n >= 2 drafts, where a row's last 2..n tokens
     occurred earlier in it, the tokens that followed them instead of the drafter's
-    (`dflash_jax.lookup`; still lossless). min_draft_probability (0 = off): a cycle verifies its
+    (`dflash_jax._lookup`; still lossless). min_draft_probability (0 = off): a cycle verifies its
     drafts only where some live row's first draft had at least this probability under the drafter
     (1 for a looked-up one), else it runs the anchor alone, an autoregressive step (still lossless:
     the choice never looks at the target). Bad arguments raise TypeError/ValueError naming the

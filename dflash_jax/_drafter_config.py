@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_jax.config import ConfigFields, LayerLayout, decoder_fields
-from dflash_jax.errors import DrafterMismatchError
+from dflash_jax._config import ConfigFields, LayerLayout, decoder_fields
+from dflash_jax._errors import DrafterMismatchError
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """The DFlash training objective: anchor sampling, packed blocks, decayed block cross-entropy.
 
-Recipe (DESIGN.md §2): a position p is an anchor candidate when p and p+1 are both in the loss
+Recipe (docs/training.md): a position p is an anchor candidate when p and p+1 are both in the loss
 mask; up to N distinct candidates are drawn uniformly per sequence and sorted, padding with
 invalid blocks. Block j = [token at anchor_j, MASK x (G-1)]; slot k = 1..G-1 predicts the token at
 anchor_j + k with weight exp(-(k-1)/decay) times that label's loss mask; loss = sum(w*CE)/sum(w).

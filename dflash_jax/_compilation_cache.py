@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache in the user cache directory, so that a new process loads the
 executables an earlier one compiled instead of compiling them again.
 
-    from dflash_jax import compilation_cache
+    from dflash_jax import _compilation_cache as compilation_cache
     compilation_cache.enable()        # $DFLASH_JAX_CACHE_DIR/jax-compilation, else
                                       # $XDG_CACHE_HOME/dflash_jax/jax-compilation, else ~/.cache/...
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 
-from dflash_jax.resources import user_cache_dir
+from dflash_jax._resources import user_cache_dir
 
 SUBDIRECTORY = "jax-compilation"
 
@@ -29,7 +29,7 @@ def _configure(directory: str | None) -> None:
 
 def enable(cache_dir: str | Path | None = None) -> Path:
     """Turn JAX's persistent compilation cache on in `cache_dir` (default: `SUBDIRECTORY` of the
-    user cache directory, see `dflash_jax.resources.user_cache_dir`), creating it. Every executable
+    user cache directory, see `dflash_jax._resources.user_cache_dir`), creating it. Every executable
     is stored, however quick its compile or small its size. Returns the directory."""
     directory = Path(cache_dir).expanduser() if cache_dir is not None else user_cache_dir(SUBDIRECTORY)
     try:

@@ -28,7 +28,7 @@ from dflash_jax.kernels.reference import (
     reference_attention,
     reference_attention_with_lse,
 )
-from dflash_jax.masks import KeyRanges
+from dflash_jax._masks import KeyRanges
 
 __all__ = [
     "IMPLS", "attention", "cache_attention", "chunked_cache_attention_with_lse", "merge_with_lse",
@@ -37,7 +37,7 @@ __all__ = [
 
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 
-logger = logging.getLogger("dflash_jax.attention")
+logger = logging.getLogger("dflash_jax._attention")
 _logged_reasons: set[str] = set()
 
 

@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import backends, masks
-from dflash_jax.attention import attention, cache_attention
-from dflash_jax.cache import KVCache
-from dflash_jax.draft_vocab import DraftVocab
-from dflash_jax.drafter_config import DrafterConfig
-from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary, make_dense
-from dflash_jax.model_spec import on_spec
+from dflash_jax import backends, _masks as masks
+from dflash_jax._attention import attention, cache_attention
+from dflash_jax._cache import KVCache
+from dflash_jax._draft_vocab import DraftVocab
+from dflash_jax._drafter_config import DrafterConfig
+from dflash_jax._layers import MLP, AttentionProjections, RMSNorm, Rotary, make_dense
+from dflash_jax._model_spec import on_spec
 
 DECODE_WEIGHTS = ("stored", "q8_0")  # the weights a backend's decode layout keeps (`DrafterSpec`)
 

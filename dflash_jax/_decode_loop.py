@@ -3,11 +3,11 @@
 Pure functions of (model specs, static config, params, state): `target` is a `TargetSpec`, `drafter`
 a `DrafterSpec` or None (static and hashable; the weights come in as `target_params` and
 `drafter_params`, never closed over). The host side (prompt checks, buckets, compiled executables,
-timing, results, streaming) is `dflash_jax.speculative`.
+timing, results, streaming) is `dflash_jax._speculative`.
 
-One cycle per row (DESIGN.md §2): draft a block [anchor, MASK x (G-1)] against the row's draft
+One cycle per row (docs/architecture.md, "One speculative cycle"): draft a block [anchor, MASK x (G-1)] against the row's draft
 context cache (with `lookup`, tokens that followed an earlier occurrence of the row's last few take
-the slots they fill: `dflash_jax.lookup`; where they fill every slot of every live row the drafter
+the slots they fill: `dflash_jax._lookup`; where they fill every slot of every live row the drafter
 does not run), verify it in one target pass, accept a prefix, emit the correction/bonus token,
 write the anchor's and accepted tokens' keys to the target cache and append their features to the
 draft cache. With `gate_drafts`, a cycle in which no live row's first draft reached
@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax import sampling
-from dflash_jax.cache import KVCache, write_rows
+from dflash_jax import _sampling as sampling
+from dflash_jax._cache import KVCache, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
-from dflash_jax.lookup import lookup_drafts, merge_lookup
+from dflash_jax._lookup import lookup_drafts, merge_lookup
 
 ACCEPTANCE_RULES = ("exact", "match")
 

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import backends, masks
-from dflash_jax.attention import attention, cache_attention
-from dflash_jax.cache import KVCache, resolve_kv_cache_dtype
-from dflash_jax.config import ModelConfig
-from dflash_jax.layers import MLP, AttentionProjections, RMSNorm, Rotary
-from dflash_jax.model_spec import on_spec
+from dflash_jax import backends, _masks as masks
+from dflash_jax._attention import attention, cache_attention
+from dflash_jax._cache import KVCache, resolve_kv_cache_dtype
+from dflash_jax._config import ModelConfig
+from dflash_jax._layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_jax._model_spec import on_spec
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_jax.errors import ConfigError
+from dflash_jax._errors import ConfigError
 
 # Hugging Face `architectures` class name -> our architecture key (ModelConfig.arch).
 ARCH_BY_HF_CLASS = {

@@ -117,8 +117,8 @@ def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, r
         # The kernel path inside the models' layer scan (cache passed as a broadcast input) failed
         # to trace on jax 0.11.2 / flax 0.12.10 on a GPU ("broadcasted variable has a data
         # dependency on the scan body", raised by flax's constancy check, which the scans no
-        # longer run; not yet tried on a GPU since). Until it has run there, "auto" reads caches
-        # with the reference, which did. "pallas" still forces the kernel.
+        # longer run). Until the kernel path is known to trace there (`infer/gpu_check.sh` runs
+        # it), "auto" reads caches with the reference, which traced. "pallas" still forces the kernel.
         impl = "reference"
     layer_k = jax.lax.dynamic_index_in_dim(cache_k, layer, axis=0, keepdims=False)
     layer_v = jax.lax.dynamic_index_in_dim(cache_v, layer, axis=0, keepdims=False)

@@ -7,17 +7,13 @@ and repeat their own phrases. The target verifies them like any draft, so the ou
 target's (greedy: bit-identical; sampling: a looked-up token is a draft whose distribution is a
 point mass, which the exact rule accepts with probability p_target(token)).
 
-Measured with the shipped SmolLM2 drafter (block 2) over 20 MT-Bench first turns, 96 new tokens,
-on the 2-core CPU (one-off scripts): replaying the 1,413 cycles' committed text, a 3- or 2-token
-match existed in 26% of the cycles and named the target's next token in 67% of those, where the
-drafter named it in 4-62% by its confidence (32% over all cycles); 1-grams were right too seldom
-(43%). In `generate`, every question run by each variant in turn, three rounds: tokens per cycle
-1.313 -> 1.387, speed against autoregressive decoding 0.947x -> 1.005x, outputs identical.
-Verifying more tokens in the cycles where a match exists (3-5 instead of 2, no drafter run) raised
-tokens per cycle to 1.45-1.50 but cost as much (0.97-1.00x): a verified row costs this CPU 0.2-0.3
-of a step, so it is not done. What is done (`decode_loop._draft`): where the lookup fills every
-slot of every live row, the drafter does not run (the same twenty questions, both variants in turn
-in one process, two rounds: 9.40 -> 9.12 ms per cycle; 8.00 -> 7.64 with gated drafts).
+Matches are at least 2 tokens long: a match of 2 or more tokens names the target's next token
+more often than the shipped SmolLM2 drafter does, a single matching token too seldom to be worth
+a verified slot. The lookup only fills the block's own slots: verifying extra looked-up tokens
+where a match exists would raise the tokens per cycle, but on a CPU every verified row costs a
+fraction of a step, which takes the gain back. Where the lookup fills every slot of every live
+row, the drafter does not run (`decode_loop._draft`), which saves its pass. The measurements
+behind these choices are in docs/performance.md ("Why the code is shaped this way (measured)").
 """
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ emits draft[:num_accepted] and then next_token (a correction, or the bonus when 
 Nothing here sorts the vocabulary. The top-k cutoff comes from `lax.top_k`; the top-p cutoff from a
 bisection over the bit patterns of the probabilities (exact: one masked sum per step, 30 steps);
 sampling draws a chunk of the vocabulary and then a token inside it (exact, with ~2*sqrt(V) random
-numbers instead of V). On a 2-core CPU with logits [16, 49152] f32 this took top-p from 259 ms to
-~11 ms, top-k 50 from 231 ms to ~4 ms, and one sample from 56 ms to ~1 ms.
+numbers instead of V). XLA:CPU sorts a row of logits slowly, so a filter that sorts the vocabulary
+costs a cycle far more than its arithmetic; these cost a few passes over the row (the figures:
+docs/performance.md, "Why the code is shaped this way (measured)").
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def gather_rows(x, index):
 
 
 def greedy(logits):
-    """First index of the largest logit, like `jnp.argmax` (twice as fast on CPU): [..., V] -> [...]."""
+    """First index of the largest logit, like `jnp.argmax` (cheaper on XLA:CPU): [..., V] -> [...]."""
     v = logits.shape[-1]
     best = jnp.max(logits, axis=-1, keepdims=True)
     first = jnp.min(jnp.where(logits == best, jnp.arange(v, dtype=jnp.int32), v), axis=-1)

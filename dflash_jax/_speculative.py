@@ -406,8 +406,8 @@ class Generator:
         run_step = functools.partial({"decode": decode, "cycle": cycle}[step], *static)
 
         def build_step():
-            # the prefill's output shapes from its executable: tracing the prefill again (eval_shape)
-            # would cost a third of this step's first compile
+            # the prefill's output shapes from its executable: eval_shape would trace the whole
+            # prefill a second time, a large part of this step's first compile
             state = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), prefill_fn.out_info)
             return jax.jit(run_step, donate_argnums=2).lower(args[0], args[1], state, args[-1]).compile()
 

@@ -143,9 +143,9 @@ def median_ms(fn, state, warmup: int, repeats: int) -> tuple[float, float]:
 def paired_ratio(fn, state, base_fn, base_state, warmup: int, repeats: int) -> tuple[float, float]:
     """Median over rounds of (fn's wall time / base_fn's wall time), the two called back to back in
     every round, and the same for process CPU time. On a machine whose speed drifts between runs
-    (this project's 2-core CPU moves an autoregressive step by 30% within minutes) a ratio of two
-    medians taken minutes apart moves with it; a ratio taken within each round moves less (it still
-    moved 1.15 -> 1.26 for a block-2 cycle between two runs of 15 rounds there)."""
+    (this project's 2-core CPU does, by tens of percent within minutes) a ratio of two medians
+    taken minutes apart moves with it; a ratio taken within each round moves less, though it still
+    moves between runs."""
     for _ in range(warmup):
         state, base_state = jax.block_until_ready((fn(state), base_fn(base_state)))
     wall, cpu = [], []

@@ -63,10 +63,10 @@ def _feature_fn(target, layer_ids: tuple[int, ...], logits_rows: int = LOGITS_RO
     The target runs as `generate`'s prefill does (`Target.prefill`: 256 tokens at a time through
     a cache, the attention reading only the filled slots, with the CPU kernels where they apply)
     rather than one causal pass over all T, and the logits are formed about logits_rows rows at a
-    time (B x chunk x V, not B x T x V). SmolLM2, batch 8 x 576 tokens, 2 cores, both forms in one
-    process: 532-548 tokens/s against 308-355 for one pass with 512-position logit chunks (a
-    [4096, 49152] block of logits written and read back per chunk), the same next tokens; the
-    whole command on 88 ShareGPT records (32,535 tokens, compiling included) 383 against 297."""
+    time (B x chunk x V, not B x T x V). The next tokens are the same as one pass's, and it is
+    faster: one causal pass with 512-position logit chunks writes a [B x 512, V] block of logits
+    to memory and reads it back per chunk (the figures: docs/performance.md, "Why the code is
+    shaped this way (measured)")."""
     def features(params, tokens):
         b, t = tokens.shape
         cache = target.init_cache(b, round_up(t, KEY_TILE))

@@ -65,7 +65,7 @@ from dflash_jax.cli.common import (  # noqa: E402
     run_cli,
 )
 
-# Not used here: the names tests read from this module, where they stood before the split.
+# Not used here: names the tests import from this module, re-exported from the modules that define them.
 from dflash_jax.cli.bench_baseline import load_transformers_model, run_transformers  # noqa: E402, F401
 from dflash_jax.cli.bench_prompts import JOIN_HEAD, JOIN_TAIL  # noqa: E402, F401
 from dflash_jax.cli.bench_random import random_configs, random_params  # noqa: E402, F401

@@ -24,16 +24,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, for an editable
 SHIPPED_DRAFTER_DIR = REPO_ROOT / "checkpoints" / "smollm2-dflash"
 DTYPE_CHOICES = ("float32", "bfloat16")
 # The CLIs' drafting defaults with the shipped SmolLM2 drafter (0 with any other drafter) unless
-# --lookup / --min-draft-probability say otherwise. lookup: 20 MT-Bench first turns, block 2, three
-# interleaved rounds, tau 1.31 -> 1.39, 0.95x -> 1.00x. min_draft_probability: the same twenty
-# questions, every threshold run in turn with autoregressive decoding, one process, two rounds
-# (one-off script): 0.923x at 0 (tau 1.387), 0.944x at 0.25, 0.984x at 0.3 (tau 1.340), 0.972x at
-# 0.35, 0.963x at 0.4; outputs identical.
+# --lookup / --min-draft-probability say otherwise. Both made that drafter's decoding faster on
+# MT-Bench with the same outputs, and 0.3 was the fastest of the thresholds tried; a stronger
+# drafter may gain nothing from either (docs/performance.md, "The speed knobs and what they
+# measured").
 SHIPPED_DRAFTER_LOOKUP = 3
 SHIPPED_DRAFTER_MIN_DRAFT_PROBABILITY = 0.3
-# drafter weights: the shipped drafter's bfloat16 weights and their Q8_0 blocks, each question by
-# each in turn with autoregressive decoding, one process, 20 MT-Bench first turns, two rounds
-# (one-off script): a cycle 11.97 -> 11.29 ms, tau 1.340 -> 1.338, 0.979x -> 1.036x; outputs identical.
+# drafter weights ("stored" with any other drafter): Q8_0 blocks of the shipped drafter's bfloat16
+# weights stream fewer bytes per cycle, and their drafts are accepted about as often, so its cycles
+# get cheaper with the same outputs (docs/performance.md, "Q8_0 drafter weights").
 SHIPPED_DRAFTER_WEIGHTS = "q8_0"
 
 
@@ -421,10 +420,10 @@ def run_cli(build_parser, check_args, run, argv: Sequence[str] | None = None, pr
 
 def exit_process(code: int) -> NoReturn:
     """End the process of a finished program with exit status `code`, without the interpreter's
-    teardown: once jax and a model are loaded, freeing them and running the exit hooks took 0.64-0.68
-    s of a 5.4-8.1 s `python -m infer.generate --prompt Hi --max-new-tokens 8` (0.03-0.04 s this
-    way). Python's output streams and logging are flushed first; a program's files are closed by
-    the time it returns, and JAX writes its compilation cache as it compiles. A script's last line
+    teardown: once jax and a model are loaded, freeing them and running the exit hooks is a
+    noticeable part of a short CLI run, and `os._exit` skips both. Python's output streams and
+    logging are flushed first; a program's files are closed by the time it returns, and JAX
+    writes its compilation cache as it compiles. A script's last line
     only: nothing runs after it, atexit hooks included."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

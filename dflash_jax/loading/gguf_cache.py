@@ -40,8 +40,9 @@ CACHE_ENV = "DFLASH_JAX_GGUF_CACHE"  # "0" turns the dequantisation cache off
 # zero padding to _ALIGN, the float32 tensors, each starting at a multiple of _ALIGN from the data
 # start, then the CRC32 of each tensor's bytes (uint32, in the manifest's order). A tensor's
 # checksum is verified when it is first read: a CPU decode of a GGUF reads only a few of them as
-# floats (the rest from the file's own blocks), and checking the whole entry on every load read
-# 544 MB for SmolLM2 (0.2-0.3 s, and every page of it counted in the process's memory).
+# floats (the rest from the file's own blocks), and checking the whole entry on every load would
+# read all of it (544 MB for SmolLM2), time spent and every page of it counted in the process's
+# memory.
 
 _CACHE_FORMAT = 3  # bump when what the cache stores or how the reader dequantises changes
 _MAGIC = b"DFJ-GGUF"

@@ -31,9 +31,9 @@ def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, r
     cache_ranges) and the new k, v [B, T, Hkv, D] (through ranges) -> [B, Tq, Hq, D] float32.
     Keys and values are read in their dtype (float32 or float16) and computed on in float32.
     Only where `applies`: with a CPU default backend the program is lowered for the CPU alone, so
-    the custom call goes in without a fallback (`lax.platform_dependent` would also trace the jnp
-    reference of every layer: 2.1 s of the 8.0 s that `python -m infer.generate --prompt Hi` spent
-    compiling its two programs with the persistent cache warm)."""
+    the custom call goes in without a fallback (`lax.platform_dependent` would also trace and
+    compile the jnp reference of every layer, a large share of a CLI run's compile time even with
+    the persistent cache warm)."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call(TARGET_NAMES[cache_k.dtype], out)
     return call(q, cache_k, cache_v, jnp.asarray(layer, jnp.int32), cache_ranges.start, cache_ranges.end, k, v,

@@ -1,7 +1,7 @@
 """The CPU kernels' shared library: `cpu_rows_matmul.cc` (`matmul.rows_matmul`) and
 `cpu_cache_attention.cc` (`attention.cache_attention`), compiled on first use with the
-machine's C++ compiler (-O3 -mavx2 -mfma -mf16c, about 10 s) into the user cache directory, keyed by the
-sources, the flags and jaxlib, and registered with XLA's FFI once per process.
+machine's C++ compiler (-O3 -mavx2 -mfma -mf16c; a build of seconds, done once) into the user cache
+directory, keyed by the sources, the flags and jaxlib, and registered with XLA's FFI once per process.
 
 `available()` is False, and every caller takes XLA's path, where the kernels cannot run: not an
 x86-64 CPU with AVX2, FMA and F16C, no compiler, a failed build (logged once), or DFLASH_CPU_KERNELS=0.

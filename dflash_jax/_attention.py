@@ -47,6 +47,11 @@ def _log_once(level: int, reason: str) -> None:
         logger.log(level, "attention: using the reference implementation: %s", reason)
 
 
+def _platform() -> str:
+    """The platform "auto" dispatches for: JAX's default backend ("cpu", "gpu", "tpu")."""
+    return jax.default_backend()
+
+
 def merge_with_lse(first, second):
     """Merge two partial attentions over disjoint key sets: (out, lse) pairs -> out float32."""
     (out1, lse1), (out2, lse2) = first, second
@@ -63,7 +68,7 @@ def _kernel_mode(impl: str, q, k, v, ranges: KeyRanges, scale) -> bool | None:
     if impl == "reference":
         return None
     if impl == "auto":
-        backend = jax.default_backend()
+        backend = _platform()
         if backend != "gpu":
             _log_once(logging.DEBUG, f"backend is {backend!r}, the kernel needs a GPU")
             return None
@@ -107,19 +112,14 @@ def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, r
     The reference reads the cache in chunks of chunk_size keys bounded by the visible slots; the
     kernel ("pallas" / "pallas_interpret") reads the layer's slots and skips key tiles outside the
     ranges. "auto" first offers the read to `backend` (the calling model's: the CPU backend takes
-    float32 where its kernels are built), then takes the reference (see below).
+    float32 where its kernels are built), then follows `attention`'s rule: the kernel on a GPU where
+    it supports the shapes, the reference elsewhere.
     """
     if impl == "auto":
         taken = backends.get(backend).cache_attention(q, cache_k, cache_v, layer, cache_ranges, k, v, ranges,
                                                       scale=q.shape[-1] ** -0.5 if scale is None else scale)
         if taken is not None:
             return taken
-        # The kernel path inside the models' layer scan (cache passed as a broadcast input) failed
-        # to trace on jax 0.11.2 / flax 0.12.10 on a GPU ("broadcasted variable has a data
-        # dependency on the scan body", raised by flax's constancy check, which the scans no
-        # longer run). Until the kernel path is known to trace there (`infer/gpu_check.sh` runs
-        # it), "auto" reads caches with the reference, which traced. "pallas" still forces the kernel.
-        impl = "reference"
     layer_k = jax.lax.dynamic_index_in_dim(cache_k, layer, axis=0, keepdims=False)
     layer_v = jax.lax.dynamic_index_in_dim(cache_v, layer, axis=0, keepdims=False)
     if _kernel_mode(impl, q, layer_k, layer_v, cache_ranges, scale) is None:

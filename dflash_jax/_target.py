@@ -155,10 +155,11 @@ class TargetModel(nn.Module):
             length=self.config.num_layers,
             # Flax's invariant check traces the layer body a second time, with partial evaluation,
             # to prove broadcast inputs constant (the layers take nothing broadcast but inputs, no
-            # broadcast variables): skipping it halves the body's tracing, and it is the check that
-            # raised "broadcasted variable has a data dependency on the scan body" around the Pallas
-            # cache read on a GPU (jax 0.11.2; see attention.cache_attention). Without it the scanned
-            # layers' random initialisation from a given seed differs from the checked scan's.
+            # broadcast variables): skipping it halves the body's tracing, and the check misfires on
+            # the Pallas cache read ("broadcasted variable has a data dependency on the scan body",
+            # flax 0.12.10 / jax 0.11.2; tests/test_kernel_integration.py lowers that path for CUDA).
+            # Without it the scanned layers' random initialisation from a seed differs from the
+            # checked scan's.
             check_constancy_invariants=False,
         )(self.config, self.dtype, self.attn_impl, self.backend)
 

@@ -16,13 +16,13 @@
 #
 # It needs jax with a GPU, flax, optax, numpy, tqdm, transformers, filelock and pytest, which the
 # device image has; nothing is fetched. What it prints answers, in order:
-# 1. kernels: do the compiled kernels pass the interpret-mode tests? An XPASS in
-#    test_kernel_integration.py means the kernel's cache read now traces inside the layer scan
-#    (it failed on jax 0.11.2 before the scans skipped flax's constancy check), so
-#    attention.cache_attention's "auto" may take it on a GPU.
+# 1. kernels: do the compiled kernels pass the interpret-mode tests, the models' cache reads through
+#    the kernel inside their layer scans included? (attention.cache_attention's "auto" takes the
+#    kernel on a GPU; it lowers for CUDA on a CPU with jax 0.10-0.12, tests/test_kernel_integration.py,
+#    and first compiles on a real GPU here.)
 # 2. attention: kernel against XLA for training, drafting, verifying and decoding shapes.
 # 3. cycle-reference / cycle-pallas: a Qwen3-8B-shaped step, verify, drafter block and cycle, with
-#    the cache read by the chunked reference and by the kernel (issue #9's step / no-cache ratio).
+#    the cache read by the chunked reference and by the kernel (the step / no-cache-forward ratio).
 # 4. generate: the jitted loop end to end, batch 1 (tokens/s, peak device memory).
 # 5. train-step: one jitted drafter training step (5 layers, block 16) against a
 #    Qwen3-8B-shaped target, 2,048 tokens: seconds per step and MFU. (A GPU run of the SmolLM2

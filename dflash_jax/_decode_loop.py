@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax import _sampling as sampling
+from dflash_jax import _sampling as sampling, sharding
 from dflash_jax._cache import KVCache, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
 from dflash_jax._lookup import lookup_drafts, merge_lookup
@@ -88,6 +88,19 @@ class DecodeState:
     # [B, max_new_tokens]: tokens emitted by each cycle (accepted drafts + 1, the tau samples);
     # entries at and past cycles[b] are 0.
     emitted_per_cycle: jax.Array
+
+
+def state_shardings(mesh, state: DecodeState) -> DecodeState:
+    """NamedShardings of a decode state (of arrays or ShapeDtypeStructs) on `mesh`: the per-row
+    arrays over `data` where it divides the batch (`sharding.batch_spec`), both caches by
+    `sharding.cache_shardings`, the rng replicated."""
+    rows = lambda x: sharding.batch_sharding(mesh, x.shape)
+    draft = None if state.draft_cache is None else sharding.cache_shardings(mesh, state.draft_cache)
+    return DecodeState(tokens=rows(state.tokens), lengths=rows(state.lengths),
+                       prompt_lengths=rows(state.prompt_lengths), done=rows(state.done),
+                       target_cache=sharding.cache_shardings(mesh, state.target_cache), draft_cache=draft,
+                       rng=sharding.replicated(mesh), cycles=rows(state.cycles),
+                       emitted_per_cycle=rows(state.emitted_per_cycle))
 
 
 def _target_probs(cfg: GenerationConfig, params: SamplingParams, logits):

@@ -295,6 +295,7 @@ class Drafter:
     attn_impl: str = "auto"
     draft_head: Any = None
     decode_weights: str = "stored"  # see `DrafterSpec`
+    mesh: Any = None  # the mesh `params` are placed on (`load_drafter(..., mesh=...)`), as `Target.mesh`
 
     def __post_init__(self):
         size = self.config.draft_vocab_size

@@ -14,6 +14,11 @@ weights enter them as arguments.
 Prompt buckets: prompts are right-padded to the next power of two from 16 up to 1024 tokens, and
 beyond that to the next multiple of 1024 (`prompt_bucket`). A chat that grows to n tokens compiles
 at most 7 + (n - 1024) / 1024 prompt shapes, and the padding beyond 1024 tokens stays under 1024.
+
+On a mesh (`Generator(..., mesh=...)`, by default the target's `Target.mesh`): the XLA backend over
+stacked params, each placed by `dflash_jax.sharding`'s rules; the prefill and the loop are compiled
+with those in/out shardings (the prompts and the per-row state over `data` where the batch divides,
+the caches over `data` and `tensor`), and XLA's partitioner adds the collectives.
 """
 from __future__ import annotations
 
@@ -31,10 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import backends
+from dflash_jax import backends, sharding
 from dflash_jax._config import default_stop_token_ids
 from dflash_jax._decode_loop import (ACCEPTANCE_RULES, GenerationConfig, SamplingParams, cycle, decode,
-                                    prefill, round_up)
+                                    prefill, round_up, state_shardings)
 from dflash_jax._drafter_config import validate_pair
 
 MAX_COMPILED = 16  # compiled executables a Generator keeps by default (least recently used dropped first)
@@ -274,11 +279,21 @@ class GenerationStream:
         return next(self._chunks)
 
 
+def _fetch(tree):
+    """Device arrays -> numpy on this host; arrays spread over several processes are gathered
+    from all of them first (every process of a multi-host mesh calls this alike)."""
+    if any(not x.is_fully_addressable for x in jax.tree_util.tree_leaves(tree)):
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
+
+
 def _stream_chunks(prefill_fn, cycle_fn, cfg, args, stops) -> Iterator[list[list[int]]]:
     state = prefill_fn(*args)
     sent = [0] * state.tokens.shape[0]
     while True:
-        tokens, lengths, prompt_lengths, done = jax.device_get(
+        tokens, lengths, prompt_lengths, done = _fetch(
             (state.tokens, state.lengths, state.prompt_lengths, state.done))
         new = []
         for b in range(tokens.shape[0]):
@@ -304,13 +319,32 @@ class Generator:
     (or cycle) per argument shape, the `max_compiled` most recently used kept (None:
     `MAX_COMPILED`). Executables are keyed by the models' static specs, and params enter them as
     arguments: `bind` swaps in other models of the same specs without compiling again.
+
+    mesh: a `jax.sharding.Mesh` (`dflash_jax.sharding.make_mesh`) to generate on; None: the
+    target's (`Target.mesh`; None there too: one device). On a mesh the backend is "xla" (the CPU
+    backend's packed kernels are custom calls XLA's partitioner cannot split), the params are
+    placed by `sharding.param_shardings` (a no-op for models loaded with that mesh) and the
+    executables are compiled with in/out shardings from the rules (`sharding`,
+    `decode_loop.state_shardings`). Its `fsdp` axis must be 1: that axis shards training.
     """
 
-    def __init__(self, target, drafter=None, *, backend: str = "auto", max_compiled: int | None = None):
+    def __init__(self, target, drafter=None, *, backend: str = "auto", max_compiled: int | None = None,
+                 mesh=None):
+        mesh = target.mesh if mesh is None else mesh
+        if mesh is not None:
+            if backend not in ("auto", "xla"):
+                raise ValueError(f"backend={backend!r} cannot run on a mesh: XLA's partitioner splits only "
+                                 "the 'xla' backend's programs (use backend='auto' or 'xla')")
+            if sharding.axis_size(mesh, "fsdp") > 1:
+                raise ValueError(f"mesh: generation splits over 'data' and 'tensor'; its 'fsdp' axis (size "
+                                 f"{sharding.axis_size(mesh, 'fsdp')}) shards training, make it 1")
+            backend = "xla"
+        self.mesh = mesh
         self.backend = backends.resolve(backend)
         self.max_compiled = max_compiled
         self._compiled: collections.OrderedDict = collections.OrderedDict()
         self.target = self.drafter = self._target_params = self._drafter_params = None
+        self._target_shardings = self._drafter_shardings = None
         self.bind(target, drafter)
 
     def bind(self, target, drafter=None) -> "Generator":
@@ -321,14 +355,35 @@ class Generator:
         if self.target is not None and (target.spec, _spec(drafter)) != self.specs:
             raise ValueError("bind: these models' specs differ from the Generator's; make a new Generator")
         if self.target is None or target.params is not self.target.params:
-            self._target_params = target.spec.decode_params(target.params, self.backend)
+            if self.mesh is not None and backends.of_target_params(target.params) != "xla":
+                raise ValueError("target: its params are packed for a one-device CPU decode and cannot be "
+                                 "sharded; load it with load_target(..., mesh=mesh) (or layout='stacked')")
+            self._target_params, self._target_shardings = self._placed(
+                target.spec.decode_params(target.params, self.backend), target.config)
         if drafter is None:
-            self._drafter_params = None
+            self._drafter_params = self._drafter_shardings = None
         elif (self.drafter is None or drafter.params is not self.drafter.params
               or drafter.draft_head is not self.drafter.draft_head):
-            self._drafter_params = drafter.spec.decode_params(drafter.loop_params, self.backend)
+            self._drafter_params, self._drafter_shardings = self._placed(
+                drafter.spec.decode_params(drafter.loop_params, self.backend), drafter.config)
         self.target, self.drafter = target, drafter
         return self
+
+    def _placed(self, params, config):
+        """(params on this Generator's mesh by the rules, their shardings); as they are, None, off
+        a mesh."""
+        if self.mesh is None:
+            return params, None
+        shardings = sharding.param_shardings(self.mesh, params, config)
+        return jax.device_put(params, shardings), shardings
+
+    def _input_shardings(self, inputs):
+        """Shardings of (prompt tokens [B, P], prompt lengths [B], rng, sampling params) on the
+        mesh: the prompts over `data` where it divides B, the rest replicated."""
+        tokens, lengths, rng, params = inputs
+        replicated = sharding.replicated(self.mesh)
+        return (sharding.batch_sharding(self.mesh, tokens.shape), sharding.batch_sharding(self.mesh, lengths.shape),
+                replicated, jax.tree_util.tree_map(lambda _: replicated, params))
 
     @property
     def specs(self):
@@ -356,7 +411,7 @@ class Generator:
         start = time.perf_counter()
         state = jax.block_until_ready(decode_fn(args[0], args[1], state, args[-1]))
         decode_seconds = time.perf_counter() - start
-        tokens, lengths, prompt_lengths, cycles, emitted = jax.device_get(
+        tokens, lengths, prompt_lengths, cycles, emitted = _fetch(
             (state.tokens, state.lengths, state.prompt_lengths, state.cycles, state.emitted_per_cycle))
         rows = [_cut(tokens[b], int(prompt_lengths[b]), int(lengths[b]), cfg.max_new_tokens, stops)
                 for b in range(tokens.shape[0])]
@@ -380,6 +435,8 @@ class Generator:
         """Check every argument -> (GenerationConfig, executable args, stop ids); args =
         (target params, drafter params, prompt tokens, prompt lengths, rng, sampling params)."""
         cfg, inputs, stops = _prepare(self.target, self.drafter, prompts, **options)
+        if self.mesh is not None:  # the prompts scattered over `data`, the rest replicated
+            inputs = jax.device_put(inputs, self._input_shardings(inputs))
         return cfg, (self._target_params, self._drafter_params, *inputs), stops
 
     def _compiled_executable(self, key, build):
@@ -401,15 +458,35 @@ class Generator:
         static = (*self.specs, cfg)  # closed over by the traced functions
         key = (*static, signature)
         run_prefill = functools.partial(prefill, *static)
-        prefill_fn, prefill_seconds = self._compiled_executable(
-            ("prefill", key), lambda: jax.jit(run_prefill).lower(*args).compile())
         run_step = functools.partial({"decode": decode, "cycle": cycle}[step], *static)
+        mesh = self.mesh
+        if mesh is None:
+            prefill_jit = lambda: jax.jit(run_prefill)
+        else:
+            params_shardings = (self._target_shardings, self._drafter_shardings)
+            input_shardings = (*params_shardings, *self._input_shardings(args[2:]))
+
+            def run_prefill_on_mesh(*prefill_args):
+                # the state's shardings from the rules, set where its shapes are known (this
+                # trace), so the prefill is traced once
+                state = run_prefill(*prefill_args)
+                return jax.lax.with_sharding_constraint(state, state_shardings(mesh, state))
+
+            prefill_jit = lambda: jax.jit(run_prefill_on_mesh, in_shardings=input_shardings)
+        prefill_fn, prefill_seconds = self._compiled_executable(
+            ("prefill", key), lambda: prefill_jit().lower(*args).compile())
 
         def build_step():
             # the prefill's output shapes from its executable: eval_shape would trace the whole
             # prefill a second time, a large part of this step's first compile
             state = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), prefill_fn.out_info)
-            return jax.jit(run_step, donate_argnums=2).lower(args[0], args[1], state, args[-1]).compile()
+            if mesh is None:
+                step_jit = jax.jit(run_step, donate_argnums=2)
+            else:
+                state_sh = state_shardings(mesh, state)
+                step_jit = jax.jit(run_step, donate_argnums=2, out_shardings=state_sh,
+                                   in_shardings=(*params_shardings, state_sh, input_shardings[-1]))
+            return step_jit.lower(args[0], args[1], state, args[-1]).compile()
 
         step_fn, step_seconds = self._compiled_executable((step, key), build_step)
         return prefill_fn, step_fn, prefill_seconds + step_seconds
@@ -420,17 +497,19 @@ def _spec(model):
     return None if model is None else model.spec
 
 
-_GENERATORS: collections.OrderedDict = collections.OrderedDict()  # (specs, backend) -> Generator
+_GENERATORS: collections.OrderedDict = collections.OrderedDict()  # (specs, backend, mesh) -> Generator
 
 
-def generator_for(target, drafter=None) -> Generator:
+def generator_for(target, drafter=None, mesh=None) -> Generator:
     """The Generator `generate` and `generate_stream` use for these models: one per pair of specs
-    on this process's backend (the `_DEFAULT_GENERATORS` most recently used kept), bound to them."""
-    key = (target.spec, _spec(drafter), backends.resolve())
+    on this process's backend and a mesh (None: the target's; the `_DEFAULT_GENERATORS` most
+    recently used kept), bound to them."""
+    mesh = target.mesh if mesh is None else mesh
+    key = (target.spec, _spec(drafter), backends.resolve() if mesh is None else "xla", mesh)
     if key in _GENERATORS:
         _GENERATORS.move_to_end(key)
         return _GENERATORS[key].bind(target, drafter)
-    generator = Generator(target, drafter)
+    generator = Generator(target, drafter, mesh=mesh)
     _GENERATORS[key] = generator
     while len(_GENERATORS) > _DEFAULT_GENERATORS:
         _GENERATORS.popitem(last=False)
@@ -440,7 +519,7 @@ def generator_for(target, drafter=None) -> Generator:
 def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
              block_size: int | None = None, seed: int = 0, acceptance: str = "exact",
-             lookup: int = 0, min_draft_probability: float = 0.0) -> GenerationResult:
+             lookup: int = 0, min_draft_probability: float = 0.0, mesh=None) -> GenerationResult:
     """Generate from a target, speculatively with a DFlash drafter (or plainly with drafter=None).
 
     prompts: a list of prompts, each a list of token ids (ragged; one prompt is `[ids]`), or a
@@ -454,10 +533,11 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     (`dflash_jax._lookup`; still lossless). min_draft_probability (0 = off): a cycle verifies its
     drafts only where some live row's first draft had at least this probability under the drafter
     (1 for a looked-up one), else it runs the anchor alone, an autoregressive step (still lossless:
-    the choice never looks at the target). Bad arguments raise TypeError/ValueError naming the
+    the choice never looks at the target). mesh: a `jax.sharding.Mesh` to generate on (None: the
+    target's, `Target.mesh`; see `Generator`). Bad arguments raise TypeError/ValueError naming the
     argument.
     """
-    return generator_for(target, drafter).generate(
+    return generator_for(target, drafter, mesh).generate(
         prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         stop_token_ids=stop_token_ids, block_size=block_size, seed=seed, acceptance=acceptance, lookup=lookup,
         min_draft_probability=min_draft_probability)
@@ -467,12 +547,12 @@ def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temp
                     top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: int | Sequence[int] | None = None, block_size: int | None = None,
                     seed: int = 0, acceptance: str = "exact", lookup: int = 0,
-                    min_draft_probability: float = 0.0) -> GenerationStream:
+                    min_draft_probability: float = 0.0, mesh=None) -> GenerationStream:
     """Like `generate`, but yields each row's newly committed tokens after prefill and after every
     cycle (a host loop over the same cycle, compiled ahead of time). Tokens past a stop token are
     never yielded. Arguments are checked and the executables compiled at the call, not at the first
     `next()`; the returned stream carries `compile_seconds`."""
-    return generator_for(target, drafter).stream(
+    return generator_for(target, drafter, mesh).stream(
         prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         stop_token_ids=stop_token_ids, block_size=block_size, seed=seed, acceptance=acceptance, lookup=lookup,
         min_draft_probability=min_draft_probability)

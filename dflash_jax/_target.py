@@ -282,6 +282,10 @@ class Target:
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     kv_cache_dtype: Any = None  # None or "auto": dtype (see `TargetSpec`)
+    # the jax.sharding.Mesh `params` are placed on (`load_target(..., mesh=...)`; rules:
+    # `dflash_jax.sharding`), None for one device. Not part of `spec`: a program's shardings are the
+    # Generator's, and the same spec compiles for any mesh.
+    mesh: Any = None
 
     @property
     def spec(self) -> TargetSpec:

@@ -248,3 +248,11 @@ def test_second_process_compiles_nothing(tmp_path):
     assert first["compile_cache"]["entries_written"] > 0
     assert second["compile_cache"]["entries_written"] == 0
     assert second["compile"][0]["compile_seconds"] < first["compile"][0]["compile_seconds"]
+
+
+def test_a_bad_mesh_is_refused_before_any_model_is_built(capsys):
+    # one device here: tensor=2 does not fit it; "model" is no axis
+    assert benchmark.main(["--random-target", "qwen3-8b", "--mesh", "model=2", "--no-compile-cache"]) == 2
+    assert "--mesh model=2" in capsys.readouterr().err
+    assert benchmark.main(["--random-target", "qwen3-8b", "--mesh", "tensor=2", "--no-compile-cache"]) == 2
+    assert "does not divide the 1 devices" in capsys.readouterr().err

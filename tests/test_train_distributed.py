@@ -12,7 +12,8 @@ import pytest
 
 import fitted_models
 from dflash_jax._target import Target, init_target_params
-from train import drafter_init, mesh as mesh_lib, step as step_lib
+from dflash_jax import sharding
+from train import drafter_init, step as step_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, LENGTH = 8, 24
@@ -23,22 +24,22 @@ def one_step(out: str, data: int = -1, fsdp: int = 1, shard_target: bool = False
     """Two train steps of the tiny drafter on a fixed batch over a (data, fsdp) mesh; saves the
     losses and params to `out` (.npz). With a coordinator, joins a jax.distributed job first and
     feeds only this process's rows."""
-    mesh_lib.initialize_distributed(coordinator, num_processes, process_id)
+    sharding.initialize_distributed(coordinator, num_processes, process_id)
     target = Target(fitted_models.TARGET_CONFIG, init_target_params(fitted_models.TARGET_CONFIG, jax.random.PRNGKey(0)))
     config = fitted_models.drafter_config(block_size=4)
-    mesh = mesh_lib.make_mesh(data, fsdp)
+    mesh = sharding.make_mesh(data=data, fsdp=fsdp)
     schedule = step_lib.learning_rate_schedule(1e-3, 10, 0.1)
     optimizer = step_lib.make_optimizer(schedule)
     spec = step_lib.StepSpec(num_anchors=6, decay=4.0, grad_accum=2)
     state = step_lib.init_state(drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1)),
                                 optimizer, seed=3)
-    state_shardings = mesh_lib.tree_shardings(mesh, state)
+    state_shardings = sharding.fsdp_shardings(mesh, state)
     frozen = {"target": target.params}
-    frozen_shardings = mesh_lib.tree_shardings(mesh, frozen, shard=shard_target)
+    frozen_shardings = sharding.fsdp_shardings(mesh, frozen, shard=shard_target)
     state, frozen = jax.device_put(state, state_shardings), jax.device_put(frozen, frozen_shardings)
     step = jax.jit(step_lib.make_train_step(target, config, spec, optimizer, schedule),
-                   in_shardings=(state_shardings, frozen_shardings, mesh_lib.batch_sharding(mesh)),
-                   out_shardings=(state_shardings, mesh_lib.replicated(mesh)))
+                   in_shardings=(state_shardings, frozen_shardings, sharding.train_batch_sharding(mesh)),
+                   out_shardings=(state_shardings, sharding.replicated(mesh)))
     tokens = fitted_models.pattern_batch(np.random.default_rng(0), BATCH, LENGTH)
     loss_mask = np.arange(LENGTH)[None].repeat(BATCH, 0) >= np.arange(BATCH)[:, None] % 5
     rows = slice(None)
@@ -47,10 +48,10 @@ def one_step(out: str, data: int = -1, fsdp: int = 1, shard_target: bool = False
         rows = slice(jax.process_index() * per, (jax.process_index() + 1) * per)
     losses = []
     for _ in range(2):
-        batch = mesh_lib.global_batch(mesh, {"tokens": tokens[rows], "loss_mask": loss_mask[rows]})
+        batch = sharding.global_batch(mesh, {"tokens": tokens[rows], "loss_mask": loss_mask[rows]})
         state, metrics = step(state, frozen, batch)
         losses.append(float(metrics["loss"]))
-    gathered = jax.jit(lambda p: p, out_shardings=mesh_lib.replicated(mesh))(state.params)
+    gathered = jax.jit(lambda p: p, out_shardings=sharding.replicated(mesh))(state.params)
     leaves = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(gathered)}
     np.savez(out, losses=np.asarray(losses), **leaves)
 

@@ -29,7 +29,8 @@ from dflash_jax._drafter import Drafter
 from dflash_jax.loading.target_loader import load_target
 from dflash_jax._objective import default_decay
 from dflash_jax._speculative import generate
-from train import checkpointing, data as data_lib, drafter_init, mesh as mesh_lib, step as step_lib
+from dflash_jax import sharding
+from train import checkpointing, data as data_lib, drafter_init, step as step_lib
 from train.config import ConfigError, TrainConfig, load_config
 
 log = logging.getLogger("train")
@@ -194,7 +195,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     if vocab is not None and jax.process_index() == 0:
         vocab.save(run_dir / VOCAB_FILE)
 
-    mesh = mesh_lib.make_mesh(cfg.run.mesh_data, cfg.run.mesh_fsdp)
+    mesh = sharding.make_mesh(data=cfg.run.mesh_data, fsdp=cfg.run.mesh_fsdp)
     schedule = step_lib.learning_rate_schedule(cfg.optim.learning_rate, cfg.run.steps, cfg.optim.warmup_ratio,
                                                cfg.optim.final_lr_ratio)
     optimizer = step_lib.make_optimizer(schedule, clip_norm=cfg.optim.clip_norm,
@@ -209,7 +210,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     frozen = {"target": target.params}
     if vocab is not None:
         frozen["target_to_draft"] = jnp.asarray(vocab.target_to_draft())
-    frozen_shardings = mesh_lib.tree_shardings(mesh, frozen, shard=cfg.run.shard_target)
+    frozen_shardings = sharding.fsdp_shardings(mesh, frozen, shard=cfg.run.shard_target)
     frozen = jax.device_put(frozen, frozen_shardings)
 
     start = None  # model.init_from's weights: an argument of fresh_state, never a compiled-in constant
@@ -232,7 +233,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
         return step_lib.init_state(params, optimizer, cfg.run.seed)
 
     abstract = jax.eval_shape(fresh_state, frozen["target"], start)
-    state_shardings = mesh_lib.tree_shardings(mesh, abstract)
+    state_shardings = sharding.fsdp_shardings(mesh, abstract)
     iterator = data_lib.make_iterator(cfg.data, target.tokenizer, records=records)
     manager = checkpointing.make_manager(run_dir, cfg.run.keep_checkpoints, cfg.run.async_checkpointing)
     if resume:
@@ -243,8 +244,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
         state = jax.jit(fresh_state, out_shardings=state_shardings)(frozen["target"], start)
 
     train_step = jax.jit(step_lib.make_train_step(target, drafter_config, spec, optimizer, schedule),
-                         in_shardings=(state_shardings, frozen_shardings, mesh_lib.batch_sharding(mesh)),
-                         out_shardings=(state_shardings, mesh_lib.replicated(mesh)), donate_argnums=(0,))
+                         in_shardings=(state_shardings, frozen_shardings, sharding.train_batch_sharding(mesh)),
+                         out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,))
     prompts = eval_prompts(cfg.run.eval_path, cfg.run.eval_prompts) if cfg.run.eval_every else []
     start = int(jax.device_get(state.step))
     last: dict = {}
@@ -257,7 +258,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
             except StopIteration:
                 log.info("data exhausted after %d epochs at step %d", cfg.data.num_epochs, step - 1)
                 break
-            batch = mesh_lib.global_batch(mesh, local)
+            batch = sharding.global_batch(mesh, local)
             state, metrics = train_step(state, frozen, batch)
             tokens += int(np.sum(local["lengths"])) * jax.process_count()
             blocks += cfg.data.batch_size * cfg.run.num_anchors * drafter_config.block_size
@@ -297,7 +298,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     try:
         cfg = load_config(args.config, args.overrides)
         last = train(cfg, resume=args.resume)

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="default: float32 (bfloat16 with --random-target)")
     add_target_flags(gen)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--mesh", metavar="AXIS=N,...",
+                     help="generate on a device mesh, e.g. tensor=4,data=2 (dflash_jax.sharding.make_mesh): "
+                          "weights split over tensor, the batch over data; the stacked layout on XLA")
     add_compile_cache_flag(gen)
     out = p.add_argument_group("output")
     out.add_argument("--baseline", choices=("transformers",),
@@ -203,14 +206,30 @@ class Setup:
     drafter_name: str | None
     target_path: Path | None  # None for a random target
     load_seconds: float
+    mesh: object = None  # the --mesh (a jax.sharding.Mesh), None for one device
+
+
+def _mesh(args):
+    """The --mesh as a jax.sharding.Mesh (None without it); CLIError naming a bad one."""
+    if not args.mesh:
+        return None
+    from dflash_jax import sharding
+
+    try:
+        return sharding.make_mesh(**sharding.parse_mesh(args.mesh))
+    except ValueError as e:
+        raise CLIError(f"--mesh {args.mesh}: {e}") from e
 
 
 def load_setup(args) -> Setup:
-    """Models and encoded prompts; a random pair with --random-target."""
+    """Models and encoded prompts; a random pair with --random-target; on the --mesh when given."""
+    mesh = _mesh(args)
     if args.random_target:
         start = time.perf_counter()
         target, drafter = random_models(args.random_target, args.layers, args.block_size, args.dtype,
                                         args.seed, args.kv_cache_dtype)
+        if mesh is not None:  # the Generator places the stacked random params by the rules
+            target = dataclasses.replace(target, mesh=mesh)
         prompts = random_prompts(target.config.vocab_size, args.num_prompts, args.prompt_tokens, args.seed)
         name = args.random_target + (f" (first {args.layers} layers)" if args.layers else "")
         args.lookup = args.lookup or 0
@@ -218,7 +237,7 @@ def load_setup(args) -> Setup:
         args.drafter_weights = args.drafter_weights or "stored"
         drafter = dataclasses.replace(drafter, decode_weights=args.drafter_weights)
         return Setup(target, drafter, prompts, f"random {args.prompt_tokens}-token ids", name, "random",
-                     None, time.perf_counter() - start)
+                     None, time.perf_counter() - start, mesh)
     # Cheap path checks first: nothing heavy (jax) is imported before they pass.
     drafter_path = resolve_drafter_path(args.drafter, args.no_draft_only, target_is_default=args.target is None)
     target_path, _ = resolve_target_path(args.target)
@@ -226,12 +245,12 @@ def load_setup(args) -> Setup:
     set_name, prompts = select_prompts(args)
     start = time.perf_counter()
     target, drafter = load_models(target_path, drafter_path, args.dtype, args.kv_cache_dtype, args.drafter_weights,
-                                   args.decode_activations)
+                                   args.decode_activations, mesh=mesh)
     load_seconds = time.perf_counter() - start
     for prompt in prompts:
         prompt["ids"] = encode_prompt(target.tokenizer, prompt.pop("text"), args.raw)
     return Setup(target, drafter, prompts, set_name, target_path.name,
-                 str(drafter_path) if drafter_path else None, target_path, load_seconds)
+                 str(drafter_path) if drafter_path else None, target_path, load_seconds, mesh)
 
 
 def _attention_impls(args) -> list[str | None]:
@@ -250,7 +269,7 @@ def run(args) -> int:
     cache_dir = enable_compile_cache(args)
     entries_before = _entries(cache_dir)
     setup = load_setup(args)
-    target, drafter = setup.target, setup.drafter
+    target, drafter, mesh = setup.target, setup.drafter, setup.mesh
     import jax
 
     device = jax.devices()[0]
@@ -263,7 +282,8 @@ def run(args) -> int:
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {args.dtype}"
           f"{f' (KV cache {target.spec.kv_cache_dtype.name})' if target.spec.kv_cache_dtype != target.spec.dtype else ''}"
           f"{', int8 activations' if target.decode_activations == 'int8' else ''}, "
-          f"device {device.platform}:{device.device_kind}", flush=True)
+          f"device {device.platform}:{device.device_kind}"
+          f"{f', mesh {dict(mesh.shape)} ({mesh.size} devices)' if mesh is not None else ''}", flush=True)
     params_bytes = tree_bytes(target.params) + (tree_bytes(drafter.params) if drafter is not None else 0)
     reports = []
     start = time.perf_counter()
@@ -275,6 +295,8 @@ def run(args) -> int:
         records, summary, runner = run_benchmark(t, d, setup.prompts, args, stops, process_start=_PROCESS_START)
         summary.update(attention=impl, batch_size=args.batch, load_seconds=round(setup.load_seconds, 3),
                        compile=runner.compiles, params_bytes=params_bytes,
+                       mesh=dict(mesh.shape) if mesh is not None else None,
+                       devices=mesh.size if mesh is not None else 1,
                        time_to_first_result_seconds=round(runner.first_result_seconds, 3))
         reports.append((records, summary))
     for _, summary in reports:

@@ -209,15 +209,17 @@ def resolve_drafter_path(path: str | None, no_draft: bool, target_is_default: bo
 
 
 def load_models(target_path: Path, drafter_path: Path | None, dtype: str, kv_cache_dtype: str = "auto",
-                drafter_weights: str = "stored", decode_activations: str = "float32"):
-    """(target, drafter or None); every loader failure (missing or damaged file, bad config.json,
-    a .bin without torch, a drafter for another target) becomes one CLIError."""
+                drafter_weights: str = "stored", decode_activations: str = "float32", mesh=None):
+    """(target, drafter or None), placed on `mesh` when given; every loader failure (missing or
+    damaged file, bad config.json, a .bin without torch, a drafter for another target, a mesh
+    the model cannot be split over) becomes one CLIError."""
     from dflash_jax._errors import DrafterMismatchError
     from dflash_jax.loading.drafter_io import load_drafter
     from dflash_jax.loading.target_loader import load_target
 
     try:
-        target = load_target(target_path, dtype, kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations)
+        target = load_target(target_path, dtype, kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
+                             mesh=mesh)
     except (OSError, ValueError) as e:  # ValueError covers ConfigError, CheckpointError, TorchRequiredError
         raise CLIError(f"cannot load target {target_path}: {e}") from e
     if target.tokenizer is None:
@@ -225,7 +227,7 @@ def load_models(target_path: Path, drafter_path: Path | None, dtype: str, kv_cac
     drafter = None
     if drafter_path is not None:
         try:
-            drafter = load_drafter(drafter_path, target, dtype, decode_weights=drafter_weights)
+            drafter = load_drafter(drafter_path, target, dtype, decode_weights=drafter_weights, mesh=mesh)
         except DrafterMismatchError as e:
             raise CLIError(f"{drafter_path}: {e} (target {target_path})") from e
         except (OSError, ValueError) as e:

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dflash_jax import sharding
 from dflash_jax._config import read_config_json, write_config_json
 from dflash_jax._draft_vocab import DraftVocab
 from dflash_jax._drafter import DECODE_WEIGHTS, Drafter, drafter_param_shapes
@@ -27,12 +28,14 @@ DRAFT_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")  # read only when config.
 
 
 def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: str = "auto",
-                 decode_weights: str = "stored") -> Drafter:
+                 decode_weights: str = "stored", mesh=None) -> Drafter:
     """Read an official DFlash drafter directory; validate it against `target` when given (before
     any tensor is read). decode_weights: what a CPU drafts with, "stored" (the weights as loaded)
     or "q8_0" (8-bit blocks, fewer bytes per cycle; `DrafterSpec`). Bad input raises one exception
     naming the file: FileNotFoundError, ConfigError, CheckpointError, TorchRequiredError,
-    DrafterMismatchError; a bad decode_weights a ValueError."""
+    DrafterMismatchError; a bad decode_weights a ValueError. mesh: a `jax.sharding.Mesh` to place
+    the weights on as they are read, by `dflash_jax.sharding`'s rules (`Drafter.mesh` keeps it); a
+    split its tensor axis does not divide raises a ValueError naming the weight before any read."""
     if decode_weights not in DECODE_WEIGHTS:
         raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS}, got {decode_weights!r}")
     path = Path(path)
@@ -52,13 +55,19 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
     shapes = drafter_param_shapes(config, dtype)
     tensors = open_checkpoint(path)
     reduced = config.draft_vocab_size is not None
+    place = None if mesh is None else sharding.placer(mesh, shapes, config)
     params = hf_to_params(drafter_rules(config.attention_bias), tensors, shapes, config.num_layers, dtype,
-                          allow_extra=lambda name: reduced and name in DRAFT_VOCAB_TENSORS, source=str(path))
+                          allow_extra=lambda name: reduced and name in DRAFT_VOCAB_TENSORS, source=str(path),
+                          place=place)
     drafter = Drafter(dataclasses.replace(config, draft_vocab_size=None), params, hf, dtype, attn_impl,
-                      decode_weights=decode_weights)
+                      decode_weights=decode_weights, mesh=mesh)
     if reduced:
         kernel, vocab = _read_draft_vocab(tensors, config, checkpoint_file(path))
         drafter = drafter.with_draft_vocab(kernel, vocab)
+        if mesh is not None:
+            head = drafter.draft_head
+            drafter = dataclasses.replace(drafter, draft_head=jax.device_put(
+                head, sharding.param_shardings(mesh, {"draft_head": head}, drafter.config)["draft_head"]))
     return drafter
 
 

@@ -83,7 +83,8 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
                  dtype, *, allow_extra: Callable[[str], bool] = lambda name: False,
                  progress: Callable | None = None, source: str = "checkpoint",
                  skip: Collection[tuple[str, ...]] = (),
-                 shape_of: Callable[[str], tuple[int, ...]] | None = None) -> dict:
+                 shape_of: Callable[[str], tuple[int, ...]] | None = None,
+                 place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None) -> dict:
     """Build a Flax params dict from HF-named tensors, one tensor at a time.
 
     `shapes` is the expected params pytree (e.g. from jax.eval_shape). Every expected tensor must be
@@ -91,7 +92,9 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     CheckpointError names `source` (the checkpoint's path) and the offenders. `skip`: param paths
     (`Rule.path`) the caller has in another form: their tensors must be present with the right
     shape, found by `shape_of(name)` (default: the tensor's own), but are not read, and the params
-    returned lack them.
+    returned lack them. `place(path, array)`: how each finished host array becomes a param (default
+    `host_arrays.adopt`; a sharded load puts it on its shards), called before the next is built, so
+    the host holds one weight at a time.
     """
     np_dtype = np.dtype(dtype)  # jnp.bfloat16 is ml_dtypes.bfloat16, a numpy dtype
     expected_names = {name for rule in rules for name in rule.hf_names(num_layers)}
@@ -126,7 +129,8 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
                 out[...] = value.astype(np_dtype)
             if progress:
                 progress(name)
-        _set(params, rule.path, host_arrays.adopt(out))
+        _set(params, rule.path, host_arrays.adopt(out) if place is None else place(rule.path, out))
+        del out
     unfilled = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)
                 if tuple(k.key for k in p) not in skip and not _has(params, tuple(k.key for k in p))]
     if unfilled:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dflash_jax import backends
+from dflash_jax import backends, sharding
 from dflash_jax._cache import resolve_kv_cache_dtype
 from dflash_jax._config import ConfigFields, ModelConfig, read_config_json, read_json
 from dflash_jax._errors import CheckpointError
@@ -41,17 +41,21 @@ def _tied_head_extra(config: ModelConfig, tensors, source: str):
     return lambda n: False
 
 
-def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=frozenset(), shape_of=None):
+def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=frozenset(), shape_of=None,
+                        mesh=None):
     """Flax params of a target from HF-named tensors (`source` names the checkpoint in errors),
     without the param paths in `skip` (their tensors' shapes are checked through `shape_of`, the
-    tensors not read: `names.hf_to_params`)."""
+    tensors not read: `names.hf_to_params`); with a mesh, each weight put on its shards as it is
+    read (`sharding.placer`)."""
     shapes = target_param_shapes(config, dtype)
+    place = None if mesh is None else sharding.placer(mesh, shapes, config)
     rules = target_rules(config)
     total = sum(len(r.hf_names(config.num_layers)) for r in rules if r.path not in skip)
     with tqdm(total=total, desc=f"loading {Path(source).name}", unit="tensor", leave=False, disable=None) as bar:
         return hf_to_params(rules, tensors, shapes, config.num_layers, dtype,
                             allow_extra=_tied_head_extra(config, tensors, source),
-                            progress=lambda _: bar.update(), source=source, skip=skip, shape_of=shape_of)
+                            progress=lambda _: bar.update(), source=source, skip=skip, shape_of=shape_of,
+                            place=place)
 
 
 def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:
@@ -66,7 +70,8 @@ def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:
 
 
 def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl: str = "auto",
-                layout: str = "auto", kv_cache_dtype=None, decode_activations: str = "float32") -> Target:
+                layout: str = "auto", kv_cache_dtype=None, decode_activations: str = "float32",
+                mesh=None) -> Target:
     """Load a target model for generation or drafter training.
 
     path: a Hugging Face model directory (config.json + model.safetensors[.index.json], or
@@ -87,11 +92,21 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
       Products of several rows (a verify) cost about what one row's does; the model is then the
       file's weights with rounded activations, its own slightly different logits, the same in
       plain and speculative decoding (both lossless against it).
+    mesh: a `jax.sharding.Mesh` (`dflash_jax.sharding.make_mesh`) to place the weights on: the
+      stacked layout, each weight put on its shards by `dflash_jax.sharding`'s rules as it is read
+      (the host holds one weight at a time, never the whole model twice); `Target.mesh` keeps it
+      and `generate` compiles for it. A split the mesh's tensor axis does not divide (the kv-head
+      count, say) raises a ValueError naming the weight before anything is read.
 
     Bad input raises one exception naming the file: FileNotFoundError, ConfigError (config.json),
     CheckpointError (damaged or mismatched weights), TorchRequiredError (.bin without torch).
     """
     backends.check_layout(layout)  # before anything is read
+    if mesh is not None:
+        if layout not in ("auto", "stacked"):
+            raise ValueError(f"layout={layout!r} cannot be sharded: a mesh places the stacked layout "
+                             "(layout='stacked' or 'auto')")
+        layout = "stacked"
     resolve_kv_cache_dtype(kv_cache_dtype, jnp.float32)
     if decode_activations not in backends.ACTIVATIONS:
         raise ValueError(f"decode_activations must be one of {backends.ACTIVATIONS}, not {decode_activations!r}")
@@ -119,17 +134,17 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
             if cpu_decode else None
         params = params_from_tensors(config, checkpoint.tensors, dtype, str(path),
                                      skip=stored.skip if stored is not None else frozenset(),
-                                     shape_of=lambda name: checkpoint.tensors.info(name).shape)
+                                     shape_of=lambda name: checkpoint.tensors.info(name).shape, mesh=mesh)
         tok = gguf_tokenizer(checkpoint) if tokenizer else None
         del checkpoint
         params = backends.params_in_layout(params, layout, release=True)
         return Target(config, stored.place(params) if stored is not None else params, tok, dtype, attn_impl,
-                      kv_cache_dtype)
+                      kv_cache_dtype, mesh)
 
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_config_json(path), source=str(config_file))
     config = with_generation_eos(config, path)
-    params = params_from_tensors(config, open_checkpoint(path), dtype, str(path))
+    params = params_from_tensors(config, open_checkpoint(path), dtype, str(path), mesh=mesh)
     tok = None
     if tokenizer and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
@@ -138,4 +153,4 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     elif tokenizer:
         log.info("no tokenizer files in %s; Target.tokenizer is None", path)
     return Target(config, backends.params_in_layout(params, layout, release=True), tok, dtype, attn_impl,
-                  kv_cache_dtype)
+                  kv_cache_dtype, mesh)

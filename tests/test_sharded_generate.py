@@ -1,0 +1,268 @@
+"""Generation on a device mesh (`dflash_jax.sharding`): greedy speculative output on 8 simulated CPU
+devices equals the 1-device output token for token in float32, for tensor x data meshes of
+2 x 4, 4 x 2 and 8 x 1, on a tiny Qwen3 target (q/k norms, untied head) and a tiny Llama one (no
+q/k norms, tied embeddings), with ragged prompts; the compiled programs' parameter shardings are
+the rules' and no weight the rules split is replicated (the decode state's, the state rules'); models loaded with a mesh are placed by
+the rules as they are read; a kv-head count the tensor axis does not divide is refused with an
+error naming the weight.
+
+Everything multi-device runs in one subprocess (`sharded_run`, 8 devices: conftest pins this
+process to 1), which writes its findings as JSON for the tests below to check.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = {"tensor2_data4": dict(tensor=2, data=4), "tensor4_data2": dict(tensor=4, data=2),
+          "tensor8_data1": dict(tensor=8, data=1)}
+PROMPTS = [[3, 9, 4], [7, 1, 2, 5, 8, 6, 11], [12], [5, 5, 20, 31, 2]]  # ragged, B=4
+ODD_PROMPTS = PROMPTS[:3]  # B=3: data does not divide it, so the batch is replicated
+MAX_NEW = 12
+
+
+def _configs():
+    from dflash_jax._config import ModelConfig
+    from dflash_jax._drafter_config import DrafterConfig
+
+    vocab = 64
+    qwen3 = ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=8, num_kv_heads=8, head_dim=8, qk_norm=True, max_position_embeddings=256)
+    llama = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_layers=2,
+                        num_heads=16, num_kv_heads=8, head_dim=4, qk_norm=False, tie_word_embeddings=True,
+                        max_position_embeddings=256)
+    drafter = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=8,
+                            head_dim=8, vocab_size=vocab, num_target_layers=2, target_layer_ids=(0, 1),
+                            block_size=4, mask_token_id=vocab - 1, max_position_embeddings=256)
+    return {"qwen3": qwen3, "llama": llama}, drafter
+
+
+def _models(name: str):
+    import jax
+
+    from dflash_jax._drafter import Drafter, init_drafter_params
+    from dflash_jax._target import Target, init_target_params
+
+    targets, drafter_config = _configs()
+    config = targets[name]
+    drafter_config = dataclasses.replace(drafter_config, num_kv_heads=config.num_kv_heads)
+    target = Target(config, init_target_params(config, jax.random.PRNGKey(0)))
+    drafter = Drafter(drafter_config, init_drafter_params(drafter_config, jax.random.PRNGKey(1)))
+    return target, drafter
+
+
+def _sharding_problems(generator, expected_of) -> list[str]:
+    """Where the compiled prefill's and decode loop's parameter input shardings differ from the
+    rules (`expected_of(model) -> shardings`), or a weight the rules split came out replicated.
+    An argument a program never reads has no sharding (None): allowed in the prefill only (it
+    reads the drafter's context projections, not its block layers)."""
+    import jax
+
+    from dflash_jax._decode_loop import state_shardings
+
+    problems = []
+    for (kind, _), executable in generator._compiled.items():
+        state_rules = jax.tree_util.tree_leaves(state_shardings(generator.mesh, executable.out_info))
+        for i, (g, w) in enumerate(zip(jax.tree_util.tree_leaves(executable.output_shardings), state_rules)):
+            if not g.is_equivalent_to(w, len(jax.tree_util.tree_leaves(executable.out_info)[i].shape)):
+                problems.append(f"{kind} output leaf {i}: compiled {g}, the state rules {w.spec}")
+        args = executable.input_shardings[0]
+        for model, got_tree in (("target", args[0]), ("drafter", args[1])):
+            got = jax.tree_util.tree_leaves_with_path(got_tree, is_leaf=lambda x: x is None)
+            want = jax.tree_util.tree_leaves(expected_of(model))
+            params = jax.tree_util.tree_leaves(generator._target_params if model == "target"
+                                               else generator._drafter_params)
+            if len(got) != len(want):
+                problems.append(f"{kind} {model}: {len(got)} param shardings, the rules give {len(want)}")
+                continue
+            for (path, g), w, p in zip(got, want, params):
+                name = f"{kind} {model}{jax.tree_util.keystr(path)}"
+                if g is None:
+                    if kind != "prefill":
+                        problems.append(f"{name}: unused by the {kind} program")
+                    continue
+                if not g.is_equivalent_to(w, p.ndim):
+                    problems.append(f"{name}: compiled {g.spec}, the rules {w.spec}")
+                if any(entry is not None for entry in w.spec) and g.is_fully_replicated:
+                    problems.append(f"{name}: the rules split it ({w.spec}) but it is replicated")
+    return problems
+
+
+def _save_target(target, directory: Path) -> None:
+    """An HF directory (config.json + model.safetensors) of a Target built in memory."""
+    from dflash_jax.loading.names import params_to_hf, target_rules
+    from dflash_jax.loading.safetensors_io import save_safetensors
+
+    c = target.config
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = {"architectures": ["Qwen3ForCausalLM" if c.arch == "qwen3" else "LlamaForCausalLM"],
+          "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+          "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+          "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+          "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_theta,
+          "tie_word_embeddings": c.tie_word_embeddings, "torch_dtype": "float32"}
+    (directory / "config.json").write_text(json.dumps(hf))
+    save_safetensors(params_to_hf(target_rules(c), target.params, c.num_layers), directory / "model.safetensors")
+
+
+def sharded_run(out: str, workdir: str) -> None:
+    """Every multi-device check; findings to `out` (JSON)."""
+    import jax
+
+    from dflash_jax import sharding
+    from dflash_jax._speculative import Generator
+    from dflash_jax.loading.drafter_io import load_drafter, save_drafter
+    from dflash_jax.loading.target_loader import load_target
+
+    assert len(jax.devices()) == 8, jax.devices()
+    found: dict = {}
+    meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
+    generators = {}
+    # Qwen3 on every mesh shape; Llama (no q/k norms, tied embeddings) on one
+    for name, mesh_names in (("qwen3", list(MESHES)), ("llama", ["tensor4_data2"])):
+        target, drafter = _models(name)
+        reference = Generator(target, drafter, backend="xla")  # one device, the same XLA numerics
+        case = {"reference": {}, "meshes": {}, "odd_batch": {}, "problems": {}, "stream": {}}
+        for prompts_name, prompts in (("even", PROMPTS), ("odd", ODD_PROMPTS)):
+            result = reference.generate(prompts, max_new_tokens=MAX_NEW, stop_token_ids=())
+            case["reference"][prompts_name] = result.tokens
+            case.setdefault("histogram", result.histogram().tolist())
+        for mesh_name in mesh_names:
+            mesh = meshes[mesh_name]
+            generator = generators[name, mesh_name] = Generator(target, drafter, mesh=mesh)
+            case["meshes"][mesh_name] = generator.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
+            expected = {"target": sharding.param_shardings(mesh, generator._target_params, target.config),
+                        "drafter": sharding.param_shardings(mesh, generator._drafter_params, drafter.config)}
+            case["problems"][mesh_name] = _sharding_problems(generator, expected.__getitem__)
+        if name == "qwen3":  # B=3: replicated batch, still tensor parallel; and the stream
+            generator = generators[name, "tensor2_data4"]
+            case["odd_batch"] = generator.generate(ODD_PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
+            rows = [[] for _ in PROMPTS]
+            for chunk in generator.stream(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()):
+                rows = [r + c for r, c in zip(rows, chunk)]
+            case["stream"] = rows
+        found[name] = case
+
+    # Loaded with a mesh: every weight on the rules' shards as read; generating from them agrees.
+    target, drafter = _models("qwen3")
+    mesh = meshes["tensor4_data2"]
+    _save_target(target, Path(workdir) / "target")
+    save_drafter(drafter, Path(workdir) / "drafter")
+    loaded = load_target(Path(workdir) / "target", tokenizer=False, mesh=mesh)
+    loaded_drafter = load_drafter(Path(workdir) / "drafter", target=loaded, mesh=mesh)
+    placement = []
+    for model, config in ((loaded, loaded.config), (loaded_drafter, loaded_drafter.config)):
+        rules = sharding.param_shardings(mesh, model.params, config)
+        for (path, x), want in zip(jax.tree_util.tree_leaves_with_path(model.params), jax.tree_util.tree_leaves(rules)):
+            if not x.sharding.is_equivalent_to(want, x.ndim):
+                placement.append(f"{type(model).__name__}{jax.tree_util.keystr(path)}: {x.sharding}, rules {want.spec}")
+    # the same specs and mesh: the tensor4_data2 programs run the loaded weights (no new compile)
+    generator = generators["qwen3", "tensor4_data2"].bind(loaded, loaded_drafter)
+    found["loaded"] = {"mesh_kept": loaded.mesh is mesh and loaded_drafter.mesh is mesh, "placement": placement,
+                       "tokens": generator.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens}
+
+    # A kv-head count (2) the tensor axis (4) does not divide: refused, naming the weight.
+    errors = {}
+    narrow = dataclasses.replace(target.config, num_kv_heads=2)
+    from dflash_jax._target import Target, init_target_params
+
+    narrow_target = Target(narrow, init_target_params(narrow, jax.random.PRNGKey(0)))
+    for what, call in (("generator", lambda: Generator(narrow_target, None, mesh=mesh)),
+                       ("load_target", lambda: (_save_target(narrow_target, Path(workdir) / "narrow"),
+                                                load_target(Path(workdir) / "narrow", tokenizer=False, mesh=mesh)))):
+        try:
+            call()
+            errors[what] = None
+        except ValueError as e:
+            errors[what] = str(e)
+    found["errors"] = errors
+    Path(out).write_text(json.dumps(found))
+
+
+@pytest.fixture(scope="module")
+def findings(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sharded")
+    out = tmp / "findings.json"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
+            f"import test_sharded_generate as t; t.sharded_run({str(out)!r}, {str(tmp)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+CASES = [("qwen3", mesh) for mesh in MESHES] + [("llama", "tensor4_data2")]
+
+
+@pytest.mark.parametrize("model, mesh", CASES)
+def test_sharded_greedy_equals_one_device(findings, model, mesh):
+    case = findings[model]
+    assert case["meshes"][mesh] == case["reference"]["even"]
+    assert all(len(row) == MAX_NEW for row in case["reference"]["even"])
+
+
+def test_a_batch_data_does_not_divide_is_replicated_and_agrees(findings):
+    assert findings["qwen3"]["odd_batch"] == findings["qwen3"]["reference"]["odd"]
+
+
+def test_sharded_stream_equals_one_device(findings):
+    assert findings["qwen3"]["stream"] == findings["qwen3"]["reference"]["even"]
+
+
+@pytest.mark.parametrize("model, mesh", CASES)
+def test_compiled_param_shardings_are_the_rules(findings, model, mesh):
+    assert findings[model]["problems"][mesh] == []
+
+
+def test_load_with_a_mesh_places_every_weight_by_the_rules(findings):
+    loaded = findings["loaded"]
+    assert loaded["mesh_kept"]
+    assert loaded["placement"] == []
+    assert loaded["tokens"] == findings["qwen3"]["reference"]["even"]
+
+
+@pytest.mark.parametrize("what", ["generator", "load_target"])
+def test_kv_heads_the_tensor_axis_does_not_divide_are_refused(findings, what):
+    message = findings["errors"][what]
+    assert message is not None, f"{what} accepted 2 kv-heads on a tensor axis of 4"
+    for word in ("k_proj", "kv-heads", "tensor axis of size 4", "[2, 64, 16]"):
+        assert word in message, (word, message)
+
+
+def test_rules_on_one_device():
+    """The rules themselves, in this process: a tensor axis of 1 splits nothing; the spec of each
+    kind of weight; vocabulary axes split only where they divide."""
+    from dflash_jax import sharding
+
+    targets, _ = _configs()
+    qwen3 = targets["qwen3"]
+    spec = lambda path, shape, t: tuple(sharding.param_spec(path, shape, qwen3, t))
+    assert spec(("layers", "self_attn", "q_proj", "kernel"), (2, 64, 64), 1) == (None, None, None)
+    assert spec(("layers", "self_attn", "k_proj", "kernel"), (2, 64, 64), 4) == (None, None, "tensor")
+    assert spec(("layers", "self_attn", "k_proj", "bias"), (2, 64), 4) == (None, "tensor")
+    assert spec(("layers", "self_attn", "o_proj", "kernel"), (2, 64, 64), 4) == (None, "tensor", None)
+    assert spec(("layers", "self_attn", "o_proj", "bias"), (2, 64), 4) == (None, None)
+    assert spec(("layers", "mlp", "down_proj", "kernel"), (2, 128, 64), 4) == (None, "tensor", None)
+    assert spec(("layers", "mlp", "up_proj", "kernel"), (2, 64, 128), 4) == (None, None, "tensor")
+    assert spec(("layers", "self_attn", "q_norm", "scale"), (2, 8), 4) == (None, None)
+    assert spec(("embed_tokens", "embedding"), (64, 64), 4) == ("tensor", None)
+    assert spec(("embed_tokens", "embedding"), (66, 64), 4) == (None, None)  # 66 % 4: replicated
+    assert spec(("lm_head", "kernel"), (64, 66), 4) == (None, None)
+    assert spec(("drafter", "fc", "kernel"), (128, 64), 4) == (None, "tensor")
+    assert spec(("draft_head", "kernel"), (64, 32), 4) == (None, "tensor")
+    with pytest.raises(ValueError, match=r"mlp/up_proj/kernel of shape \[2, 64, 126\].*tensor axis of size 4"):
+        sharding.param_spec(("layers", "mlp", "up_proj", "kernel"), (2, 64, 126), qwen3, 4)
+    with pytest.raises(ValueError, match="make_mesh: data=3 x fsdp=1 x tensor=1 needs 3 devices"):
+        sharding.make_mesh(data=3)
+    assert sharding.parse_mesh("tensor=4,data=2") == {"tensor": 4, "data": 2}
+    with pytest.raises(ValueError, match="'model=2'"):
+        sharding.parse_mesh("model=2")

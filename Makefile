@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 
 # The newer-jax leg: Python 3.12 (jax 0.11+ needs Python >= 3.11 and Python 3.11 gets 0.10 here),
 # found through pyenv, else on PATH; JAX_LATEST_PYTHON=/path/to/python3.12 picks another.
-PYENV_ROOT_DIR := $(shell pyenv root 2>/dev/null)
+PYENV_ROOT_DIR := $(or $(shell pyenv root 2>/dev/null),$(PYENV_ROOT),$(wildcard $(HOME)/.pyenv))
 JAX_LATEST_PYTHON ?= $(firstword $(wildcard $(PYENV_ROOT_DIR)/versions/3.12*/bin/python) \
                                  $(shell command -v python3.12 2>/dev/null) \
                                  $(wildcard $(PYENV_ROOT_DIR)/versions/3.13*/bin/python) \

@@ -50,10 +50,15 @@ _EXPORTS = {
     "save_orbax_drafter": "dflash_jax.loading.orbax_io",
 }
 
+# public subpackages and modules, imported on first use too (`dflash_jax.sharding.make_mesh`)
+_SUBMODULES = ("backends", "sharding", "kernels", "loading", "convert")
+
 __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dflash_jax.{name}")  # also sets the package attribute
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'dflash_jax' has no attribute {name!r}")
@@ -63,7 +68,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, *_SUBMODULES})
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly

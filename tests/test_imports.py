@@ -179,5 +179,6 @@ def test_import_loads_no_heavy_package_until_a_name_is_used():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout
     assert set(dflash_jax.__all__) <= set(dir(dflash_jax))
+    assert callable(dflash_jax.sharding.make_mesh) and dflash_jax.backends.resolve() in dflash_jax.backends.NAMES
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         dflash_jax.nonexistent

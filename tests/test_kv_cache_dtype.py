@@ -118,7 +118,7 @@ def test_the_clis_take_kv_cache_dtype_and_pass_it_to_load_target(monkeypatch):
         with pytest.raises(SystemExit):
             parse("--kv-cache-dtype", "int8")
     assert kwargs_given_to_load_target(monkeypatch, Path("some-target"), kv_cache_dtype="float16") == {
-        "kv_cache_dtype": "float16", "decode_activations": "float32"}
+        "kv_cache_dtype": "float16", "decode_activations": "float32", "mesh": None}  # one device: no mesh
 
 
 def kwargs_given_to_load_target(monkeypatch, target_path: Path, **load_models_kwargs) -> dict:

@@ -2,9 +2,10 @@
 devices equals the 1-device output token for token in float32, for tensor x data meshes of
 2 x 4, 4 x 2 and 8 x 1, on a tiny Qwen3 target (q/k norms, untied head) and a tiny Llama one (no
 q/k norms, tied embeddings), with ragged prompts; the compiled programs' parameter shardings are
-the rules' and no weight the rules split is replicated (the decode state's, the state rules'); models loaded with a mesh are placed by
-the rules as they are read; a kv-head count the tensor axis does not divide is refused with an
-error naming the weight.
+the rules' and no weight the rules split is replicated (the decode state's, the state rules');
+models loaded with a mesh are placed by the rules as they are read; a kv-head count the tensor
+axis does not divide is refused with an error naming the weight; speculative sampling on a mesh
+keeps the target's exact distribution (tests/test_sampling.py's chi-square).
 
 Everything multi-device runs in one subprocess (`sharded_run`, 8 devices: conftest pins this
 process to 1), which writes its findings as JSON for the tests below to check.
@@ -183,7 +184,33 @@ def sharded_run(out: str, workdir: str) -> None:
         except ValueError as e:
             errors[what] = str(e)
     found["errors"] = errors
+
+    # Lossless sampling on a mesh: test_sampling's sharpened pair, tensor=2 x data=4, its samples
+    # checked against the exact distribution by the test below.
+    import test_sampling
+
+    sampler = Generator(*_sampling_pair(), mesh=sharding.make_mesh(tensor=2, data=4))
+    result = sampler.generate([test_sampling.PROMPT] * test_sampling.SAMPLES, max_new_tokens=3,
+                              stop_token_ids=(), temperature=1.0, seed=11)
+    found["sampling"] = {"tokens": result.tokens, "tau": result.tau,
+                         "problems": _sharding_problems(sampler, lambda model: sharding.param_shardings(
+                             sampler.mesh, sampler._target_params if model == "target" else sampler._drafter_params,
+                             (sampler.target if model == "target" else sampler.drafter).config))}
     Path(out).write_text(json.dumps(found))
+
+
+def _sampling_pair():
+    """test_sampling's target (its LM head sharpened) and drafter, built as its `pair` fixture does."""
+    import jax
+
+    import test_sampling
+    from dflash_jax._drafter import Drafter, init_drafter_params
+    from dflash_jax._target import Target, init_target_params
+
+    params = init_target_params(test_sampling.TARGET, jax.random.PRNGKey(3))
+    params = {**params, "embed_tokens": {"embedding": params["embed_tokens"]["embedding"] * 4.0}}
+    drafter = Drafter(test_sampling.DRAFTER, init_drafter_params(test_sampling.DRAFTER, jax.random.PRNGKey(5)))
+    return Target(test_sampling.TARGET, params), drafter
 
 
 @pytest.fixture(scope="module")
@@ -266,3 +293,18 @@ def test_rules_on_one_device():
     assert sharding.parse_mesh("tensor=4,data=2") == {"tensor": 4, "data": 2}
     with pytest.raises(ValueError, match="'model=2'"):
         sharding.parse_mesh("model=2")
+
+
+def test_sampling_on_a_mesh_matches_the_target_distribution(findings):
+    """Speculative sampling on tensor=2 x data=4 keeps the target's exact distribution (the
+    chi-square of tests/test_sampling.py, its seeds and threshold), drafts were accepted, and the
+    programs' parameter shardings are the rules'."""
+    from test_sampling import SAMPLES, chi_square_pvalue, exact_joint
+
+    sampled = findings["sampling"]
+    samples = [tuple(t) for t in sampled["tokens"]]
+    assert len(samples) == SAMPLES and all(len(s) == 3 for s in samples)
+    target, _ = _sampling_pair()
+    assert chi_square_pvalue(samples, exact_joint(target)) > 1e-3
+    assert sampled["tau"] > 1.05
+    assert sampled["problems"] == []

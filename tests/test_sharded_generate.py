@@ -5,7 +5,8 @@ q/k norms, tied embeddings), with ragged prompts; the compiled programs' paramet
 the rules' and no weight the rules split is replicated (the decode state's, the state rules');
 models loaded with a mesh are placed by the rules as they are read; a kv-head count the tensor
 axis does not divide is refused with an error naming the weight; speculative sampling on a mesh
-keeps the target's exact distribution (tests/test_sampling.py's chi-square).
+keeps the target's exact distribution (tests/test_sampling.py's chi-square); and two processes
+joined by jax.distributed generate as one device does.
 
 Everything multi-device runs in one subprocess (`sharded_run`, 8 devices: conftest pins this
 process to 1), which writes its findings as JSON for the tests below to check.
@@ -308,3 +309,51 @@ def test_sampling_on_a_mesh_matches_the_target_distribution(findings):
     assert chi_square_pvalue(samples, exact_joint(target)) > 1e-3
     assert sampled["tau"] > 1.05
     assert sampled["problems"] == []
+
+
+def distributed_run(out: str, coordinator: str, num_processes: int, process_id: int) -> None:
+    """One process of a jax.distributed job (4 CPU devices each): the Qwen3 pair on a tensor=2 x
+    data=4 mesh over both processes' devices; every process passes the same prompts and gets every
+    row back (`Generator` gathers across processes)."""
+    from dflash_jax import sharding
+
+    sharding.initialize_distributed(coordinator, num_processes, process_id)
+    import jax
+
+    from dflash_jax._speculative import Generator
+
+    target, drafter = _models("qwen3")
+    mesh = sharding.make_mesh(tensor=2, data=4)
+    result = Generator(target, drafter, mesh=mesh).generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=())
+    Path(out).write_text(json.dumps({"tokens": result.tokens, "devices": len(jax.devices()),
+                                     "local_devices": len(jax.local_devices())}))
+
+
+def test_two_processes_joined_by_jax_distributed_generate_as_one(findings, tmp_path):
+    """Two processes (CPU collectives over gloo) run one sharded generate over their 8 devices and
+    both get one device's tokens."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    procs = [subprocess.Popen([sys.executable, "-c", "import jax; jax.config.update('jax_default_matmul_precision', "
+                               f"'highest'); import test_sharded_generate as t; t.distributed_run("
+                               f"{str(tmp_path / f'p{i}.json')!r}, 'localhost:{port}', 2, {i})"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [p.stdout.read() for p in procs]
+    if any(codes) and any("collectives" in log.lower() or "gloo" in log.lower() for log in logs):
+        pytest.skip("this jax cannot run CPU collectives across processes: " + logs[0][-500:])
+    assert codes == [0, 0], [log[-3000:] for log in logs]
+    for i in range(2):
+        run = json.loads((tmp_path / f"p{i}.json").read_text())
+        assert (run["devices"], run["local_devices"]) == (8, 4)
+        assert run["tokens"] == findings["qwen3"]["reference"]["even"], i

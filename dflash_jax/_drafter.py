@@ -30,7 +30,7 @@ from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import KVCache
 from dflash_jax._draft_vocab import DraftVocab
 from dflash_jax._drafter_config import DrafterConfig
-from dflash_jax._layers import MLP, AttentionProjections, RMSNorm, Rotary, make_dense
+from dflash_jax._layers import MLP, AttentionProjections, RMSNorm, Rotary, make_dense, run_layers
 from dflash_jax._model_spec import on_spec
 
 DECODE_WEIGHTS = ("stored", "q8_0")  # the weights a backend's decode layout keeps (`DrafterSpec`)
@@ -141,14 +141,7 @@ class DrafterModel(nn.Module):
         """Every layer's `method` in turn: carry through, xs sliced per layer (leading axis L),
         shared the same for all -> (carry, per-layer outputs stacked [L, ...]): the scanned module,
         or the backend's own loop over the stacked params."""
-        loop = backends.get(self.backend).layer_loop
-        if loop is None:
-            return getattr(self.layers, method)(carry, xs, shared)
-        if self.is_initializing():
-            raise TypeError(f"the {self.backend} backend's params are made from stacked ones "
-                            "(Backend.drafter_params); initialise DrafterModel with backend='xla'")
-        layer = DrafterLayer(self.config, self.dtype, self.attn_impl, self.backend, parent=None)
-        return loop(layer, self.variables["params"]["layers"], carry, xs, shared, method=method)
+        return run_layers(self, DrafterLayer, method, carry, xs, shared)
 
     def context_kv(self, features, positions):
         """features [B, C, n*D] at positions [B, C] -> keys, values [L, B, C, Hkv, Dh]."""
@@ -199,7 +192,8 @@ class DrafterSpec:
         if self.decode_weights not in DECODE_WEIGHTS:
             raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r}")
 
-    def _module_params(self, loop_params):
+    def module_params(self, loop_params):
+        """The Flax module's params inside `loop_params` (without a reduced vocabulary's head)."""
         return loop_params if self.config.draft_vocab_size is None else loop_params["drafter"]
 
     @property
@@ -209,7 +203,7 @@ class DrafterSpec:
     def module_for(self, loop_params) -> DrafterModel:
         """The module that reads `loop_params`, on the backend whose layout they are in
         (`backends.of_drafter_params`)."""
-        return self._module_reading(self._module_params(loop_params))
+        return self._module_reading(self.module_params(loop_params))
 
     def _module_reading(self, module_params) -> DrafterModel:
         return DrafterModel(self.config, self.dtype, self.attn_impl, backends.of_drafter_params(module_params))
@@ -223,7 +217,7 @@ class DrafterSpec:
     def draft_head_logits(self, loop_params, hidden):
         """float32 logits [..., Vd] of a reduced draft vocabulary's own head for hidden [..., D]
         (kernel [D, Vd], or in the backend's layout, which reads it once for all the block's slots)."""
-        backend = backends.get(backends.of_drafter_params(self._module_params(loop_params)))
+        backend = backends.get(backends.of_drafter_params(self.module_params(loop_params)))
         return backend.matmul(hidden.astype(jnp.float32), loop_params["draft_head"]["kernel"],
                               self.config.draft_vocab_size)
 
@@ -241,7 +235,7 @@ class DrafterSpec:
         params: `loop_params`."""
         t = features.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        k, v = self.module_for(params).apply({"params": self._module_params(params)}, features, positions,
+        k, v = self.module_for(params).apply({"params": self.module_params(params)}, features, positions,
                                              method="context_kv")
         return cache.append(k, v, t if num_new is None else num_new)
 
@@ -253,7 +247,7 @@ class DrafterSpec:
         positions = cache.lengths[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
         full = masks.drafter_inference(cache.lengths, cache.capacity, g)
         windowed = masks.drafter_inference(cache.lengths, cache.capacity, g, self.config.sliding_window)
-        return self.module_for(params).apply({"params": self._module_params(params)}, block_embeds,
+        return self.module_for(params).apply({"params": self.module_params(params)}, block_embeds,
                                              positions, cache, full, windowed, method="cached_blocks")
 
     def train_hidden(self, params, features, block_embeds, anchors, block_valid):

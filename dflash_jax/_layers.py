@@ -29,6 +29,24 @@ class RMSNorm(nn.Module):
         return scale * normed.astype(x.dtype)
 
 
+def run_layers(model: nn.Module, layer_cls: type, method: str, carry, xs, *shared):
+    """Every layer of a bound `model` (a TargetModel or DrafterModel: fields config, dtype,
+    attn_impl, backend; its stacked layers under params["layers"], scanned by `model.layers`) runs
+    `method`(carry, xs[i], *shared) in turn -> (carry, per-layer outputs stacked [L, ...]): the
+    model's own `nn.scan`, or its backend's loop over the stacked params
+    (`backends.base.Backend.layer_loop`), which reads a layout made from stacked params and so
+    cannot initialise them."""
+    loop = backends.get(model.backend).layer_loop
+    if loop is None:
+        return getattr(model.layers, method)(carry, xs, *shared)
+    if model.is_initializing():
+        raise TypeError(f"the {model.backend} backend's params are made from stacked ones "
+                        f"(Backend.target_params / drafter_params); initialise {type(model).__name__} "
+                        "with backend='xla'")
+    layer = layer_cls(model.config, model.dtype, model.attn_impl, model.backend, parent=None)
+    return loop(layer, model.variables["params"]["layers"], carry, xs, *shared, method=method)
+
+
 def make_dense(features: int, use_bias: bool, dtype: Dtype, backend: str = "xla", name: str | None = None):
     """The module of one weight product on `backend` (`backends.base.Backend.dense`): `nn.Dense`
     (kernel [in, out]) on XLA."""

@@ -202,10 +202,9 @@ def _block_size(drafter, block_size) -> int:
 
 def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
              block_size, seed, acceptance, lookup=0, min_draft_probability=0.0):
-    """Check every argument -> (GenerationConfig, the executables' inputs after the params: prompt
-    tokens, prompt lengths, rng, sampling params; stop ids)."""
-    if drafter is not None:
-        validate_pair(drafter.config, target)
+    """Check every argument but the pair itself (`Generator.bind` checks it) -> (GenerationConfig,
+    the executables' inputs after the params: prompt tokens, prompt lengths, rng, sampling params;
+    stop ids)."""
     vocab = target.config.vocab_size
     _check_int("max_new_tokens", max_new_tokens, 1)
     _check_number("temperature", temperature, "a finite number >= 0 (0 = greedy)", lambda t: t >= 0)

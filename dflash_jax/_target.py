@@ -25,7 +25,7 @@ from dflash_jax import backends, _masks as masks
 from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import KVCache, resolve_kv_cache_dtype
 from dflash_jax._config import ModelConfig
-from dflash_jax._layers import MLP, AttentionProjections, RMSNorm, Rotary
+from dflash_jax._layers import MLP, AttentionProjections, RMSNorm, Rotary, run_layers
 from dflash_jax._model_spec import on_spec
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
@@ -167,14 +167,7 @@ class TargetModel(nn.Module):
         """The layers in turn: the scanned module, or the backend's own loop over the stacked params
         (with a cache, every layer's attention reads it inside the loop and the new rows are
         written after it, so XLA does not copy the cache to order the two)."""
-        loop = backends.get(self.backend).layer_loop
-        if loop is None:
-            return self.layers(carry, layer_xs, positions, cos, sin, cache)
-        if self.is_initializing():
-            raise TypeError(f"the {self.backend} backend's params are made from stacked ones "
-                            "(Backend.target_params); initialise TargetModel with backend='xla'")
-        layer = TargetLayer(self.config, self.dtype, self.attn_impl, self.backend, parent=None)
-        return loop(layer, self.variables["params"]["layers"], carry, layer_xs, positions, cos, sin, cache)
+        return run_layers(self, TargetLayer, "__call__", carry, layer_xs, positions, cos, sin, cache)
 
     def embed(self, tokens):
         return backends.get(self.backend).embed(self, tokens)

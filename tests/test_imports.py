@@ -150,13 +150,13 @@ def _calls_default_backend(source: str) -> list[int]:
     return sorted({node.lineno for node in ast.walk(ast.parse(source))
                    if (isinstance(node, ast.Attribute) and node.attr == "default_backend")
                    or (isinstance(node, ast.Name) and node.id == "default_backend")
-                   or (isinstance(node, ast.alias) and node.name.endswith("default_backend"))
-                   and hasattr(node, "lineno")})
+                   or (isinstance(node, ast.alias) and node.name.endswith("default_backend"))})
 
 
 def test_default_backend_check_sees_calls():
     assert _calls_default_backend("import jax\nif jax.default_backend() == 'cpu':\n    pass\n") == [2]
     assert _calls_default_backend("import jax\nx = jax.devices()\n") == []
+    assert _calls_default_backend("from jax import default_backend\n") == [1]
 
 
 def test_the_models_do_not_branch_on_the_jax_backend():

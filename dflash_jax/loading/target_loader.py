@@ -118,12 +118,11 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
         raise FileNotFoundError(f"target path does not exist: {path} (or use an embedded name: "
                                 f"{', '.join(EMBEDDED_TARGETS)})")
     backend = backends.layout_backend(layout)
-    resolved_layout = {name: layout for layout, name in backends.LAYOUTS.items()}[backend]
     cpu_decode = backend == "cpu" and jnp.dtype(dtype) == jnp.float32
     if decode_activations == "int8" and (path.suffix != ".gguf" or not cpu_decode):
         raise ValueError("decode_activations='int8' multiplies a GGUF file's Q4_1 blocks in a float32 CPU "
                          f"decode (layout 'packed'); got {path.name}, {jnp.dtype(dtype).name}, layout "
-                         f"{resolved_layout!r}")
+                         f"{'packed' if backend == 'cpu' else 'stacked'!r}")
     if path.suffix == ".gguf":
         from dflash_jax.loading.gguf_reader import gguf_tokenizer, read_gguf
 

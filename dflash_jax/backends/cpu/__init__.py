@@ -14,6 +14,8 @@ Nothing outside this package imports it but the registry (`dflash_jax.backends.g
 """
 from __future__ import annotations
 
+import jax
+
 from dflash_jax.backends.base import Backend
 from dflash_jax.backends.cpu import attention, layout
 from dflash_jax.backends.cpu.matmul import is_packed, packs_side_by_side, rows_matmul, uses_int8_activations
@@ -59,8 +61,6 @@ class CpuBackend(Backend):
         return layout.has_packed_kernels(module_params["layers"])
 
     def activations(self, params):
-        import jax
-
         return "int8" if any(uses_int8_activations(w) for w in jax.tree_util.tree_leaves(params)) else "float32"
 
     def gguf_weights(self, tensors, config, activations):

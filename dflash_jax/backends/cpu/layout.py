@@ -189,15 +189,14 @@ def pack_drafter(spec, loop_params):
     reduced draft vocabulary's head too, quantized as `spec.decode_weights` says ("stored": as
     loaded; "q8_0": 8 bits and a scale per 32 weights). Packed params are returned as they are.
     Run it outside jit."""
-    reduced = spec.config.draft_vocab_size is not None
-    module_params = loop_params["drafter"] if reduced else loop_params
+    module_params = spec.module_params(loop_params)
     if has_packed_kernels(module_params["layers"]):
         return loop_params
     quantize = None if spec.decode_weights == "stored" else spec.decode_weights
     pack = functools.partial(pack_kernel, quantize=quantize)
     packed = {**module_params, "fc": {"kernel": pack(module_params["fc"]["kernel"])},
               "layers": pack_stacked_kernels(module_params["layers"], quantize=quantize)}
-    if not reduced:
+    if spec.config.draft_vocab_size is None:
         return packed
     head = loop_params["draft_head"]
     return {**loop_params, "drafter": packed, "draft_head": {**head, "kernel": pack(head["kernel"])}}

@@ -61,6 +61,12 @@ class KVCache:
                        lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
 
 
+    def commit(self, pending, num_new) -> "KVCache":
+        """`append` of a forward's pending (k_new, v_new): what every target cache offers (a hybrid
+        target's `HybridCache.commit` also rolls its recurrent state)."""
+        return self.append(*pending, num_new)
+
+
 def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array, *, axis: int = 0) -> jax.Array:
     """Write `new` into `buffer` row by row: row b of `new` (rows along `axis`) lands at
     positions offsets[b] .. offsets[b] + T - 1 of the axis after `axis`; other axes are whole.

@@ -13,7 +13,13 @@ from dflash_jax._errors import ConfigError
 ARCH_BY_HF_CLASS = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not read
 }
+MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+HYBRID_ARCHS = ("qwen3_5",)  # families with Gated DeltaNet ("linear_attention") layers
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+LINEAR = "linear_attention"
 ARCHS = tuple(sorted(set(ARCH_BY_HF_CLASS.values())))
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REQUIRED = object()  # ConfigFields default: the field must be present
@@ -137,9 +143,12 @@ def default_stop_token_ids(config: "ModelConfig", tokenizer=None) -> list[int]:
     return stops
 
 
-def rope_settings(fields: ConfigFields) -> tuple[float, tuple]:
-    """(rope_theta, frozen scaling dict) from either the transformers<5 `rope_theta`+`rope_scaling`
-    fields or the transformers>=5 `rope_parameters` field."""
+def rope_settings(fields: ConfigFields, partial: bool = False) -> tuple[float, tuple, float]:
+    """(rope_theta, frozen scaling dict, partial_rotary_factor) from either the transformers<5
+    `rope_theta`+`rope_scaling` fields or the transformers>=5 `rope_parameters` field. partial: the
+    family rotates a part of each head (Qwen3.5); elsewhere a factor other than 1 is refused. The
+    multimodal sections of Qwen3.5's rope (`mrope_section`) give plain positions for text and are
+    dropped."""
     params = dict(fields.section("rope_parameters").hf)
     scaling = dict(fields.section("rope_scaling").hf)
     theta = params.pop("rope_theta", fields.float("rope_theta", 10000.0))
@@ -149,13 +158,22 @@ def rope_settings(fields: ConfigFields) -> tuple[float, tuple]:
     rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise fields.error(f"unsupported rope type {rope_type!r}; supported: {ROPE_TYPES}")
-    if scaling.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise fields.error("partial_rotary_factor != 1 is not supported")
-    return float(theta), _freeze({"rope_type": rope_type, **scaling})
+    factor = scaling.pop("partial_rotary_factor", fields.float("partial_rotary_factor", 1.0))
+    if not _is_number(factor) or not 0 < factor <= 1:
+        raise fields.error(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
+    if factor != 1.0 and not partial:
+        raise fields.error("partial_rotary_factor != 1 is not supported for this architecture")
+    for multimodal in ("mrope_section", "mrope_interleaved"):
+        scaling.pop(multimodal, None)
+    return float(theta), _freeze({"rope_type": rope_type, **scaling}), float(factor)
 
 
-def resolve_layer_types(fields: ConfigFields, num_layers: int) -> tuple[str, ...]:
+def resolve_layer_types(fields: ConfigFields, num_layers: int, hybrid: bool = False) -> tuple[str, ...]:
     layer_types = fields.str_list("layer_types", None)
+    if layer_types is None and hybrid:  # Qwen3.5's default: every `full_attention_interval`-th layer is full
+        interval = fields.int("full_attention_interval", 4)
+        layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                            for i in range(num_layers))
     if layer_types is None:
         window = fields.int("sliding_window", 0)
         max_window_layers = fields.int("max_window_layers", num_layers)
@@ -166,20 +184,23 @@ def resolve_layer_types(fields: ConfigFields, num_layers: int) -> tuple[str, ...
         )
     if len(layer_types) != num_layers:
         raise fields.error(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    allowed = LAYER_TYPES if hybrid else LAYER_TYPES[:2]
     for t in layer_types:
-        if t not in ("full_attention", "sliding_attention"):
+        if t not in allowed:
             raise fields.error(f"unsupported layer type {t!r}")
     return layer_types
 
 
-def decoder_fields(fields: ConfigFields, default_max_positions: int) -> dict:
+def decoder_fields(fields: ConfigFields, default_max_positions: int, hybrid: bool = False) -> dict:
     """The decoder-stack fields that target and drafter configs share (same dataclass field names):
-    sizes, norm epsilon, RoPE, and per-layer attention windows."""
+    sizes, norm epsilon, RoPE, and per-layer attention windows. hybrid: a family with Gated DeltaNet
+    layers (partial rotary and "linear_attention" layer types allowed; the caller adds the
+    partial_rotary_factor this returns under that key)."""
     num_layers = fields.int("num_hidden_layers")
     num_heads = fields.int("num_attention_heads")
     hidden_size = fields.int("hidden_size")
-    theta, scaling = rope_settings(fields)
-    layer_types = resolve_layer_types(fields, num_layers)
+    theta, scaling, partial_rotary = rope_settings(fields, partial=hybrid)
+    layer_types = resolve_layer_types(fields, num_layers, hybrid)
     return dict(
         hidden_size=hidden_size,
         intermediate_size=fields.int("intermediate_size"),
@@ -193,7 +214,18 @@ def decoder_fields(fields: ConfigFields, default_max_positions: int) -> dict:
         max_position_embeddings=fields.int("max_position_embeddings", default_max_positions),
         layer_types=layer_types,
         sliding_window=fields.int("sliding_window", 0) if "sliding_attention" in layer_types else 0,
+        **({"partial_rotary_factor": partial_rotary} if hybrid else {}),
     )
+
+
+def layer_pattern(layer_types) -> tuple[str, ...]:
+    """The shortest prefix whose repeats make up `layer_types` (all of it when none does): a hybrid
+    target's layers are stacked per position of it."""
+    n = len(layer_types)
+    for p in range(1, n + 1):
+        if n % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(n)):
+            return tuple(layer_types[:p])
+    return tuple(layer_types)
 
 
 def check_gqa(num_heads: int, num_kv_heads: int) -> int:
@@ -213,11 +245,14 @@ class LayerLayout:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         check_gqa(self.num_heads, self.num_kv_heads)
 
-    def _validate_layer_types(self) -> None:
+    def _validate_layer_types(self, allowed: tuple[str, ...] = LAYER_TYPES[:2]) -> None:
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(allowed))
+        if unknown:
+            raise ValueError(f"layer types {unknown} are not supported here; allowed: {list(allowed)}")
         if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
             raise ValueError("sliding_attention layers need a positive sliding_window")
 
@@ -233,9 +268,11 @@ class LayerLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(LayerLayout):
-    """A decoder-only target (Qwen3 or Llama family)."""
+    """A decoder-only target: Qwen3 or Llama, or a Qwen3.5 hybrid ("qwen3_5": Gated DeltaNet
+    "linear_attention" layers between gated full-attention layers; the `linear_*` fields size the
+    former, `partial_rotary_factor` the part of each attention head that is rotated)."""
 
-    arch: str  # "qwen3" | "llama"
+    arch: str  # "qwen3" | "llama" | "qwen3_5"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -256,13 +293,54 @@ class ModelConfig(LayerLayout):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # Qwen3.5 hybrids (zero elsewhere)
+    partial_rotary_factor: float = 1.0
+    linear_conv_kernel_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"unknown arch {self.arch!r}; supported: {ARCHS}")
         self._validate_sizes("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                              "num_kv_heads", "head_dim")
-        self._validate_layer_types()
+        self._validate_layer_types(LAYER_TYPES if self.is_hybrid_arch else LAYER_TYPES[:2])
+        if self.is_hybrid_arch:
+            self._validate_sizes("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
+                                 "linear_key_head_dim", "linear_value_head_dim")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
+                                 f"of linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ValueError(f"the rotated part of a head ({self.head_dim} x {self.partial_rotary_factor}) "
+                             "must be a positive even number of dims")
+
+    @property
+    def is_hybrid_arch(self) -> bool:
+        """A family with Gated DeltaNet layers (`HYBRID_ARCHS`): its own model class and cache."""
+        return self.arch in HYBRID_ARCHS
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each attention head that RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the KV cache (all but linear-attention ones)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t != "linear_attention")
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear-attention layer's causal conv: q, k (key heads) and v (value heads)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
 
     @classmethod
     def from_hf_config(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
@@ -271,18 +349,33 @@ class ModelConfig(LayerLayout):
         archs = fields.str_list("architectures", ())
         model_type = hf.get("model_type")
         arch = next((ARCH_BY_HF_CLASS[a] for a in archs if a in ARCH_BY_HF_CLASS), None)
-        if arch is None and model_type in ARCHS and not archs:
-            arch = model_type
+        if arch is None and model_type in MODEL_TYPES and not archs:
+            arch = MODEL_TYPES[model_type]
         if arch is None:
             raise fields.error(f"unsupported architecture {list(archs) or model_type!r}; supported: "
                                f"{sorted(ARCH_BY_HF_CLASS)}")
+        hybrid = arch in HYBRID_ARCHS
+        if hybrid and isinstance(hf.get("text_config"), dict):
+            # a multimodal checkpoint's config: the text model's fields, the top level's where it has none
+            top = {k: v for k, v in hf.items() if k in ("tie_word_embeddings", "eos_token_id", "bos_token_id",
+                                                         "pad_token_id")}
+            fields = ConfigFields({**top, **{k: v for k, v in hf["text_config"].items() if v is not None}},
+                                  source, "text_config.")
+        linear = {}
+        if hybrid:
+            linear = dict(linear_conv_kernel_dim=fields.int("linear_conv_kernel_dim", 4),
+                          linear_num_key_heads=fields.int("linear_num_key_heads", 16),
+                          linear_num_value_heads=fields.int("linear_num_value_heads", 32),
+                          linear_key_head_dim=fields.int("linear_key_head_dim", 128),
+                          linear_value_head_dim=fields.int("linear_value_head_dim", 128))
         return fields.build(
             cls,
             arch=arch,
             vocab_size=fields.int("vocab_size"),
-            **decoder_fields(fields, default_max_positions=4096),
+            **decoder_fields(fields, default_max_positions=4096, hybrid=hybrid),
+            **linear,
             tie_word_embeddings=fields.bool("tie_word_embeddings", False),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_5"),
             attention_bias=fields.bool("attention_bias", False),
             mlp_bias=fields.bool("mlp_bias", False),
             bos_token_id=fields.int("bos_token_id", None),

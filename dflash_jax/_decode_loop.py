@@ -213,8 +213,8 @@ def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, 
 
 def _verify(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params):
     """The target on the whole block and the acceptance rule -> (num_accepted [B], next_token [B],
-    the captured features [B, G, ...] or None, the block's keys and values [L, B, G, Hkv, Dh] each,
-    for the target cache)."""
+    the captured features [B, G, ...] or None, what the target cache commits of the block: its keys
+    and values [L, B, G, Hkv, Dh] each, and a hybrid target's per-position linear-layer inputs)."""
     capture = drafter.config.target_layer_ids if drafter is not None else ()
     hidden, features, new_kv = target.forward(target_params, block, state.target_cache, capture=capture,
                                               write_cache=False)
@@ -241,7 +241,9 @@ def _verify_anchor(target, drafter, cfg, target_params, state, block, drafts, dr
     pad = block.shape[1] - 1
     if features is not None:
         features = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
-    new_kv = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in new_kv)
+    # every per-position array of the cache's pending is [layers, B, T, ...]
+    new_kv = jax.tree_util.tree_map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)),
+                                    new_kv)
     return num_accepted, next_token, features, new_kv
 
 
@@ -273,7 +275,7 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     tokens = jnp.where(live[:, None], tokens, state.tokens)
     lengths = state.lengths + num_emitted
     # The target cache keeps anchor + accepted drafts; the draft cache gains their features.
-    target_cache = state.target_cache.append(*new_kv, num_emitted)
+    target_cache = state.target_cache.commit(new_kv, num_emitted)
     draft_cache = state.draft_cache
     if drafter is not None:
         draft_cache = drafter.append_context(drafter_params, draft_cache, features, num_new=num_emitted)

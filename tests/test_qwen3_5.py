@@ -16,10 +16,16 @@ from dflash_jax._errors import CheckpointError
 from dflash_jax._speculative import Generator, generate
 from dflash_jax._target import Target, init_target_params
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "Qwen3_5ForCausalLM"):
-    pytest.skip("this transformers has no Qwen3_5", allow_module_level=True)
+
+
+def _hf():
+    """(torch, transformers) for the parity tests, which skip without them (the jax-latest leg has
+    no torch); the rest of this file needs neither."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        pytest.skip("this transformers has no Qwen3_5")
+    return torch, transformers
 
 TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -36,6 +42,7 @@ VARIANTS = {
 
 
 def make_hf(kind, text, out_dir, seed=0):
+    torch, transformers = _hf()
     torch.manual_seed(seed)
     text = {**TEXT, **text}
     if kind == "conditional":
@@ -66,6 +73,7 @@ def hf_pair(request, tmp_path_factory):
 
 
 def hf_outputs(model, ids, mask=None):
+    torch, _ = _hf()
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids), attention_mask=None if mask is None else torch.as_tensor(mask),
                     output_hidden_states=True)
@@ -114,6 +122,7 @@ def test_padded_batch_and_cached_prefill_equal_transformers(hf_pair):
 
 def test_greedy_tokens_equal_transformers_generate(hf_pair):
     model, target, _ = hf_pair
+    torch, _ = _hf()
     prompt = [5, 17, 33, 2, 9, 41]
     with torch.no_grad():
         expect = model.generate(torch.as_tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
@@ -135,6 +144,7 @@ def _delta_inputs(rng, b=2, t=37, hk=2, hv=4, dk=8, dv=8):
 
 
 def test_delta_rule_forms_agree_with_transformers_reference():
+    torch, _ = _hf()
     from transformers.models.qwen3_5 import modeling_qwen3_5 as ref
 
     q, k, v, g, beta, state = _delta_inputs(np.random.default_rng(2), t=150)

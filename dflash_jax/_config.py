@@ -13,10 +13,11 @@ from dflash_jax._errors import ConfigError
 ARCH_BY_HF_CLASS = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not read
 }
-MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
 HYBRID_ARCHS = ("qwen3_5",)  # families with Gated DeltaNet ("linear_attention") layers
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 LINEAR = "linear_attention"
@@ -300,6 +301,11 @@ class ModelConfig(LayerLayout):
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # mixture-of-experts MLPs (Qwen3-MoE; 0 experts: a dense MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -313,6 +319,11 @@ class ModelConfig(LayerLayout):
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
                                  f"of linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.num_experts:
+            self._validate_sizes("num_experts_per_tok", "moe_intermediate_size")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                                 f"({self.num_experts})")
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise ValueError(f"the rotated part of a head ({self.head_dim} x {self.partial_rotary_factor}) "
                              "must be a positive even number of dims")
@@ -321,6 +332,12 @@ class ModelConfig(LayerLayout):
     def is_hybrid_arch(self) -> bool:
         """A family with Gated DeltaNet layers (`HYBRID_ARCHS`): its own model class and cache."""
         return self.arch in HYBRID_ARCHS
+
+    @property
+    def stacked_only(self) -> bool:
+        """Decoded from the stacked (XLA) layout on every backend: the CPU backend's packed layout
+        holds Qwen3 / Llama layers only."""
+        return self.is_hybrid_arch or self.num_experts > 0
 
     @property
     def rotary_dim(self) -> int:
@@ -368,14 +385,28 @@ class ModelConfig(LayerLayout):
                           linear_num_value_heads=fields.int("linear_num_value_heads", 32),
                           linear_key_head_dim=fields.int("linear_key_head_dim", 128),
                           linear_value_head_dim=fields.int("linear_value_head_dim", 128))
+        moe = {}
+        if arch == "qwen3_moe":
+            sparse_step = fields.int("decoder_sparse_step", 1)
+            dense_layers = fields.int_list("mlp_only_layers", ())
+            # released configs say num_experts; transformers 5 writes its alias num_local_experts
+            experts = fields.int("num_experts", None)
+            experts = fields.int("num_local_experts") if experts is None else experts
+            if experts and (dense_layers or sparse_step != 1):
+                raise fields.error("dense MLP layers among the MoE ones (mlp_only_layers, decoder_sparse_step "
+                                   "> 1) are not supported yet: every layer must be an MoE layer")
+            moe = dict(num_experts=experts, num_experts_per_tok=fields.int("num_experts_per_tok"),
+                       moe_intermediate_size=fields.int("moe_intermediate_size"),
+                       norm_topk_prob=fields.bool("norm_topk_prob", False))
         return fields.build(
             cls,
             arch=arch,
             vocab_size=fields.int("vocab_size"),
             **decoder_fields(fields, default_max_positions=4096, hybrid=hybrid),
             **linear,
+            **moe,
             tie_word_embeddings=fields.bool("tie_word_embeddings", False),
-            qk_norm=arch in ("qwen3", "qwen3_5"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_5"),
             attention_bias=fields.bool("attention_bias", False),
             mlp_bias=fields.bool("mlp_bias", False),
             bos_token_id=fields.int("bos_token_id", None),

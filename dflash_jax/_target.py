@@ -27,6 +27,7 @@ from dflash_jax._hybrid import HybridCache, HybridTargetModel
 from dflash_jax._config import ModelConfig
 from dflash_jax._layers import MLP, AttentionProjections, Capture, RMSNorm, Rotary, capture_into, run_layers
 from dflash_jax._model_spec import on_spec
+from dflash_jax._moe import MoE
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
 
@@ -72,9 +73,13 @@ class TargetLayer(nn.Module):
                                        backend=self.backend)
         hidden = hidden + attn.output(attended)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        fused_mlp = ops.fuses(cfg.intermediate_size, cfg.intermediate_size)
-        hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.backend, fused_mlp,
-                              name="mlp")(x)
+        if cfg.num_experts:
+            hidden = hidden + MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                                  cfg.norm_topk_prob, self.dtype, name="mlp")(x)
+        else:
+            fused_mlp = ops.fuses(cfg.intermediate_size, cfg.intermediate_size)
+            hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.backend, fused_mlp,
+                                  name="mlp")(x)
         features = capture_into(features, slot, hidden)
         return (hidden, features), (None if cache is None else (k, v))
 
@@ -185,16 +190,16 @@ class TargetSpec:
 
     def module_for(self, params) -> nn.Module:
         """The module that reads `params`, on the backend whose layout they are in
-        (`backends.of_target_params`; a hybrid target's are always XLA's)."""
-        if self.config.is_hybrid_arch:
+        (`backends.of_target_params`; a hybrid or MoE target's are always XLA's)."""
+        if self.config.stacked_only:
             return self.module
         return TargetModel(self.config, self.dtype, self.attn_impl, backends.of_target_params(params))
 
     def decode_params(self, params, backend: str = "auto", *, release: bool = False):
         """Stacked `params` in the layout `backend` decodes with ("auto": this process's,
         `backends.resolve`); params already in it are returned as they are. Run it outside jit.
-        A hybrid target decodes from its stacked params on every backend."""
-        if self.config.is_hybrid_arch:
+        A hybrid or MoE target decodes from its stacked params on every backend."""
+        if self.config.stacked_only:
             backends.resolve(backend)  # validates
             return params
         return backends.get(backends.resolve(backend)).target_params(params, release=release)

@@ -247,17 +247,12 @@ def tiny_drafter(target, block_size=8, seed=1):
     return Drafter(cfg, init_drafter_params(cfg, jax.random.PRNGKey(seed)))
 
 
-def test_speculative_greedy_with_rejections_at_every_position(monkeypatch):
-    """The drafts are the plain greedy continuation with one token wrong at a position that moves
-    every cycle (cycle c of row b: position (c + b) mod G, none wrong at G - 1), so every cycle
-    rejects at a known place and rolls the recurrent state back there: the output stays plain
-    greedy decoding bit for bit, and every acceptance length 1..G occurs."""
-    target = tiny_hybrid()
-    drafter = tiny_drafter(target)
+def check_rejections_at_every_position(target, drafter, prompts, max_new, monkeypatch):
+    """Generate with drafts that are the plain greedy continuation with one token wrong at a position
+    that moves every cycle (cycle c of row b: position (c + b) mod G, none wrong at G - 1), so every
+    cycle rejects at a known place and the cache rolls back there: the output must stay plain
+    greedy decoding bit for bit, and every acceptance length 1..G must occur."""
     g = drafter.config.block_size
-    rng = np.random.default_rng(5)
-    prompts = [list(map(int, rng.integers(0, 40, size=n))) for n in (3, 9, 20)]
-    max_new = 50
     expect = [plain_greedy(target, p, max_new) for p in prompts]
     reference = np.zeros((len(prompts), 128), np.int32)
     for row, (p, e) in enumerate(zip(prompts, expect)):
@@ -276,6 +271,15 @@ def test_speculative_greedy_with_rejections_at_every_position(monkeypatch):
     assert result.tokens == expect
     lengths = {n for row in result.acceptance_lengths for n in row}
     assert set(range(1, g + 1)) <= lengths, lengths
+
+
+def test_speculative_greedy_with_rejections_at_every_position(monkeypatch):
+    """A hybrid's recurrent state rolled back at every position of an 8-token block, three ragged
+    rows (`check_rejections_at_every_position`)."""
+    target = tiny_hybrid()
+    rng = np.random.default_rng(5)
+    prompts = [list(map(int, rng.integers(0, 40, size=n))) for n in (3, 9, 20)]
+    check_rejections_at_every_position(target, tiny_drafter(target), prompts, 50, monkeypatch)
 
 
 def test_speculative_greedy_with_a_random_drafter_equals_plain_decoding():

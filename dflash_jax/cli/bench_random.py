@@ -31,6 +31,14 @@ RANDOM_TARGETS = {
                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
                                         "partial_rotary_factor": 0.25}},
                    248319),
+    # Qwen3-30B-A3B (Qwen3-Coder-30B-A3B has its shapes): 48 layers, each an MoE of 128 experts, 8 per token
+    "qwen3-30b-a3b": ({**_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                       "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                       "num_attention_heads": 32, "num_key_value_heads": 4, "moe_intermediate_size": 768,
+                       "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                       "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+                       "tie_word_embeddings": False},
+                      151669),
 }
 RANDOM_DRAFT_LAYERS = 5  # the official DFlash drafters of these targets
 

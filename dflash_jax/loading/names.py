@@ -25,16 +25,29 @@ class Rule:
     # the HF layers stacked under `path`, in order (None: 0 .. num_layers - 1); a hybrid target
     # stacks every layer of one position of its layer pattern
     layer_ids: tuple[int, ...] | None = None
+    # "{e}" in `hf`: one tensor per expert, stacked [layers, experts, ...] (an MoE layer's experts)
+    experts: int = 0
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
 
+    @property
+    def stacked_axes(self) -> int:
+        """Leading axes of the param that stack checkpoint tensors (layers, then experts)."""
+        return int(self.per_layer) + int(self.experts > 0)
+
     def hf_names(self, num_layers: int) -> list[str]:
         if not self.per_layer:
             return [self.hf]
         ids = range(num_layers) if self.layer_ids is None else self.layer_ids
+        if self.experts:
+            return [self.hf.format(i=i, e=e) for i in ids for e in range(self.experts)]
         return [self.hf.format(i=i) for i in ids]
+
+    def index(self, k: int):
+        """Where the k-th of `hf_names` goes in the stacked param."""
+        return divmod(k, self.experts) if self.experts else k
 
 
 def _linear(hf_prefix: str, path: tuple[str, ...], bias: bool) -> list[Rule]:
@@ -60,6 +73,16 @@ def decoder_layer_rules(hf_layer: str, qk_norm: bool, attention_bias: bool, mlp_
     return rules
 
 
+def moe_layer_rules(hf_layer: str, experts: int) -> list[Rule]:
+    """The MoE block of a Qwen3-MoE layer in its released layout: the router `mlp.gate` [E, D] and
+    each expert's gate / up / down projections, stacked [L, E, ...] (kernels [in, out])."""
+    rules = [Rule(f"{hf_layer}.mlp.gate.weight", ("layers", "mlp", "router", "kernel"), transpose=True)]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        rules.append(Rule(f"{hf_layer}.mlp.experts.{{e}}.{proj}.weight", ("layers", "mlp", proj), transpose=True,
+                          experts=experts))
+    return rules
+
+
 def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     """The name table of a target of `cfg`'s family (prefix: a hybrid checkpoint's text-model
     prefix, `hybrid_target_rules`)."""
@@ -67,7 +90,10 @@ def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
         return hybrid_target_rules(cfg, prefix)
     rules = [Rule("model.embed_tokens.weight", ("embed_tokens", "embedding")),
              Rule("model.norm.weight", ("norm", "scale"))]
-    rules += decoder_layer_rules("model.layers.{i}", cfg.qk_norm, cfg.attention_bias, cfg.mlp_bias)
+    layer = decoder_layer_rules("model.layers.{i}", cfg.qk_norm, cfg.attention_bias, cfg.mlp_bias)
+    if cfg.num_experts:  # every layer's MLP is the MoE block
+        layer = [r for r in layer if ".mlp." not in r.hf] + moe_layer_rules("model.layers.{i}", cfg.num_experts)
+    rules += layer
     if not cfg.tie_word_embeddings:
         rules.append(Rule("lm_head.weight", ("lm_head", "kernel"), transpose=True))
     return rules
@@ -158,7 +184,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     shape_of = shape_of or (lambda name: np.shape(tensors[name]))
     for rule in rules:
         want = _get(shapes, rule.path).shape
-        layer_shape = tuple(want[1:] if rule.per_layer else want)
+        layer_shape = tuple(want[rule.stacked_axes:])
         need = tuple(reversed(layer_shape)) if rule.transpose else layer_shape  # as the checkpoint holds it
         if rule.path in skip:
             for name in rule.hf_names(num_layers):
@@ -172,7 +198,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
                 raise CheckpointError(f"{source}: tensor {name} has shape {value.shape}, expected {need}")
             value = value.T if rule.transpose else value
             if rule.per_layer:
-                out[i] = value.astype(np_dtype)
+                out[rule.index(i)] = value.astype(np_dtype)
             else:
                 out[...] = value.astype(np_dtype)
             if progress:
@@ -200,7 +226,7 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
     for rule in rules:
         value = np.asarray(jax.device_get(_get(params, rule.path)))
         for i, name in enumerate(rule.hf_names(num_layers)):
-            layer = value[i] if rule.per_layer else value
+            layer = value[rule.index(i)] if rule.per_layer else value
             out[name] = np.ascontiguousarray(layer.T if rule.transpose else layer)
     return out
 

@@ -168,9 +168,9 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_config_json(path), source=str(config_file))
     config = with_generation_eos(config, path)
-    if config.is_hybrid_arch:  # decoded from the stacked layout on every backend
+    if config.stacked_only:  # decoded from the stacked layout on every backend
         if layout == "packed":
-            raise ValueError(f"{config_file}: a {config.arch} hybrid target has no packed layout; "
+            raise ValueError(f"{config_file}: a {config.arch} target has no packed layout; "
                              "use layout='stacked' or 'auto'")
         layout = "stacked"
     params = params_from_tensors(config, open_checkpoint(path), dtype, str(path), mesh=mesh)

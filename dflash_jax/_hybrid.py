@@ -33,7 +33,8 @@ from dflash_jax import _gated_delta as gd, _masks as masks
 from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import KVCache
 from dflash_jax._config import LINEAR, ModelConfig, layer_pattern
-from dflash_jax._layers import MLP, Capture, Rotary, apply_rotary, capture_into, make_dense
+from dflash_jax._layers import (MLP, Capture, Rotary, apply_rotary, capture_into, make_dense, rms_normalize,
+                               token_positions)
 
 
 class CenteredRMSNorm(nn.Module):
@@ -46,9 +47,7 @@ class CenteredRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+        return (rms_normalize(x, self.eps) * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -60,8 +59,7 @@ class GatedRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x, z):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        normed = rms_normalize(x, self.eps).astype(x.dtype)
         return (scale * normed * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -264,9 +262,7 @@ class HybridTargetModel(nn.Module):
         cfg = self.config
         hidden = self.embed_tokens(tokens)
         b, t = tokens.shape
-        offsets = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
-        if positions is None:
-            positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        positions = token_positions(tokens, cache, positions)
         cos, sin = self.rotary(positions)
         plan = Capture(capture, cfg.num_layers)
         buffer = plan.buffer(b, t, cfg.hidden_size, self.dtype)

@@ -15,6 +15,22 @@ from dflash_jax import backends
 Dtype = Any
 
 
+def rms_normalize(x, eps: float):
+    """x / sqrt(mean(x^2) + eps) over the last axis, in float32 (every RMSNorm's core)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def token_positions(tokens, cache, positions=None):
+    """The positions [B, T] of a forward's tokens: `positions` where given, else each row's next T
+    after its cached length (0 .. T-1 without a cache)."""
+    if positions is not None:
+        return positions
+    b, t = tokens.shape
+    offsets = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
+    return offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
 class RMSNorm(nn.Module):
     """Hugging Face RMSNorm: normalise in float32, cast back, then scale."""
 
@@ -24,9 +40,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return scale * normed.astype(x.dtype)
+        return scale * rms_normalize(x, self.eps).astype(x.dtype)
 
 
 def run_layers(model: nn.Module, layer_cls: type, method: str, carry, xs, *shared):

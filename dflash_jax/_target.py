@@ -25,7 +25,8 @@ from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import KVCache, resolve_kv_cache_dtype
 from dflash_jax._hybrid import HybridCache, HybridTargetModel
 from dflash_jax._config import ModelConfig
-from dflash_jax._layers import MLP, AttentionProjections, Capture, RMSNorm, Rotary, capture_into, run_layers
+from dflash_jax._layers import (MLP, AttentionProjections, Capture, RMSNorm, Rotary, capture_into, run_layers,
+                               token_positions)
 from dflash_jax._model_spec import on_spec
 from dflash_jax._moe import MoE
 
@@ -118,9 +119,7 @@ class TargetModel(nn.Module):
         cfg = self.config
         hidden = self.embed(tokens)
         b, t = tokens.shape
-        offsets = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
-        if positions is None:
-            positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        positions = token_positions(tokens, cache, positions)
         cos, sin = self.rotary(positions)
         plan = Capture(capture, cfg.num_layers)
         buffer = plan.buffer(b, t, cfg.hidden_size, self.dtype)

@@ -291,16 +291,22 @@ def test_speculative_greedy_with_a_random_drafter_equals_plain_decoding():
     assert result.tokens == [plain_greedy(target, p, 33) for p in prompts]
 
 
+def check_sampling_lossless(target, drafter):
+    """test_sampling's chi-square: the first 3 tokens sampled speculatively (6,000 samples, its
+    prompt, seed and threshold) follow the target's exact distribution, with drafts accepted."""
+    from test_sampling import PROMPT, SAMPLES, chi_square_pvalue, exact_joint
+
+    result = generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, stop_token_ids=(), temperature=1.0,
+                      seed=11)
+    assert chi_square_pvalue([tuple(t) for t in result.tokens], exact_joint(target)) > 1e-3
+    assert result.tau > 1.05  # drafts were accepted: the rule and the rollback ran
+
+
 def test_speculative_sampling_keeps_the_hybrid_targets_distribution():
-    from test_sampling import SAMPLES, V, chi_square_pvalue, exact_joint
+    from test_sampling import V
 
     target = tiny_hybrid(seed=3, vocab=V + 1, scale=3.0)
-    drafter = tiny_drafter(target, block_size=4, seed=5)
-    result = generate(target, drafter, [[1, 4, 2]] * SAMPLES, max_new_tokens=3, stop_token_ids=(), temperature=1.0,
-                      seed=11)
-    samples = [tuple(t) for t in result.tokens]
-    assert chi_square_pvalue(samples, exact_joint(target)) > 1e-3
-    assert result.tau > 1.05  # drafts were accepted: the rule and the rollback ran
+    check_sampling_lossless(target, tiny_drafter(target, block_size=4, seed=5))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ and merges them with their softmax statistics (out, log-sum-exp): the cache is o
 chunks whose count follows the filled length (not the capacity), and never concatenated. A backend
 may take the cache read over (`backends.base.Backend.cache_attention`: the CPU backend's one custom
 call for float32).
+
+`sinks` [Hq] (gpt-oss's attention sinks): one learned logit per query head that joins each query's
+softmax denominator and carries no value (`kernels.reference.with_sinks`). Through a cache it is
+added once, after the two parts are merged.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from dflash_jax.kernels.reference import (
     chunked_cache_attention_with_lse,
     reference_attention,
     reference_attention_with_lse,
+    with_sinks,
 )
 from dflash_jax._masks import KeyRanges
 
@@ -52,13 +57,15 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def merge_with_lse(first, second):
-    """Merge two partial attentions over disjoint key sets: (out, lse) pairs -> out float32."""
+def merge_with_lse(first, second, *, return_lse: bool = False):
+    """Merge two partial attentions over disjoint key sets: (out, lse) pairs -> out float32 (and
+    the merged lse with return_lse)."""
     (out1, lse1), (out2, lse2) = first, second
     lse = jnp.logaddexp(lse1, lse2)
     safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
     weight1, weight2 = jnp.exp(lse1 - safe)[..., None], jnp.exp(lse2 - safe)[..., None]
-    return out1.astype(jnp.float32) * weight1 + out2.astype(jnp.float32) * weight2
+    out = out1.astype(jnp.float32) * weight1 + out2.astype(jnp.float32) * weight2
+    return (out, lse) if return_lse else out
 
 
 def _kernel_mode(impl: str, q, k, v, ranges: KeyRanges, scale) -> bool | None:
@@ -80,17 +87,20 @@ def _kernel_mode(impl: str, q, k, v, ranges: KeyRanges, scale) -> bool | None:
     return impl == "pallas_interpret"
 
 
-def attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, impl: str = "auto"):
+def attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, impl: str = "auto", sinks=None):
     """Dispatch to the best implementation available for this backend and shape.
 
     impl: "auto" takes the Pallas kernel on GPU when it supports the shape and the reference
     otherwise (logging the reason once); "pallas" forces the kernel (ValueError if unsupported);
     "pallas_interpret" runs the kernel in Pallas interpret mode (CPU tests); "reference" the
-    reference.
+    reference. sinks [Hq]: attention sinks (module docstring).
     """
     interpret = _kernel_mode(impl, q, k, v, ranges, scale)
     if interpret is None:
-        return reference_attention(q, k, v, ranges, scale=scale)
+        return reference_attention(q, k, v, ranges, scale=scale, sinks=sinks)
+    if sinks is not None:
+        return with_sinks(*block_attention_with_lse(q, k, v, ranges, scale=scale, interpret=interpret),
+                          sinks)[0].astype(q.dtype)
     return block_attention(q, k, v, ranges, scale=scale, interpret=interpret)
 
 
@@ -104,7 +114,7 @@ def _partial(q, k, v, ranges: KeyRanges, scale, impl: str):
 
 def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, ranges: KeyRanges, *,
                     scale: float | None = None, impl: str = "auto", chunk_size: int = CACHE_CHUNK,
-                    backend: str = "xla"):
+                    backend: str = "xla", sinks=None):
     """Attention of q [B, Tq, Hq, D] over [layer `layer` of cache_k/v [L, B, S, Hkv, D] ; k, v
     [B, T, Hkv, D]]: cache_ranges index the cache slots, ranges the new keys (0 .. T-1); build
     both from one `KeyRanges` with `KeyRanges.segment`. -> [B, Tq, Hq, D] in q's dtype.
@@ -113,9 +123,10 @@ def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, r
     kernel ("pallas" / "pallas_interpret") reads the layer's slots and skips key tiles outside the
     ranges. "auto" first offers the read to `backend` (the calling model's: the CPU backend takes
     float32 where its kernels are built), then follows `attention`'s rule: the kernel on a GPU where
-    it supports the shapes, the reference elsewhere.
+    it supports the shapes, the reference elsewhere. sinks [Hq]: attention sinks, added once to the
+    merged softmax (module docstring).
     """
-    if impl == "auto":
+    if impl == "auto" and sinks is None:
         taken = backends.get(backend).cache_attention(q, cache_k, cache_v, layer, cache_ranges, k, v, ranges,
                                                       scale=q.shape[-1] ** -0.5 if scale is None else scale)
         if taken is not None:
@@ -128,4 +139,6 @@ def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, r
     else:
         cached = _partial(q, layer_k, layer_v, cache_ranges, scale, impl)
     new = _partial(q, k, v, ranges, scale, impl)
-    return merge_with_lse(cached, new).astype(q.dtype)
+    if sinks is None:
+        return merge_with_lse(cached, new).astype(q.dtype)
+    return with_sinks(*merge_with_lse(cached, new, return_lse=True), sinks)[0].astype(q.dtype)

@@ -18,11 +18,12 @@ from dflash_jax.kernels.reference import (
     chunked_cache_attention_with_lse,
     reference_attention,
     reference_attention_with_lse,
+    with_sinks,
 )
 from dflash_jax.kernels.tile_plan import round_up
 
 __all__ = [
     "KEY_TILE", "BlockSizes", "block_attention", "block_attention_with_lse", "unsupported_reason",
     "check_gqa", "chunked_cache_attention_with_lse", "reference_attention",
-    "reference_attention_with_lse", "round_up",
+    "reference_attention_with_lse", "round_up", "with_sinks",
 ]

@@ -39,9 +39,23 @@ def _widened(q, *xs):
     return [x.astype(jnp.promote_types(x.dtype, q.dtype)) for x in xs]
 
 
-def reference_attention_with_lse(q, k, v, ranges: KeyRanges, *, scale: float | None = None):
+def with_sinks(out, lse, sinks):
+    """Attention sinks (gpt-oss): one learned logit per query head [Hq] that joins every query's
+    softmax denominator and carries no value. From the attention over the keys alone (out
+    [B, Tq, Hq, D], lse [B, Tq, Hq]) -> (out float32, lse), both as if the sink had been one more
+    key: out scaled by exp(lse - lse'), lse' = logaddexp(lse, sink). A query that sees no key
+    keeps zeros (its whole weight is on the sink). sinks None: unchanged."""
+    if sinks is None:
+        return out.astype(jnp.float32), lse
+    with_sink = jnp.logaddexp(lse, sinks.astype(jnp.float32))
+    return out.astype(jnp.float32) * jnp.exp(lse - with_sink)[..., None], with_sink
+
+
+def reference_attention_with_lse(q, k, v, ranges: KeyRanges, *, scale: float | None = None, sinks=None):
     """Plain-jnp attention with a materialised mask -> (out [B, Tq, Hq, D] float32,
-    lse [B, Tq, Hq] float32 natural log-sum-exp of the visible scores, -inf where none is visible)."""
+    lse [B, Tq, Hq] float32 natural log-sum-exp of the visible scores, -inf where none is visible).
+    sinks [Hq]: attention sinks (`with_sinks`), one more logit per head in each softmax; the lse
+    then includes it."""
     k, v = _widened(q, k, v)
     qg = _grouped(q, k.shape[2])
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * _scale(q, scale)
@@ -54,12 +68,13 @@ def reference_attention_with_lse(q, k, v, ranges: KeyRanges, *, scale: float | N
     probs = probs / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bhgqk,bkhd->bhgqd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     lse = jnp.where(denom > 0, row_max + jnp.log(denom), -jnp.inf)[..., 0]
-    return _ungrouped(out, lse)
+    return with_sinks(*_ungrouped(out, lse), sinks)
 
 
-def reference_attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None):
-    """Plain-jnp attention with a materialised mask -> [B, Tq, Hq, D] in q's dtype."""
-    return reference_attention_with_lse(q, k, v, ranges, scale=scale)[0].astype(q.dtype)
+def reference_attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, sinks=None):
+    """Plain-jnp attention with a materialised mask -> [B, Tq, Hq, D] in q's dtype (sinks: as in
+    `reference_attention_with_lse`)."""
+    return reference_attention_with_lse(q, k, v, ranges, scale=scale, sinks=sinks)[0].astype(q.dtype)
 
 
 def chunked_cache_attention_with_lse(q, cache_k, cache_v, layer, ranges: KeyRanges, *,

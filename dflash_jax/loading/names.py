@@ -6,6 +6,8 @@ Per-layer names contain ``{i}``; their Flax params are stacked on a leading laye
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import re
 from typing import Any, Callable, Collection, Mapping
 
@@ -182,6 +184,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
         raise CheckpointError(f"{source} has {len(unmapped)} tensor(s) this model does not use: {unmapped[:8]}")
     params: dict = {}
     shape_of = shape_of or (lambda name: np.shape(tensors[name]))
+    assemble = getattr(place, "assemble", None)
     for rule in rules:
         want = _get(shapes, rule.path).shape
         layer_shape = tuple(want[rule.stacked_axes:])
@@ -190,6 +193,13 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
             for name in rule.hf_names(num_layers):
                 if tuple(shape_of(name)) != need:
                     raise CheckpointError(f"{source}: tensor {name} has shape {tuple(shape_of(name))}, expected {need}")
+            continue
+        if assemble is not None:  # a sharded load: each device's block read on its own
+            read = functools.partial(_read_block, rule, tensors, tuple(want), need, np_dtype, num_layers, source)
+            _set(params, rule.path, assemble(rule.path, tuple(want), read))
+            for name in rule.hf_names(num_layers):
+                if progress:
+                    progress(name)
             continue
         out = host_arrays.empty(want, np_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
@@ -210,6 +220,28 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     if unfilled:
         raise ValueError(f"name table leaves params unfilled: {unfilled}")
     return params
+
+
+def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers: int, source: str, index) -> np.ndarray:
+    """The block `index` (a tuple of slices over the param's shape `want`) of the param that `rule`
+    fills, read from the checkpoint tensors that overlap it and nothing else: a device's shard of
+    a stacked weight reads its layers' (and experts') tensors, and of each only its slice."""
+    index = tuple(index) + (slice(None),) * (len(want) - len(tuple(index)))
+    spans = [range(*s.indices(n)) for s, n in zip(index, want)]
+    block = host_arrays.empty(tuple(len(r) for r in spans), dtype)
+    lead = rule.stacked_axes
+    names = rule.hf_names(num_layers)
+    inner = tuple(index[lead:])
+    stacked = [spans[0]] + ([spans[1]] if rule.experts else []) if rule.per_layer else []
+    for at in itertools.product(*[range(len(r)) for r in stacked]):
+        position = tuple(r[i] for r, i in zip(stacked, at))
+        name = names[position[0] * rule.experts + position[1] if rule.experts else (position[0] if position else 0)]
+        value = np.asarray(tensors[name])
+        if value.shape != need:
+            raise CheckpointError(f"{source}: tensor {name} has shape {value.shape}, expected {need}")
+        value = value.T if rule.transpose else value
+        block[at] = value[inner].astype(dtype)
+    return block
 
 
 def _has(tree, path) -> bool:

@@ -39,7 +39,8 @@ def _configs():
 
     vocab = 64
     qwen3 = ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=8, num_kv_heads=8, head_dim=8, qk_norm=True, max_position_embeddings=256)
+                        num_heads=8, num_kv_heads=8, head_dim=8, qk_norm=True,
+                        max_position_embeddings=2048)  # room for test_sharded_decode_loop_copies_no_cache
     llama = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_layers=2,
                         num_heads=16, num_kv_heads=8, head_dim=4, qk_norm=False, tie_word_embeddings=True,
                         max_position_embeddings=256)
@@ -170,6 +171,23 @@ def sharded_run(out: str, workdir: str) -> None:
                 rows = [r + c for r, c in zip(rows, chunk)]
             case["stream"] = rows
         found[name] = case
+
+    # The sharded decode loop copies no cache either (test_decode_hlo's check on the partitioned
+    # program: every instruction carrying the capacity, 1024, is an alias or an in-place row update).
+    from test_decode_hlo import whole_buffer_ops
+
+    from dflash_jax._speculative import prompt_bucket
+    from dflash_jax.kernels import KEY_TILE, round_up
+
+    found["whole_buffer_ops"] = {}
+    for name, mesh_name in (("qwen3", "tensor2_data4"), ("qwen3_moe", "expert4_tensor2")):
+        generator = generators[name, mesh_name]
+        cfg, args, _ = generator._prepare(PROMPTS, max_new_tokens=1000, temperature=0.0, top_k=0, top_p=1.0,
+                                          stop_token_ids=(), block_size=None, seed=0, acceptance="exact")
+        capacity = round_up(prompt_bucket(max(map(len, PROMPTS))) + 1000 + cfg.block_size, KEY_TILE)
+        assert capacity == 1024, capacity
+        _, loop, _ = generator._executables(cfg, args, "decode")
+        found["whole_buffer_ops"][name] = whole_buffer_ops(loop.as_text(), capacity)
 
     # Loaded with a mesh: every weight on the rules' shards as read; generating from them agrees.
     target, drafter = _models("qwen3")
@@ -306,6 +324,11 @@ def test_load_with_a_mesh_places_every_weight_by_the_rules(findings):
     assert loaded["mesh_kept"]
     assert loaded["placement"] == []
     assert loaded["tokens"] == findings["qwen3"]["reference"]["even"]
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_sharded_decode_loop_copies_no_cache(findings, model):
+    assert findings["whole_buffer_ops"][model] == []
 
 
 def test_an_moe_target_loads_shard_by_shard(findings):

@@ -14,7 +14,8 @@ may take the cache read over (`backends.base.Backend.cache_attention`: the CPU b
 call for float32).
 
 `sinks` [Hq] (gpt-oss's attention sinks): one learned logit per query head that joins each query's
-softmax denominator and carries no value (`kernels.reference.with_sinks`). Through a cache it is
+softmax denominator and carries no value (`kernels.reference.with_sinks`). The Pallas kernel takes
+it inside its softmax (`block_attention(..., sinks=)`, differentiable); through a cache it is
 added once, after the two parts are merged.
 """
 from __future__ import annotations
@@ -98,10 +99,7 @@ def attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, impl: s
     interpret = _kernel_mode(impl, q, k, v, ranges, scale)
     if interpret is None:
         return reference_attention(q, k, v, ranges, scale=scale, sinks=sinks)
-    if sinks is not None:
-        return with_sinks(*block_attention_with_lse(q, k, v, ranges, scale=scale, interpret=interpret),
-                          sinks)[0].astype(q.dtype)
-    return block_attention(q, k, v, ranges, scale=scale, interpret=interpret)
+    return block_attention(q, k, v, ranges, scale=scale, interpret=interpret, sinks=sinks)
 
 
 def _partial(q, k, v, ranges: KeyRanges, scale, impl: str):

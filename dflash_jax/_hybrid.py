@@ -4,7 +4,9 @@ full-attention layers, as a pure functional Flax module with a static-shape cach
 `HybridTargetModel` has `TargetModel`'s interface (same call, same captured features, same
 `embed` / `logits`); `TargetSpec` builds it for a hybrid config. Its cache (`HybridCache`) holds the
 attention layers' keys and values (a `KVCache`) and, per linear-attention layer and row, the last
-K-1 conv inputs and the delta-rule state [Hv, Dk, Dv], which do not grow with the context.
+K-1 conv inputs and the delta-rule state [Hv, Dk, Dv], which do not grow with the context. A
+Qwen3.5-MoE / Qwen3.6-MoE target ("qwen3_5_moe") is the same model whose MLPs are `dflash_jax._moe.MoE`
+blocks with a shared expert.
 
 The layers repeat a pattern (three linear layers then a full one, Qwen3.5's default): the model
 scans over repeats of it (`nn.scan` over groups; params stacked [groups, ...] under

@@ -12,7 +12,7 @@ from dflash_jax._config import ModelConfig
 from dflash_jax._errors import ConfigError
 from dflash_jax._speculative import generate
 from dflash_jax._target import Target, init_target_params
-from test_qwen3_5 import check_rejections_at_every_position, check_sampling_lossless, plain_greedy, tiny_drafter
+from test_qwen3_5 import check_rejections_at_every_position, check_sampling_lossless, tiny_drafter
 
 
 def _hf():
@@ -94,50 +94,49 @@ def hf_outputs(model, ids):
     return out.logits.numpy(), [h.numpy() for h in out.hidden_states], min(gaps)
 
 
-def test_logits_captured_layers_and_padded_cached_rows_equal_transformers(hf_pair):
-    """One forward without a cache (logits and the captured layers of both kinds); then right-padded
-    rows through the cached, chunked prefill (300 tokens: a 256-token chunk and a remainder, each
-    row's recurrent state stopping at its own length) give each row's logits alone, and the next
-    cached step (one token: the gathered-experts form) continues them."""
+def test_logits_and_captured_layers_of_padded_cached_rows_equal_transformers(hf_pair):
+    """Right-padded rows through the cached prefill (100 tokens: two chunks of the chunked delta rule,
+    the experts as `ragged_dot`, each row's recurrent state stopping at its own length) give each
+    row's logits and captured layers (both kinds, and the last) alone; the next cached step (one
+    token per row: the gathered-experts form) continues them."""
     model, target, _ = hf_pair
     cfg = target.config
     assert cfg.arch == "qwen3_5_moe" and cfg.num_experts == 8 and cfg.shared_expert_intermediate_size == 20
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, cfg.vocab_size, size=(2, 77))  # two chunks of the chunked delta rule
-    logits, hidden_states, gap = hf_outputs(model, ids)
-    assert gap > 1e-4  # no top-k choice that float rounding could flip
-    capture = (0, 1, cfg.num_layers - 1)
-    hidden, features, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32), capture=capture)
-    np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden)), logits, atol=1e-5, rtol=0)
-    d = cfg.hidden_size
-    for j, layer in enumerate(capture):
-        np.testing.assert_allclose(np.asarray(features[..., j * d:(j + 1) * d]), hidden_states[layer + 1],
-                                   atol=1e-5, rtol=0, err_msg=f"layer {layer}")
-
-    lengths = [300, 131, 5]
-    ids = rng.integers(0, cfg.vocab_size, size=(3, 301))
-    hidden, _, cache = target.prefill(target.params, jnp.asarray(ids[:, :300], jnp.int32), target.init_cache(3, 512),
-                                      num_new=jnp.asarray(lengths))
+    rng = np.random.default_rng(1)
+    lengths = [100, 41, 5]
+    ids = rng.integers(0, cfg.vocab_size, size=(3, 101))
+    capture = (0, cfg.num_layers - 3, cfg.num_layers - 1)
+    hidden, features, cache = target.prefill(target.params, jnp.asarray(ids[:, :100], jnp.int32),
+                                             target.init_cache(3, 128), capture=capture, num_new=jnp.asarray(lengths))
     assert list(np.asarray(cache.lengths)) == lengths
     nxt = ids[np.arange(3), lengths]
     step, _, _ = target.forward(target.params, jnp.asarray(nxt[:, None], jnp.int32), cache)
+    d = cfg.hidden_size
     for row, n in enumerate(lengths):
-        logits, _, gap = hf_outputs(model, np.concatenate([ids[row, :n], nxt[row:row + 1]])[None])
-        assert gap > 1e-4
+        logits, hidden_states, gap = hf_outputs(model, np.concatenate([ids[row, :n], nxt[row:row + 1]])[None])
+        assert gap > 1e-4  # no top-k choice that float rounding could flip
         np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden[row, :n])), logits[0, :n],
                                    atol=1e-5, rtol=0)
         np.testing.assert_allclose(np.asarray(target.logits(target.params, step[row, 0])), logits[0, n],
                                    atol=1e-5, rtol=0)
+        for j, layer in enumerate(capture):
+            np.testing.assert_allclose(np.asarray(features[row, :n, j * d:(j + 1) * d]), hidden_states[layer + 1][0, :n],
+                                       atol=1e-5, rtol=0, err_msg=f"row {row}, layer {layer}")
 
 
-def test_greedy_tokens_equal_transformers_generate(hf_pair):
+@pytest.mark.parametrize("hf_pair", ["causal-lm"], indirect=True)
+def test_speculative_greedy_with_a_random_drafter_equals_transformers_generate(hf_pair):
+    """Ragged prompts decoded speculatively with a random drafter (drafts rejected at every kind of
+    place, the state rolled back each cycle) give transformers' greedy generate of each prompt."""
     model, target, _ = hf_pair
     torch, _ = _hf()
-    prompt = [5, 17, 33, 2, 9, 41]
+    rng = np.random.default_rng(6)
+    prompts = [list(map(int, rng.integers(0, 90, size=n))) for n in (1, 6, 13)]
     with torch.no_grad():
-        expect = model.generate(torch.as_tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20,
-                                pad_token_id=0)[0, len(prompt):].tolist()
-    assert generate(target, None, [prompt], max_new_tokens=20, stop_token_ids=()).tokens[0] == expect
+        expect = [model.generate(torch.as_tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    drafter = tiny_drafter(target, block_size=4, seed=3)
+    assert generate(target, drafter, prompts, max_new_tokens=24, stop_token_ids=()).tokens == expect
 
 
 def test_fused_experts_and_the_exported_names_load_the_same(hf_pair, tmp_path, caplog):
@@ -193,12 +192,15 @@ def test_config_reads_the_text_config_and_refuses_a_bad_one():
         ModelConfig.from_hf_config(bad)
     with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
         ModelConfig(**{**_tiny_config_fields(), "arch": "qwen3_5", "num_experts": 0})
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        ModelConfig(**{**_tiny_config_fields(), "norm_topk_prob": False})
 
 
 # ---------------------------------------------------------------------------------------------
-# Speculative decoding
+# Speculative decoding on one tiny target (of test_sampling's vocabulary, for the exact joint) and
+# one drafter, so that the tests share their compiled programs
 
-def _tiny_config_fields(vocab=48, layer_types=("linear_attention",) * 3 + ("full_attention",)):
+def _tiny_config_fields(vocab=48, layer_types=("linear_attention", "full_attention") * 2):
     return dict(arch="qwen3_5_moe", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=len(layer_types),
                 num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, partial_rotary_factor=0.25,
                 layer_types=layer_types, linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -206,34 +208,27 @@ def _tiny_config_fields(vocab=48, layer_types=("linear_attention",) * 3 + ("full
                 moe_intermediate_size=16, shared_expert_intermediate_size=24, norm_topk_prob=True)
 
 
-def tiny_hybrid_moe(seed=0, vocab=48, scale=4.0, **kwargs):
-    cfg = ModelConfig(**_tiny_config_fields(vocab, **kwargs))
-    params = init_target_params(cfg, jax.random.PRNGKey(seed))
-    params = jax.tree_util.tree_map(lambda x: x * scale if x.ndim >= 2 else x, params)  # sharper logits
-    return Target(cfg, params)
-
-
-def test_speculative_greedy_with_rejections_at_every_position(monkeypatch):
-    """The recurrent state rolled back at every position of an 8-token block, three ragged rows
-    (`check_rejections_at_every_position`): verifies of 3 x 8 tokens run the experts as `ragged_dot`,
-    the plain reference's steps as gathered experts."""
-    target = tiny_hybrid_moe()
-    rng = np.random.default_rng(5)
-    prompts = [list(map(int, rng.integers(0, 40, size=n))) for n in (3, 9, 20)]
-    check_rejections_at_every_position(target, tiny_drafter(target), prompts, 40, monkeypatch)
-
-
-def test_speculative_greedy_with_a_random_drafter_equals_plain_decoding():
-    target = tiny_hybrid_moe(seed=2, layer_types=("linear_attention", "full_attention"))
-    drafter = tiny_drafter(target, block_size=4, seed=3)
-    rng = np.random.default_rng(6)
-    prompts = [list(map(int, rng.integers(0, 40, size=n))) for n in (1, 12, 30)]
-    result = generate(target, drafter, prompts, max_new_tokens=30, stop_token_ids=())
-    assert result.tokens == [plain_greedy(target, p, 30) for p in prompts]
-
-
-def test_speculative_sampling_keeps_the_targets_distribution():
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """(target, drafter of block 8, ragged prompts)."""
     from test_sampling import V
 
-    target = tiny_hybrid_moe(seed=3, vocab=V + 1, scale=3.0, layer_types=("linear_attention", "full_attention"))
-    check_sampling_lossless(target, tiny_drafter(target, block_size=4, seed=5))
+    cfg = ModelConfig(**_tiny_config_fields(vocab=V + 1))
+    params = init_target_params(cfg, jax.random.PRNGKey(3))
+    target = Target(cfg, jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params))  # sharper logits
+    rng = np.random.default_rng(5)
+    prompts = [list(map(int, rng.integers(0, V, size=n))) for n in (3, 9, 20)]
+    return target, tiny_drafter(target, block_size=8, seed=5), prompts
+
+
+def test_speculative_greedy_with_rejections_at_every_position(tiny_pair, monkeypatch):
+    """The recurrent state rolled back at every position of an 8-token block, three ragged rows
+    (`check_rejections_at_every_position`): the verifies run the experts as `ragged_dot`, the plain
+    reference's steps as gathered experts."""
+    target, drafter, prompts = tiny_pair
+    check_rejections_at_every_position(target, drafter, prompts, 40, monkeypatch)
+
+
+def test_speculative_sampling_keeps_the_targets_distribution(tiny_pair):
+    target, drafter, _ = tiny_pair
+    check_sampling_lossless(target, drafter)

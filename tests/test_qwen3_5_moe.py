@@ -196,6 +196,21 @@ def test_config_reads_the_text_config_and_refuses_a_bad_one():
         ModelConfig(**{**_tiny_config_fields(), "norm_topk_prob": False})
 
 
+def test_random_benchmark_target_has_the_released_shapes():
+    from dflash_jax.cli.bench_random import random_configs
+
+    config, drafter = random_configs("qwen3.5-35b-a3b", None, None)
+    assert (config.arch, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+            config.vocab_size, config.rotary_dim) == ("qwen3_5_moe", 40, 2048, 16, 2, 256, 248320, 64)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.shared_expert_intermediate_size) == (256, 8, 512, 512)
+    assert (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+            config.linear_value_head_dim) == (16, 32, 128, 128)
+    assert config.layer_types == ("linear_attention",) * 3 + ("full_attention",) + config.layer_types[4:]
+    assert config.attention_layer_ids == tuple(range(3, 40, 4))
+    assert drafter.intermediate_size == 6144 and drafter.target_layer_ids == (1, 10, 19, 28, 37)
+
+
 # ---------------------------------------------------------------------------------------------
 # Speculative decoding on one tiny target (of test_sampling's vocabulary, for the exact joint) and
 # one drafter, so that the tests share their compiled programs

@@ -1,6 +1,6 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE): a router, top-k experts per token, and the chosen experts
-run as grouped matmuls over the tokens sorted by expert (`jax.lax.ragged_dot`), not a loop over
-experts and not a one-hot product with all of them."""
+"""Mixture-of-experts MLPs (Qwen3-MoE, Qwen3.5-MoE): a router, top-k experts per token, and the
+chosen experts run as grouped matmuls over the tokens sorted by expert (`jax.lax.ragged_dot`), not a
+loop over experts and not a one-hot product with all of them; Qwen3.5-MoE adds a shared expert."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,6 +8,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from dflash_jax._layers import MLP
 
 
 def route(logits, top_k: int, normalize: bool):
@@ -52,13 +54,17 @@ def grouped_experts(x, experts, weights, gate, up, down):
 
 class MoE(nn.Module):
     """Qwen3-MoE's sparse MLP: router kernel [D, E] ("router"), experts' gate_proj / up_proj
-    [E, D, I] and down_proj [E, I, D]."""
+    [E, D, I] and down_proj [E, I, D]. With shared_intermediate_size > 0 (Qwen3.5-MoE's
+    `Qwen3_5MoeSparseMoeBlock`), a SwiGLU shared expert of that width ("shared_expert") runs on every
+    token, scaled by sigmoid(shared_expert_gate(x)) (a kernel [D, 1]), and is added to the experts'
+    sum."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     normalize: bool = False
     dtype: Any = jnp.float32
+    shared_intermediate_size: int = 0
 
     @nn.compact
     def __call__(self, x):
@@ -71,4 +77,10 @@ class MoE(nn.Module):
         down = self.param("down_proj", init, (e, i, d), self.dtype)
         flat = x.reshape(-1, d)
         weights, experts = route(router(flat), self.top_k, self.normalize)
-        return grouped_experts(flat, experts, weights, gate, up, down).reshape(x.shape)
+        out = grouped_experts(flat, experts, weights, gate, up, down).reshape(x.shape)
+        if self.shared_intermediate_size:
+            shared = MLP(self.shared_intermediate_size, False, self.dtype, name="shared_expert")(x)
+            shared_gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                                   name="shared_expert_gate")(x)
+            out = out + jax.nn.sigmoid(shared_gate) * shared
+        return out

@@ -17,7 +17,7 @@ from dflash_jax._config import ConfigFields, ModelConfig, read_config_json, read
 from dflash_jax._errors import CheckpointError
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
-from dflash_jax.loading.names import hf_to_params, target_rules
+from dflash_jax.loading.names import hf_to_params, target_rules, unfuse_experts
 from dflash_jax._resources import smollm2_gguf_path
 from dflash_jax._target import Target, target_param_shapes
 
@@ -49,6 +49,8 @@ def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=f
     read (`sharding.placer`)."""
     shapes = target_param_shapes(config, dtype)
     place = None if mesh is None else sharding.placer(mesh, shapes, config)
+    if config.num_experts:  # fused expert tensors (Qwen3.5-MoE's released layout) read as per-expert ones
+        tensors = unfuse_experts(tensors, source)
     prefix = "model."
     if config.is_hybrid_arch:
         prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in tensors else "model."
@@ -116,7 +118,9 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
       plain and speculative decoding (both lossless against it).
     A Qwen3.5 / Qwen3.6 hybrid checkpoint (`Qwen3_5ForCausalLM`, or the text model of a
     `Qwen3_5ForConditionalGeneration`: its vision tower and MTP head are not read) loads in the
-    stacked layout on every backend.
+    stacked layout on every backend; so do MoE checkpoints (`Qwen3MoeForCausalLM`, and the
+    Qwen3.5-MoE / Qwen3.6-MoE hybrids `Qwen3_5MoeForCausalLM` / `Qwen3_5MoeForConditionalGeneration`,
+    experts stored per expert as transformers' save_pretrained writes them, or fused as released).
     mesh: a `jax.sharding.Mesh` (`dflash_jax.sharding.make_mesh`) to place the weights on: the
       stacked layout, each weight put on its shards by `dflash_jax.sharding`'s rules as it is read
       (the host holds one weight at a time, never the whole model twice); `Target.mesh` keeps it

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import dataclasses
 import functools
 import math
@@ -475,7 +476,9 @@ class Generator:
             self._compiled.move_to_end(key)
             return self._compiled[key], 0.0
         start = time.perf_counter()
-        self._compiled[key] = build()
+        # traced with the mesh in context: the attention seam splits the Pallas kernel over its heads
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            self._compiled[key] = build()
         while len(self._compiled) > (MAX_COMPILED if self.max_compiled is None else self.max_compiled):
             self._compiled.popitem(last=False)
         return self._compiled[key], time.perf_counter() - start

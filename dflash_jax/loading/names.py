@@ -27,6 +27,9 @@ class Rule:
     layer_ids: tuple[int, ...] | None = None
     # "{e}" in `hf`: one tensor per expert, stacked [layers, experts, ...] (an MoE layer's experts)
     experts: int = 0
+    # (start, step): the param is the checkpoint tensor's last-axis columns start::step (gpt-oss's
+    # gate and up columns interleaved in one tensor); two rules with steps 2 share the tensor
+    columns: tuple[int, int] | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -83,6 +86,24 @@ def moe_layer_rules(hf_layer: str, experts: int) -> list[Rule]:
     return rules
 
 
+def gpt_oss_layer_rules(hf_layer: str) -> list[Rule]:
+    """What a gpt-oss layer has beside a Llama layer with attention biases: the attention sinks, and
+    its MoE block: the router Linear (weight [E, D], bias [E]) and the experts stacked in one tensor
+    each, gate_up_proj [E, D, 2I] with gate and up columns interleaved (gate ::2, up 1::2; split
+    into our gate_proj / up_proj [E, D, I]), its bias [E, 2I] alike, down_proj [E, I, D] and its
+    bias [E, D]. The released checkpoints' MXFP4 experts are dequantised first (`loading.mxfp4`)."""
+    experts, path = f"{hf_layer}.mlp.experts", ("layers", "mlp")
+    return [Rule(f"{hf_layer}.self_attn.sinks", ("layers", "self_attn", "sinks")),
+            Rule(f"{hf_layer}.mlp.router.weight", (*path, "router", "kernel"), transpose=True),
+            Rule(f"{hf_layer}.mlp.router.bias", (*path, "router", "bias")),
+            Rule(f"{experts}.gate_up_proj", (*path, "gate_proj"), columns=(0, 2)),
+            Rule(f"{experts}.gate_up_proj", (*path, "up_proj"), columns=(1, 2)),
+            Rule(f"{experts}.gate_up_proj_bias", (*path, "gate_bias"), columns=(0, 2)),
+            Rule(f"{experts}.gate_up_proj_bias", (*path, "up_bias"), columns=(1, 2)),
+            Rule(f"{experts}.down_proj", (*path, "down_proj")),
+            Rule(f"{experts}.down_proj_bias", (*path, "down_bias"))]
+
+
 def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     """The name table of a target of `cfg`'s family (prefix: a hybrid checkpoint's text-model
     prefix, `hybrid_target_rules`)."""
@@ -91,7 +112,9 @@ def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     rules = [Rule("model.embed_tokens.weight", ("embed_tokens", "embedding")),
              Rule("model.norm.weight", ("norm", "scale"))]
     layer = decoder_layer_rules("model.layers.{i}", cfg.qk_norm, cfg.attention_bias, cfg.mlp_bias)
-    if cfg.num_experts:  # every layer's MLP is the MoE block
+    if cfg.arch == "gpt_oss":
+        layer = [r for r in layer if ".mlp." not in r.hf] + gpt_oss_layer_rules("model.layers.{i}")
+    elif cfg.num_experts:  # every layer's MLP is the MoE block
         layer = [r for r in layer if ".mlp." not in r.hf] + moe_layer_rules("model.layers.{i}", cfg.num_experts)
     rules += layer
     if not cfg.tie_word_embeddings:
@@ -186,6 +209,8 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
         want = _get(shapes, rule.path).shape
         layer_shape = tuple(want[rule.stacked_axes:])
         need = tuple(reversed(layer_shape)) if rule.transpose else layer_shape  # as the checkpoint holds it
+        if rule.columns:  # the whole tensor, of which the param is every step-th column
+            need = (*need[:-1], need[-1] * rule.columns[1])
         if rule.path in skip:
             for name in rule.hf_names(num_layers):
                 if tuple(shape_of(name)) != need:
@@ -193,9 +218,11 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
             continue
         out = host_arrays.empty(want, np_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
-            value = np.asarray(tensors[name])
-            if value.shape != need:
-                raise CheckpointError(f"{source}: tensor {name} has shape {value.shape}, expected {need}")
+            value = tensors[name]  # an array, or a lazy tensor with a shape (`_columns`)
+            value = value if hasattr(value, "shape") else np.asarray(value)
+            if tuple(value.shape) != need:
+                raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {need}")
+            value = _columns(value, rule.columns) if rule.columns else np.asarray(value)
             value = value.T if rule.transpose else value
             if rule.per_layer:
                 out[rule.index(i)] = value.astype(np_dtype)
@@ -210,6 +237,15 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     if unfilled:
         raise ValueError(f"name table leaves params unfilled: {unfilled}")
     return params
+
+
+def _columns(value, columns: tuple[int, int]) -> np.ndarray:
+    """The last-axis columns start::step of a checkpoint tensor: a lazy tensor's own `columns` where
+    it has one (an MXFP4 tensor dequantises only those), else a strided copy."""
+    if hasattr(value, "columns"):
+        return value.columns(*columns)
+    start, step = columns
+    return np.ascontiguousarray(np.asarray(value)[..., start::step])
 
 
 def _has(tree, path) -> bool:
@@ -227,7 +263,13 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
         value = np.asarray(jax.device_get(_get(params, rule.path)))
         for i, name in enumerate(rule.hf_names(num_layers)):
             layer = value[rule.index(i)] if rule.per_layer else value
-            out[name] = np.ascontiguousarray(layer.T if rule.transpose else layer)
+            layer = layer.T if rule.transpose else layer
+            if rule.columns:  # interleave into the shared tensor
+                start, step = rule.columns
+                whole = out.setdefault(name, np.zeros((*layer.shape[:-1], layer.shape[-1] * step), layer.dtype))
+                whole[..., start::step] = layer
+            else:
+                out[name] = np.ascontiguousarray(layer)
     return out
 
 

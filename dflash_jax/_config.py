@@ -282,9 +282,11 @@ class LayerLayout:
 class ModelConfig(LayerLayout):
     """A decoder-only target: Qwen3 or Llama, or a Qwen3.5 hybrid ("qwen3_5": Gated DeltaNet
     "linear_attention" layers between gated full-attention layers; the `linear_*` fields size the
-    former, `partial_rotary_factor` the part of each attention head that is rotated)."""
+    former, `partial_rotary_factor` the part of each attention head that is rotated), or one with
+    MoE MLPs ("qwen3_moe", "gpt_oss": the `num_experts` fields, and gpt-oss's sinks, router and
+    expert fields)."""
 
-    arch: str  # "qwen3" | "llama" | "qwen3_5"
+    arch: str  # "qwen3" | "llama" | "qwen3_5" | "qwen3_moe" | "gpt_oss"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -414,10 +416,9 @@ class ModelConfig(LayerLayout):
                           linear_num_value_heads=fields.int("linear_num_value_heads", 32),
                           linear_key_head_dim=fields.int("linear_key_head_dim", 128),
                           linear_value_head_dim=fields.int("linear_value_head_dim", 128))
-        if arch == "gpt_oss":
-            fields = ConfigFields(_gpt_oss_defaults(fields), source)
         moe = {}
         if arch == "gpt_oss":
+            fields = ConfigFields(_gpt_oss_defaults(fields), source)
             experts = fields.int("num_local_experts", None)
             top_k = fields.int("num_experts_per_tok", None)
             moe = dict(num_experts=fields.int("num_experts") if experts is None else experts,

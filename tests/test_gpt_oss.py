@@ -278,8 +278,8 @@ def test_speculative_greedy_equals_plain_decoding_with_rejections_at_every_posit
 
 
 def test_decode_step_touches_only_new_cache_rows():
-    """test_decode_hlo's check on a gpt-oss step (sinks, windows, experts): nothing of a whole cache
-    layer is copied or rewritten, for a decode step (gathered experts) and a verify of 4 (ragged_dot)."""
+    """test_decode_hlo's check on a gpt-oss decode step (sinks, windows, gathered experts): nothing of a
+    whole cache layer is copied or rewritten (a verify's cache work is the same; one compile is kept)."""
     from test_decode_hlo import CAPACITY, compiled_text, whole_buffer_ops
 
     target = tiny_gpt_oss(seed=3)
@@ -289,7 +289,6 @@ def test_decode_step_touches_only_new_cache_rows():
         hidden, features, cache = spec.forward(params, tokens, cache, capture=(0, 1))
         return spec.logits(params, hidden), features, cache
 
-    for num_tokens in (1, 4):
-        tokens = jnp.zeros((2, num_tokens), jnp.int32)
-        hlo = compiled_text(step, target.params, tokens, spec.init_cache(2, CAPACITY), donate=(2,))
-        assert whole_buffer_ops(hlo) == []
+    tokens = jnp.zeros((2, 1), jnp.int32)
+    hlo = compiled_text(step, target.params, tokens, spec.init_cache(2, CAPACITY), donate=(2,))
+    assert whole_buffer_ops(hlo) == []

@@ -17,7 +17,7 @@ from dflash_jax._target import Target, target_param_shapes
 from dflash_jax.loading import mxfp4
 from dflash_jax.loading.names import params_to_hf, target_rules
 from dflash_jax.loading.safetensors_io import save_safetensors
-from test_qwen3_5 import check_rejections_at_every_position, tiny_drafter
+from test_qwen3_5 import check_rejections_at_every_position, check_sampling_lossless, tiny_drafter
 
 # hidden and expert widths multiples of 32 (an MXFP4 block); a window of 4 under 12-token prompts;
 # a small swiglu_limit so that the clamps bite
@@ -172,6 +172,21 @@ def test_mxfp4_dequantisation_equals_transformers_bit_for_bit():
         np.testing.assert_array_equal(tensor.columns(start, 2).view(np.uint32), ours[..., start::2].view(np.uint32))
 
 
+def test_mxfp4_nibble_order_scales_and_transpose():
+    """Without transformers: byte 0x2F of row r holds values 0 (low nibble: -6.0) and 1 (high: +1.0) of
+    its block, times 2 ** (scale - 127); rows become the last axis."""
+    blocks = np.zeros((1, 2, 1, 16), np.uint8)
+    blocks[0, 0, 0, 0], blocks[0, 1, 0, 15] = 0x2F, 0x9B  # row 1, values 30 and 31: -1.5, -0.5
+    scales = np.array([[[128], [125]]], np.uint8)
+    out = np.asarray(mxfp4.Mxfp4Tensor(blocks, scales))
+    want = np.zeros((1, 32, 2), np.float32)
+    want[0, :2, 0] = [-12.0, 2.0]
+    want[0, 30:, 1] = [-1.5 / 4, -0.5 / 4]
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(CheckpointError, match=r"ckpt: .*without both _blocks and _scales.*x\.down_proj"):
+        mxfp4.dequantized({"x.down_proj_blocks": blocks}, "ckpt")
+
+
 def _pack_random(rng, rows: int, cols: int, experts: int):
     """Random MXFP4 blocks [E, rows, cols / 32, 16] and scales in a model's range of magnitudes."""
     blocks = rng.integers(0, 256, size=(experts, rows, cols // 32, 16), dtype=np.uint8)
@@ -251,14 +266,14 @@ def test_config_fields_and_refusals():
 # ---------------------------------------------------------------------------------------------
 # Speculative decoding
 
-def tiny_gpt_oss(seed=0, scale=0.3):
-    """A random target of CONFIG: every weight, sink and bias drawn (numpy: no initialiser to compile),
-    norms near 1, weights large enough for peaked distributions."""
+def tiny_gpt_oss(seed=0, scale=0.3, config=CONFIG):
+    """A random target of `config`: every weight, sink and bias drawn (numpy: no initialiser to
+    compile), norms near 1, weights large enough for peaked distributions."""
     rng = np.random.default_rng(seed)
     draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"
                             else scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return Target(CONFIG, jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(draw(p, s)),
-                                                           target_param_shapes(CONFIG)))
+    return Target(config, jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(draw(p, s)),
+                                                           target_param_shapes(config)))
 
 
 def test_speculative_greedy_equals_plain_decoding_with_rejections_at_every_position(monkeypatch):
@@ -275,6 +290,16 @@ def test_speculative_greedy_equals_plain_decoding_with_rejections_at_every_posit
     # to transformers' generate above, and compiled there) is the same reference at no compile
     monkeypatch.setattr(test_qwen3_5, "plain_greedy", lambda t, prompt, n: plain[PROMPTS.index(prompt)][:n])
     check_rejections_at_every_position(target, drafter, PROMPTS, MAX_NEW, monkeypatch)
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: `make test-all`
+def test_speculative_sampling_keeps_the_targets_distribution():
+    import dataclasses
+
+    from test_sampling import V
+
+    target = tiny_gpt_oss(seed=3, scale=0.2, config=dataclasses.replace(CONFIG, vocab_size=V + 1))
+    check_sampling_lossless(target, tiny_drafter(target, block_size=4, seed=5))
 
 
 def test_decode_step_touches_only_new_cache_rows():

@@ -79,8 +79,9 @@ class TargetLayer(nn.Module):
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
         if cfg.num_experts:
             hidden = hidden + MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                                  cfg.norm_topk_prob, self.dtype, cfg.moe_router, cfg.router_bias, cfg.expert_bias,
-                                  cfg.swiglu_limit, cfg.swiglu_alpha, name="mlp")(x)
+                                  cfg.norm_topk_prob, self.dtype, routing=cfg.moe_router, router_bias=cfg.router_bias,
+                                  expert_bias=cfg.expert_bias, swiglu_limit=cfg.swiglu_limit,
+                                  swiglu_alpha=cfg.swiglu_alpha, name="mlp")(x)
         else:
             fused_mlp = ops.fuses(cfg.intermediate_size, cfg.intermediate_size)
             hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.backend, fused_mlp,

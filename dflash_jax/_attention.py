@@ -14,8 +14,15 @@ may take the cache read over (`backends.base.Backend.cache_attention`: the CPU b
 call for float32).
 
 `sinks` [Hq] (gpt-oss's attention sinks): one learned logit per query head that joins each query's
-softmax denominator and carries no value (`kernels.reference.with_sinks`). Through a cache it is
+softmax denominator and carries no value (`kernels.reference.with_sinks`). The Pallas kernel takes
+it inside its softmax (`block_attention(..., sinks=)`, differentiable); through a cache it is
 added once, after the two parts are merged.
+
+Under a device mesh whose `tensor` axis is > 1 (heads split, `dflash_jax.sharding`; the mesh in
+context at trace time: `jax.set_mesh`, which the Generator sets around its compiles), the kernel
+runs under `jax.shard_map`: each device attends its own query heads over its own kv heads (the
+batch over `data` where that axis divides it). XLA's SPMD partitioner cannot split the kernel's
+custom call and would gather its operands (a whole KV cache layer) onto every device.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from dflash_jax import backends
 from dflash_jax.kernels import block_attention, block_attention_with_lse, unsupported_reason
@@ -68,6 +76,46 @@ def merge_with_lse(first, second, *, return_lse: bool = False):
     return (out, lse) if return_lse else out
 
 
+def _mesh_axis(mesh, name: str) -> int:
+    return int(dict(zip(mesh.axis_names, mesh.axis_sizes)).get(name, 1)) if mesh is not None else 1
+
+
+def _shard_map():
+    """jax.shard_map (jax >= 0.7: check_vma) or jax.experimental.shard_map (older: check_rep)."""
+    if hasattr(jax, "shard_map"):
+        return lambda f, **kw: jax.shard_map(f, check_vma=False, **kw)
+    from jax.experimental.shard_map import shard_map  # pragma: no cover - older jax
+
+    return lambda f, **kw: shard_map(f, check_rep=False, **kw)
+
+
+def _per_device_heads(kernel, q, k, v, ranges: KeyRanges, sinks):
+    """kernel(q, k, v, ranges, sinks) -> an output tree of [B, Tq, Hq, ...] arrays; run under
+    `jax.shard_map` over the heads (`tensor`) and the batch (`data`, where it divides B) when the
+    mesh in context has tensor > 1 and the tensor axis divides the kv heads, else called as is
+    (also inside a shard_map that already made `tensor` manual: the heads are local there)."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except AttributeError:  # pragma: no cover - older jax
+        mesh = None
+    tensor = _mesh_axis(mesh, "tensor")
+    if tensor <= 1 or k.shape[2] % tensor or "tensor" in getattr(mesh, "manual_axes", ()):
+        return kernel(q, k, v, ranges, sinks)
+    data = _mesh_axis(mesh, "data")
+    rows = "data" if data > 1 and q.shape[0] % data == 0 else None
+    heads = P(rows, None, "tensor", None)  # q [B, Tq, Hq, D], k, v [B, Tk, Hkv, D]
+    ranges_spec = P(rows if ranges.start.shape[0] == q.shape[0] else None, None, None)
+
+    def local(q, k, v, start, end, *sinks):
+        return kernel(q, k, v, KeyRanges(start, end), *(sinks or (None,)))
+
+    args = (q, k, v, ranges.start, ranges.end) + (() if sinks is None else (sinks,))
+    in_specs = (heads, heads, heads, ranges_spec, ranges_spec) + (() if sinks is None else (P("tensor"),))
+    out_specs = jax.tree_util.tree_map(lambda x: P(rows, None, "tensor", *([None] * (x.ndim - 3))),
+                                       jax.eval_shape(kernel, q, k, v, ranges, sinks))
+    return _shard_map()(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+
+
 def _kernel_mode(impl: str, q, k, v, ranges: KeyRanges, scale) -> bool | None:
     """None: use the reference; else the kernel's `interpret` flag. Validates impl."""
     if impl not in IMPLS:
@@ -98,10 +146,9 @@ def attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, impl: s
     interpret = _kernel_mode(impl, q, k, v, ranges, scale)
     if interpret is None:
         return reference_attention(q, k, v, ranges, scale=scale, sinks=sinks)
-    if sinks is not None:
-        return with_sinks(*block_attention_with_lse(q, k, v, ranges, scale=scale, interpret=interpret),
-                          sinks)[0].astype(q.dtype)
-    return block_attention(q, k, v, ranges, scale=scale, interpret=interpret)
+    return _per_device_heads(
+        lambda q, k, v, r, s: block_attention(q, k, v, r, scale=scale, interpret=interpret, sinks=s),
+        q, k, v, ranges, sinks)
 
 
 def _partial(q, k, v, ranges: KeyRanges, scale, impl: str):
@@ -109,7 +156,9 @@ def _partial(q, k, v, ranges: KeyRanges, scale, impl: str):
     interpret = _kernel_mode(impl, q, k, v, ranges, scale)
     if interpret is None:
         return reference_attention_with_lse(q, k, v, ranges, scale=scale)
-    return block_attention_with_lse(q, k, v, ranges, scale=scale, interpret=interpret)
+    return _per_device_heads(
+        lambda q, k, v, r, _: block_attention_with_lse(q, k, v, r, scale=scale, interpret=interpret),
+        q, k, v, ranges, None)
 
 
 def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, ranges: KeyRanges, *,

@@ -16,11 +16,13 @@ ARCH_BY_HF_CLASS = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not read
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # Qwen3.5 / Qwen3.6 hybrids whose every MLP is an MoE block
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "GptOssForCausalLM": "gpt_oss",
 }
 MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
-               "gpt_oss": "gpt_oss"}
-HYBRID_ARCHS = ("qwen3_5",)  # families with Gated DeltaNet ("linear_attention") layers
+               "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "gpt_oss": "gpt_oss"}
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")  # families with Gated DeltaNet ("linear_attention") layers
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 LINEAR = "linear_attention"
 ARCHS = tuple(sorted(set(ARCH_BY_HF_CLASS.values())))
@@ -203,11 +205,13 @@ def resolve_layer_types(fields: ConfigFields, num_layers: int, hybrid: bool = Fa
     return layer_types
 
 
-def decoder_fields(fields: ConfigFields, default_max_positions: int, hybrid: bool = False) -> dict:
+def decoder_fields(fields: ConfigFields, default_max_positions: int, hybrid: bool = False,
+                   default_intermediate_size=REQUIRED) -> dict:
     """The decoder-stack fields that target and drafter configs share (same dataclass field names):
     sizes, norm epsilon, RoPE, and per-layer attention windows. hybrid: a family with Gated DeltaNet
     layers (partial rotary and "linear_attention" layer types allowed; the caller adds the
-    partial_rotary_factor this returns under that key)."""
+    partial_rotary_factor this returns under that key). default_intermediate_size: where the family's
+    configs may lack `intermediate_size` (Qwen3.5-MoE)."""
     num_layers = fields.int("num_hidden_layers")
     num_heads = fields.int("num_attention_heads")
     hidden_size = fields.int("hidden_size")
@@ -215,7 +219,7 @@ def decoder_fields(fields: ConfigFields, default_max_positions: int, hybrid: boo
     layer_types = resolve_layer_types(fields, num_layers, hybrid)
     return dict(
         hidden_size=hidden_size,
-        intermediate_size=fields.int("intermediate_size"),
+        intermediate_size=fields.int("intermediate_size", default_intermediate_size),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=fields.int("num_key_value_heads", num_heads),
@@ -282,11 +286,14 @@ class LayerLayout:
 class ModelConfig(LayerLayout):
     """A decoder-only target: Qwen3 or Llama, or a Qwen3.5 hybrid ("qwen3_5": Gated DeltaNet
     "linear_attention" layers between gated full-attention layers; the `linear_*` fields size the
-    former, `partial_rotary_factor` the part of each attention head that is rotated), or one with
-    MoE MLPs ("qwen3_moe", "gpt_oss": the `num_experts` fields, and gpt-oss's sinks, router and
-    expert fields)."""
+    former, `partial_rotary_factor` the part of each attention head that is rotated). MoE targets
+    ("qwen3_moe", "gpt_oss", and the hybrid "qwen3_5_moe") have `num_experts` > 0: every layer's MLP is
+    the MoE block, with a sigmoid-gated shared expert where `shared_expert_intermediate_size` > 0
+    (Qwen3.5-MoE), or gpt-oss's router and experts (`moe_router`, `router_bias`, `expert_bias`,
+    `swiglu_limit`) beside its attention sinks; their `intermediate_size` sizes no layer (it is a
+    drafter's default width)."""
 
-    arch: str  # "qwen3" | "llama" | "qwen3_5" | "qwen3_moe" | "gpt_oss"
+    arch: str  # "qwen3" | "llama" | "qwen3_moe" | "qwen3_5" | "qwen3_5_moe" | "gpt_oss"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -319,6 +326,7 @@ class ModelConfig(LayerLayout):
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE's shared expert (0: none)
     # gpt-oss: attention sinks (one learned logit per query head in each softmax), the router's
     # order (`MOE_ROUTERS`) and bias, expert biases, and the clamped SwiGLU of its experts
     # (swiglu_limit 0: plain SwiGLU)
@@ -346,6 +354,15 @@ class ModelConfig(LayerLayout):
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
                                  f"({self.num_experts})")
+        if self.shared_expert_intermediate_size < 0 or (self.shared_expert_intermediate_size
+                                                        and self.arch != "qwen3_5_moe"):
+            raise ValueError(f"shared_expert_intermediate_size ({self.shared_expert_intermediate_size}) must be "
+                             "0, or positive for a qwen3_5_moe target")
+        if self.arch == "qwen3_5_moe":
+            self._validate_sizes("num_experts", "shared_expert_intermediate_size")
+            if not self.norm_topk_prob:
+                raise ValueError("a qwen3_5_moe router always renormalises its top-k weights: norm_topk_prob "
+                                 "must be True")
         if self.moe_router not in MOE_ROUTERS:
             raise ValueError(f"unknown moe_router {self.moe_router!r}; supported: {MOE_ROUTERS}")
         if not self.num_experts and (self.router_bias or self.expert_bias or self.swiglu_limit
@@ -417,6 +434,14 @@ class ModelConfig(LayerLayout):
                           linear_key_head_dim=fields.int("linear_key_head_dim", 128),
                           linear_value_head_dim=fields.int("linear_value_head_dim", 128))
         moe = {}
+        if arch == "qwen3_5_moe":
+            # transformers' Qwen3_5MoeTextConfig: every layer's MLP is the sparse block (it deletes
+            # mlp_only_layers, decoder_sparse_step and norm_topk_prob: its router always renormalises
+            # the top k, `Qwen3_5MoeTopKRouter`); a shared expert beside the routed ones
+            moe = dict(num_experts=fields.int("num_experts", 256), num_experts_per_tok=fields.int("num_experts_per_tok", 8),
+                       moe_intermediate_size=fields.int("moe_intermediate_size", 512),
+                       shared_expert_intermediate_size=fields.int("shared_expert_intermediate_size", 512),
+                       norm_topk_prob=True)
         if arch == "gpt_oss":
             fields = ConfigFields(_gpt_oss_defaults(fields), source)
             experts = fields.int("num_local_experts", None)
@@ -442,11 +467,13 @@ class ModelConfig(LayerLayout):
             cls,
             arch=arch,
             vocab_size=fields.int("vocab_size"),
-            **decoder_fields(fields, default_max_positions=4096, hybrid=hybrid),
+            **decoder_fields(fields, default_max_positions=4096, hybrid=hybrid,
+                             # no dense MLP: the Qwen family's dense width, 3 x hidden (a drafter's default)
+                             default_intermediate_size=3 * fields.int("hidden_size") if arch == "qwen3_5_moe" else REQUIRED),
             **linear,
             **moe,
             tie_word_embeddings=fields.bool("tie_word_embeddings", False),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_5"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"),
             attention_bias=fields.bool("attention_bias", False),
             mlp_bias=fields.bool("mlp_bias", False),
             bos_token_id=fields.int("bos_token_id", None),

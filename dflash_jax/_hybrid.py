@@ -4,7 +4,9 @@ full-attention layers, as a pure functional Flax module with a static-shape cach
 `HybridTargetModel` has `TargetModel`'s interface (same call, same captured features, same
 `embed` / `logits`); `TargetSpec` builds it for a hybrid config. Its cache (`HybridCache`) holds the
 attention layers' keys and values (a `KVCache`) and, per linear-attention layer and row, the last
-K-1 conv inputs and the delta-rule state [Hv, Dk, Dv], which do not grow with the context.
+K-1 conv inputs and the delta-rule state [Hv, Dk, Dv], which do not grow with the context. A
+Qwen3.5-MoE / Qwen3.6-MoE target ("qwen3_5_moe") is the same model whose MLPs are `dflash_jax._moe.MoE`
+blocks with a shared expert.
 
 The layers repeat a pattern (three linear layers then a full one, Qwen3.5's default): the model
 scans over repeats of it (`nn.scan` over groups; params stacked [groups, ...] under
@@ -35,6 +37,7 @@ from dflash_jax._cache import KVCache
 from dflash_jax._config import LINEAR, ModelConfig, layer_pattern
 from dflash_jax._layers import (MLP, Capture, Rotary, apply_rotary, capture_into, make_dense, rms_normalize,
                                token_positions)
+from dflash_jax._moe import MoE
 
 
 class CenteredRMSNorm(nn.Module):
@@ -169,7 +172,8 @@ class HybridGroup(nn.Module):
 
 
 class _Layer(nn.Module):
-    """A pre-norm decoder layer of either kind (Hugging Face's `Qwen3_5DecoderLayer`)."""
+    """A pre-norm decoder layer of either kind (Hugging Face's `Qwen3_5DecoderLayer`; with experts,
+    `Qwen3_5MoeDecoderLayer`, whose MLP is the MoE block with its shared expert)."""
 
     config: ModelConfig
     kind: str
@@ -187,7 +191,12 @@ class _Layer(nn.Module):
                 x, positions, cos, sin, kv_cache, layer)
         hidden = hidden + mixed
         x = CenteredRMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        return hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, name="mlp")(x), out
+        if cfg.num_experts:
+            mlp = MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob,
+                      self.dtype, cfg.shared_expert_intermediate_size, name="mlp")
+        else:
+            mlp = MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, name="mlp")
+        return hidden + mlp(x), out
 
 
 @struct.dataclass

@@ -1,6 +1,7 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE, gpt-oss): a router, top-k experts per token, and the chosen
-experts run as grouped matmuls over the tokens sorted by expert (`jax.lax.ragged_dot`), not a loop
-over experts and not a one-hot product with all of them."""
+"""Mixture-of-experts MLPs (Qwen3-MoE, Qwen3.5-MoE, gpt-oss): a router, top-k experts per token, and
+the chosen experts run as grouped matmuls over the tokens sorted by expert (`jax.lax.ragged_dot`), not
+a loop over experts and not a one-hot product with all of them; Qwen3.5-MoE adds a shared expert,
+gpt-oss its own router order, expert biases and a clamped SwiGLU."""
 from __future__ import annotations
 
 import functools
@@ -9,6 +10,8 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from dflash_jax._layers import MLP
 
 
 def route(logits, top_k: int, normalize: bool):
@@ -79,15 +82,19 @@ def grouped_experts(x, experts, weights, gate, up, down, *, biases=None, activat
 
 class MoE(nn.Module):
     """Qwen3-MoE's sparse MLP: router kernel [D, E] ("router"), experts' gate_proj / up_proj
-    [E, D, I] and down_proj [E, I, D]. gpt-oss's sets the other fields: routing "topk_softmax"
-    (`route_top_k_softmax`) with a bias, expert biases gate_bias / up_bias [E, I] and down_bias
-    [E, D], and swiglu_limit > 0: the clamped SwiGLU (`clamped_swiglu`; 0: plain SwiGLU)."""
+    [E, D, I] and down_proj [E, I, D]. With shared_intermediate_size > 0 (Qwen3.5-MoE's
+    `Qwen3_5MoeSparseMoeBlock`), a SwiGLU shared expert of that width ("shared_expert") runs on every
+    token, scaled by sigmoid(shared_expert_gate(x)) (a kernel [D, 1]), and is added to the experts'
+    sum. gpt-oss's sets the other fields: routing "topk_softmax" (`route_top_k_softmax`) with a
+    router bias, expert biases gate_bias / up_bias [E, I] and down_bias [E, D], and swiglu_limit > 0:
+    the clamped SwiGLU (`clamped_swiglu`; 0: plain SwiGLU)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     normalize: bool = False
     dtype: Any = jnp.float32
+    shared_intermediate_size: int = 0
     routing: str = "softmax_topk"  # or "topk_softmax" (`_config.MOE_ROUTERS`)
     router_bias: bool = False
     expert_bias: bool = False
@@ -113,5 +120,11 @@ class MoE(nn.Module):
         logits = router(flat)
         weights, experts = route_top_k_softmax(logits, self.top_k) if self.routing == "topk_softmax" else \
             route(logits, self.top_k, self.normalize)
-        return grouped_experts(flat, experts, weights, gate, up, down, biases=biases,
-                               activation=activation).reshape(x.shape)
+        out = grouped_experts(flat, experts, weights, gate, up, down, biases=biases,
+                              activation=activation).reshape(x.shape)
+        if self.shared_intermediate_size:
+            shared = MLP(self.shared_intermediate_size, False, self.dtype, name="shared_expert")(x)
+            shared_gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                                   name="shared_expert_gate")(x)
+            out = out + jax.nn.sigmoid(shared_gate) * shared
+        return out

@@ -18,12 +18,16 @@ at most 7 + (n - 1024) / 1024 prompt shapes, and the padding beyond 1024 tokens 
 On a mesh (`Generator(..., mesh=...)`, by default the target's `Target.mesh`): the XLA backend over
 stacked params, each placed by `dflash_jax.sharding`'s rules; the prefill and the loop are compiled
 with those in/out shardings (the prompts and the per-row state over `data` where the batch divides,
-the caches over `data` and `tensor`), and XLA's partitioner adds the collectives.
+the caches over `data` and `tensor`), and XLA's partitioner adds the collectives. On a mesh over
+several processes (`sharding.initialize_distributed`), every process calls `generate` alike;
+process 0's prompts are broadcast to the others (which may pass None) and every process gets every
+row back.
 """
 from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import dataclasses
 import functools
 import math
@@ -278,6 +282,31 @@ class GenerationStream:
         return next(self._chunks)
 
 
+def _from_process_zero(prompts, vocab: int):
+    """The prompts of process 0, on every process of a multi-process job: (tokens [B, P], lengths
+    [B]) broadcast from process 0 (the other processes' `prompts` are not read: pass None there).
+    Prompts that process 0 refuses raise on every process (its error there), so none is left
+    waiting in the broadcast."""
+    from jax.experimental import multihost_utils
+
+    error, header = None, np.zeros(2, np.int32)
+    if jax.process_index() == 0:
+        try:
+            rows = _prompt_rows(prompts, vocab)
+            header = np.asarray([len(rows), max(len(r) for r in rows)], np.int32)
+        except (TypeError, ValueError) as e:
+            error, header = e, np.asarray([-1, 0], np.int32)
+    header = np.asarray(multihost_utils.broadcast_one_to_all(header))
+    if header[0] < 0:
+        raise error if error is not None else ValueError("process 0's prompts were refused (its error says why)")
+    tokens, lengths = np.zeros(tuple(int(n) for n in header), np.int32), np.zeros(int(header[0]), np.int32)
+    if jax.process_index() == 0:
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)], lengths[i] = row, len(row)
+    tokens, lengths = multihost_utils.broadcast_one_to_all((tokens, lengths))
+    return np.asarray(tokens), np.asarray(lengths)
+
+
 def _fetch(tree):
     """Device arrays -> numpy on this host; arrays spread over several processes are gathered
     from all of them first (every process of a multi-host mesh calls this alike)."""
@@ -432,7 +461,10 @@ class Generator:
 
     def _prepare(self, prompts, **options):
         """Check every argument -> (GenerationConfig, executable args, stop ids); args =
-        (target params, drafter params, prompt tokens, prompt lengths, rng, sampling params)."""
+        (target params, drafter params, prompt tokens, prompt lengths, rng, sampling params).
+        On a mesh over several processes, process 0's prompts are the batch (`_from_process_zero`)."""
+        if self.mesh is not None and jax.process_count() > 1:
+            prompts = _from_process_zero(prompts, self.target.config.vocab_size)
         cfg, inputs, stops = _prepare(self.target, self.drafter, prompts, **options)
         if self.mesh is not None:  # the prompts scattered over `data`, the rest replicated
             inputs = jax.device_put(inputs, self._input_shardings(inputs))
@@ -444,7 +476,9 @@ class Generator:
             self._compiled.move_to_end(key)
             return self._compiled[key], 0.0
         start = time.perf_counter()
-        self._compiled[key] = build()
+        # traced with the mesh in context: the attention seam splits the Pallas kernel over its heads
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            self._compiled[key] = build()
         while len(self._compiled) > (MAX_COMPILED if self.max_compiled is None else self.max_compiled):
             self._compiled.popitem(last=False)
         return self._compiled[key], time.perf_counter() - start
@@ -522,7 +556,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     """Generate from a target, speculatively with a DFlash drafter (or plainly with drafter=None).
 
     prompts: a list of prompts, each a list of token ids (ragged; one prompt is `[ids]`), or a
-    tuple (tokens [B, P], lengths [B]). temperature 0 = greedy (bit-identical to plain greedy
+    tuple (tokens [B, P], lengths [B]); on a mesh over several processes, process 0's (the others
+    may pass None). temperature 0 = greedy (bit-identical to plain greedy
     decoding); otherwise sampling with top-k (0 = off, at most the vocabulary size) and top-p
     (1 = off), lossless under `acceptance="exact"` (speculative sampling) or "match" (the official
     rule: the target's sample must equal the greedy draft). stop_token_ids: one id or a sequence;

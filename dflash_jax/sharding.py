@@ -4,10 +4,11 @@ One `jax.sharding.Mesh` with axes named for what they shard:
 - `data`: the batch (rows of a generation batch, examples of a training batch);
 - `fsdp`: training's parameter sharding (each kernel of rank >= 2 split along its largest divisible
   axis, the optimizer state alike: `fsdp_spec`); generation leaves it at 1;
+- `expert`: a mixture-of-experts target's experts (expert parallelism for generation);
 - `tensor`: Megatron tensor parallelism for generation (`param_spec`).
 
-`make_mesh(data, tensor, fsdp)` lays the devices out with `tensor` innermost (the devices of one
-tensor group are adjacent: on a GPU host, the ones joined by the fastest links).
+`make_mesh(data, tensor, fsdp, expert)` lays the devices out with `tensor` innermost (the devices of
+one tensor group are adjacent: on a GPU host, the ones joined by the fastest links), `expert` next.
 
 Generation's rules over parameter paths (the stacked "xla" layout; the CPU backend's packed
 layout is for one device and is never sharded), for the target and the drafter alike:
@@ -19,11 +20,17 @@ layout is for one device and is never sharded), for the target and the drafter a
   [D, Vd]: split over `tensor` on the vocabulary axis where the axis size divides it, else
   replicated;
 - the drafter's fc [n*D, D]: split over `tensor` on its output;
+- an MoE layer's experts (params of an "mlp" module stacked [L, E, ...]: gate_proj / up_proj
+  [L, E, D, I], down_proj [L, E, I, D], and their biases [L, E, I] / [L, E, D]): the expert axis E
+  over `expert`, and within each expert the Megatron split over `tensor` (gate / up columns, down
+  rows; the biases of gate / up alike, down's replicated). The router and a shared expert's
+  gate are replicated; a shared expert's products follow the dense rules;
 - norms and every other small vector: replicated. The stacked layer axis [L, ...] is never split.
 A split whose dimension the tensor axis does not divide (the kv-head count for k_proj / v_proj, the
 head count for q_proj, the MLP width, the drafter's hidden size) raises a ValueError naming the
-weight, its shape and the axis size: a layout that cannot be split is refused, never replicated
-silently. KV caches (`KVCache` k / v [L, B, S, Hkv, D], lengths [B]) split over `data` on B (where
+weight, its shape and the axis size (the expert count for the `expert` axis too): a layout that
+cannot be split is refused, never replicated silently. Dense weights are replicated over `expert`
+(and the batch is split over `data` only). KV caches (`KVCache` k / v [L, B, S, Hkv, D], lengths [B]) split over `data` on B (where
 it divides, else replicated) and over `tensor` on Hkv (which must divide, as for k_proj).
 
 No collective is written by hand: programs are jitted with these shardings and XLA's SPMD
@@ -40,7 +47,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor")  # the mesh's axes, outermost first
+AXES = ("data", "fsdp", "expert", "tensor")  # the mesh's axes, outermost first
 TRAIN_BATCH_AXES = ("data", "fsdp")  # a training batch is split over both
 DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
@@ -51,30 +58,36 @@ _COLUMN = {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads", "gate_
            "up_proj": None, "fc": None}  # split on the output columns (kernel [.., in, out], bias [.., out])
 _ROW = ("o_proj", "down_proj")  # kernel split on its input rows; bias replicated
 _VOCAB = {("embed_tokens", "embedding"): -2, ("lm_head", "kernel"): -1, ("draft_head", "kernel"): -1}
+# An MoE block's stacked experts (leaves of an "mlp" module, [L, E, ...]): leaf -> the axis (from
+# the end) split over `tensor` (None: not split), and the expert axis (from the end).
+_EXPERTS = {"gate_proj": (-1, -3), "up_proj": (-1, -3), "down_proj": (-2, -3),
+            "gate_bias": (-1, -2), "up_bias": (-1, -2), "down_bias": (None, -2)}
 
 
 # ----------------------------------------------------------------------------------------------
 # The mesh
 
 
-def make_mesh(data: int = -1, tensor: int = 1, fsdp: int = 1, devices: Sequence | None = None) -> Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh over `devices` (None: all of `jax.devices()`); data=-1
-    takes what tensor and fsdp leave. ValueError when the sizes do not fit the devices."""
+def make_mesh(data: int = -1, tensor: int = 1, fsdp: int = 1, devices: Sequence | None = None,
+              expert: int = 1) -> Mesh:
+    """A ('data', 'fsdp', 'expert', 'tensor') mesh over `devices` (None: all of `jax.devices()`);
+    data=-1 takes what the other axes leave. ValueError when the sizes do not fit the devices."""
     devices = list(jax.devices() if devices is None else devices)
-    for name, size in (("tensor", tensor), ("fsdp", fsdp)):
+    for name, size in (("tensor", tensor), ("fsdp", fsdp), ("expert", expert)):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"make_mesh: {name} must be an int >= 1, got {size!r}")
+    others = tensor * fsdp * expert
     if data == -1:
-        if len(devices) % (tensor * fsdp):
-            raise ValueError(f"make_mesh: tensor={tensor} x fsdp={fsdp} does not divide the "
+        if len(devices) % others:
+            raise ValueError(f"make_mesh: tensor={tensor} x fsdp={fsdp} x expert={expert} does not divide the "
                              f"{len(devices)} devices")
-        data = len(devices) // (tensor * fsdp)
+        data = len(devices) // others
     if not isinstance(data, int) or data < 1:
         raise ValueError(f"make_mesh: data must be -1 or an int >= 1, got {data!r}")
-    if data * fsdp * tensor != len(devices):
-        raise ValueError(f"make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} needs "
-                         f"{data * fsdp * tensor} devices, found {len(devices)}")
-    return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp, tensor), AXES)
+    if data * others != len(devices):
+        sizes = f"data={data} x fsdp={fsdp}" + (f" x expert={expert}" if expert > 1 else "") + f" x tensor={tensor}"
+        raise ValueError(f"make_mesh: {sizes} needs {data * others} devices, found {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp, expert, tensor), AXES)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -115,14 +128,35 @@ def _spec(rank: int, axis: int, name: str | None) -> P:
 # Generation: Megatron tensor parallelism over `tensor`
 
 
-def param_spec(path, shape: Sequence[int], config, tensor: int) -> P:
+def _expert_spec(names, shape, tensor: int, expert: int) -> P:
+    """An MoE expert leaf's PartitionSpec (`_EXPERTS`): E over `expert`, the Megatron axis over
+    `tensor`; ValueError naming the weight where a split does not divide."""
+    tensor_axis, expert_axis = _EXPERTS[names[-1]]
+    entries = [None] * len(shape)
+    for axis, name, size, what in ((expert_axis, "expert", expert, "experts"),
+                                   (tensor_axis, "tensor", tensor, "columns" if tensor_axis == -1 else "rows")):
+        if axis is None or size <= 1:
+            continue
+        if shape[axis] % size:
+            raise ValueError(f"{'/'.join(names)} of shape {list(shape)}: its {shape[axis]} {what} do not divide "
+                             f"the mesh's {name} axis of size {size}")
+        entries[axis % len(shape)] = name
+    return P(*entries)
+
+
+def param_spec(path, shape: Sequence[int], config, tensor: int, expert: int = 1) -> P:
     """The PartitionSpec of one target or drafter weight (path: its param path, e.g.
     ("layers", "self_attn", "k_proj", "kernel"); config: its ModelConfig or DrafterConfig, for the
-    head counts) on a tensor axis of size `tensor` (the rules: the module docstring). ValueError
-    naming the weight, its shape and the axis size where a split dimension does not divide."""
+    head counts) on a tensor axis of size `tensor` and an expert axis of size `expert` (the rules:
+    the module docstring). ValueError naming the weight, its shape and the axis size where a split
+    dimension does not divide."""
     names, shape = _names(path), tuple(int(s) for s in shape)
     rank = len(shape)
-    if tensor <= 1 or rank == 0:
+    if (tensor <= 1 and expert <= 1) or rank == 0:
+        return P(*([None] * rank))
+    if len(names) >= 2 and names[-2] == "mlp" and names[-1] in _EXPERTS and rank >= 2:
+        return _expert_spec(names, shape, tensor, expert)
+    if tensor <= 1:
         return P(*([None] * rank))
     for key, axis in _VOCAB.items():
         if names[-2:] == key:  # the vocabulary axis, split only where it divides
@@ -147,24 +181,53 @@ def param_spec(path, shape: Sequence[int], config, tensor: int) -> P:
 def param_shardings(mesh: Mesh, params, config):
     """NamedShardings (by `param_spec`) for every leaf of a target's params or a drafter's
     `loop_params` (arrays or ShapeDtypeStructs) on `mesh`."""
-    tensor = axis_size(mesh, "tensor")
+    tensor, expert = axis_size(mesh, "tensor"), axis_size(mesh, "expert")
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, param_spec(path, np.shape(leaf), config, tensor)), params)
+        lambda path, leaf: NamedSharding(mesh, param_spec(path, np.shape(leaf), config, tensor, expert)), params)
 
 
-def placer(mesh: Mesh, shapes, config):
-    """`place(path, host_array)` for a loader (`names.hf_to_params`): the array put on the
-    shards of its weight (`param_shardings` of the expected param `shapes`, computed here, so a
-    split that does not divide raises before any tensor is read)."""
-    shardings = param_shardings(mesh, shapes, config)
+def placer(mesh: Mesh, shapes, config) -> "Placer":
+    """The `Placer` of a loader that reads params of `shapes` onto `mesh` by the rules."""
+    return Placer(mesh, shapes, config)
 
-    def place(path, array):
-        target = shardings
+
+class Placer:
+    """How a loader (`names.hf_to_params`) puts each weight on the shards the rules give it
+    (`param_shardings` of the expected param `shapes`, computed here, so a split that does not
+    divide raises before any tensor is read).
+
+    `assemble(path, shape, read)`: the weight built shard by shard: `read(index)` returns the host
+    block of one device's index (a tuple of slices), each distinct block is read once, put on the
+    devices that hold it and dropped, so the host never holds more than one shard of a weight (a
+    30B MoE target's experts go to their devices a shard at a time). `place(path, host_array)`
+    (calling the placer) puts a whole host array on its shards."""
+
+    def __init__(self, mesh: Mesh, shapes, config):
+        self.shardings = param_shardings(mesh, shapes, config)
+
+    def sharding_of(self, path) -> NamedSharding:
+        target = self.shardings
         for key in path:
             target = target[key]
-        return jax.device_put(array, target)
+        return target
 
-    return place
+    def __call__(self, path, array):
+        return jax.device_put(array, self.sharding_of(path))
+
+    def assemble(self, path, shape, read):
+        target = self.sharding_of(path)
+        devices_of: dict = {}  # a distinct block (its bounds) -> (index, the devices that hold it)
+        for device, index in target.addressable_devices_indices_map(tuple(shape)).items():
+            bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+            devices_of.setdefault(bounds, (index, []))[1].append(device)
+        on_device = {}
+        for index, devices in devices_of.values():
+            block = read(index)
+            for device in devices:
+                on_device[device] = jax.device_put(block, device)
+            del block
+        arrays = [on_device[d] for d in target.addressable_devices_indices_map(tuple(shape))]
+        return jax.make_array_from_single_device_arrays(tuple(shape), target, arrays)
 
 
 def batch_spec(mesh: Mesh | None, batch: int, rank: int) -> P:

@@ -103,6 +103,50 @@ def test_cached_paths_lower_to_triton_inside_the_layer_scans():
         assert text.count("__gpu$xla.gpu.triton") == 2, name
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sink_kernel_lowers_to_triton_for_cuda(num_splits):
+    """The kernel with attention sinks (gpt-oss), forward and the custom VJP in q, k, v and the
+    sinks, lowers for CUDA here (an abstract H100): three Triton calls as without sinks, the
+    forward with one more operand (the folded sink logits); with the key tiles split over programs
+    the sink enters the first split's softmax (a program-id test inside the kernel)."""
+    from dflash_jax import _masks as masks
+    from dflash_jax.kernels import BlockSizes, block_attention
+    from test_block_attention import _abstract_gpu
+    import re
+
+    blocks = BlockSizes(block_q=32, block_k=32, num_splits=num_splits)
+    q = jnp.zeros((2, 24, 8, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 200, 2, 64), jnp.bfloat16)
+    ranges = masks.causal(jnp.arange(24)[None] + jnp.array([[176], [3]]), window=128)
+
+    def lowered(sinks):
+        def fwd_and_grad(q, k, v, sinks, start, end):
+            def f(q, k, v, sinks):
+                return block_attention(q, k, v, masks.KeyRanges(start, end), block_sizes=blocks, sinks=sinks)
+
+            out, vjp = jax.vjp(f, q, k, v, sinks)
+            return out, vjp(out)
+
+        with _abstract_gpu():
+            traced = jax.jit(fwd_and_grad).trace(q, k, k, sinks, ranges.start, ranges.end)
+            return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+    try:
+        with_sinks, without = lowered(jnp.zeros((8,), jnp.float32)), lowered(None)
+    except (TypeError, AttributeError) as e:  # an API this jax version lacks
+        pytest.skip(f"cross-platform lowering unavailable: {e}")
+
+    def operand_counts(text):
+        calls = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(([^)]*)\)", text)
+        return [len(c.split(",")) for c in calls]
+
+    assert len(operand_counts(with_sinks)) == 3
+    for name in ("block_attention_fwd", "block_attention_dq", "block_attention_dkdv"):
+        assert name in with_sinks
+    # the forward comes first: plan, bounds, sinks, q, k, v; the backward kernels are unchanged
+    assert operand_counts(with_sinks) == [operand_counts(without)[0] + 1] + operand_counts(without)[1:]
+
+
 @pytest.mark.parametrize("platform", ["gpu", "cpu"])
 def test_auto_reads_caches_with_the_kernel_on_a_gpu_and_the_reference_elsewhere(monkeypatch, platform):
     """What "auto" chooses for a model's cache reads (the choice, not a timing): the Pallas

@@ -1,6 +1,7 @@
 """Qwen3.5 hybrid targets (Gated DeltaNet + gated attention): parity with transformers' own classes,
 the delta rule's forms, exact rollback of the recurrent state, lossless speculative decoding with
 rejections at every block position, sampling, loading and bad input."""
+import functools
 import json
 
 import jax
@@ -228,9 +229,15 @@ def test_state_after_rollback_equals_plain_decoding_of_the_accepted_tokens():
 # ---------------------------------------------------------------------------------------------
 # Speculative decoding
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(spec, params, tokens, cache):
+    return spec.forward(params, tokens, cache)
+
+
 def plain_greedy(target, prompt, max_new):
-    """Independent reference: the prompt, then one token at a time through the cache."""
-    fwd = jax.jit(lambda p, t, c: target.forward(p, t, c))
+    """Independent reference: the prompt, then one token at a time through the cache (one compiled
+    step per target spec, whatever the prompt)."""
+    fwd = functools.partial(_forward, target.spec)
     hidden, _, cache = fwd(target.params, jnp.asarray([prompt], jnp.int32), target.init_cache(1, 256))
     out = [int(jnp.argmax(target.logits(target.params, hidden[0, -1])))]
     while len(out) < max_new:

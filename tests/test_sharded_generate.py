@@ -1,7 +1,8 @@
 """Generation on a device mesh (`dflash_jax.sharding`): greedy speculative output on 8 simulated CPU
 devices equals the 1-device output token for token in float32, for tensor x data meshes of
 2 x 4, 4 x 2 and 8 x 1, on a tiny Qwen3 target (q/k norms, untied head) and a tiny Llama one (no
-q/k norms, tied embeddings), with ragged prompts; the compiled programs' parameter shardings are
+q/k norms, tied embeddings), with ragged prompts, a Qwen3.5 hybrid on 2 x 4, and a Qwen3-MoE target
+with its experts over an `expert` axis (expert x tensor = 4 x 2, and 8); the compiled programs' parameter shardings are
 the rules' and no weight the rules split is replicated (the decode state's, the state rules');
 models loaded with a mesh are placed by the rules as they are read; a kv-head count the tensor
 axis does not divide is refused with an error naming the weight; speculative sampling on a mesh
@@ -24,7 +25,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = {"tensor2_data4": dict(tensor=2, data=4), "tensor4_data2": dict(tensor=4, data=2),
-          "tensor8_data1": dict(tensor=8, data=1)}
+          "tensor8_data1": dict(tensor=8, data=1),
+          # a mixture-of-experts target's experts over `expert`
+          "expert4_tensor2": dict(expert=4, tensor=2, data=1), "expert8": dict(expert=8, data=1)}
 PROMPTS = [[3, 9, 4], [7, 1, 2, 5, 8, 6, 11], [12], [5, 5, 20, 31, 2]]  # ragged, B=4
 ODD_PROMPTS = PROMPTS[:3]  # B=3: data does not divide it, so the batch is replicated
 MAX_NEW = 12
@@ -36,7 +39,8 @@ def _configs():
 
     vocab = 64
     qwen3 = ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=8, num_kv_heads=8, head_dim=8, qk_norm=True, max_position_embeddings=256)
+                        num_heads=8, num_kv_heads=8, head_dim=8, qk_norm=True,
+                        max_position_embeddings=2048)  # room for test_sharded_decode_loop_copies_no_cache
     llama = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_layers=2,
                         num_heads=16, num_kv_heads=8, head_dim=4, qk_norm=False, tie_word_embeddings=True,
                         max_position_embeddings=256)
@@ -47,10 +51,13 @@ def _configs():
                           layer_types=("linear_attention", "full_attention"), linear_conv_kernel_dim=4,
                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                           linear_value_head_dim=8, max_position_embeddings=256)
+    # a Qwen3-MoE target: 8 experts, 2 per token, split over `expert` (and `tensor` within each)
+    qwen3_moe = dataclasses.replace(qwen3, arch="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, norm_topk_prob=True)
     drafter = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=8,
                             head_dim=8, vocab_size=vocab, num_target_layers=2, target_layer_ids=(0, 1),
                             block_size=4, mask_token_id=vocab - 1, max_position_embeddings=256)
-    return {"qwen3": qwen3, "llama": llama, "qwen3_5": qwen3_5}, drafter
+    return {"qwen3": qwen3, "llama": llama, "qwen3_5": qwen3_5, "qwen3_moe": qwen3_moe}, drafter
 
 
 def _models(name: str):
@@ -111,12 +118,16 @@ def _save_target(target, directory: Path) -> None:
 
     c = target.config
     directory.mkdir(parents=True, exist_ok=True)
-    hf = {"architectures": ["Qwen3ForCausalLM" if c.arch == "qwen3" else "LlamaForCausalLM"],
+    architecture = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+    hf = {"architectures": [architecture[c.arch]],
           "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
           "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
           "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_theta,
           "tie_word_embeddings": c.tie_word_embeddings, "torch_dtype": "float32"}
+    if c.num_experts:
+        hf.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                  moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob)
     (directory / "config.json").write_text(json.dumps(hf))
     save_safetensors(params_to_hf(target_rules(c), target.params, c.num_layers), directory / "model.safetensors")
 
@@ -135,7 +146,9 @@ def sharded_run(out: str, workdir: str) -> None:
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     generators = {}
     # Qwen3 on every mesh shape; Llama (no q/k norms, tied embeddings) and a Qwen3.5 hybrid on one
-    for name, mesh_names in (("qwen3", list(MESHES)), ("llama", ["tensor4_data2"]), ("qwen3_5", ["tensor2_data4"])):
+    dense_meshes = [m for m in MESHES if not m.startswith("expert")]
+    for name, mesh_names in (("qwen3", dense_meshes), ("llama", dense_meshes), ("qwen3_5", ["tensor2_data4"]),
+                             ("qwen3_moe", ["expert4_tensor2", "expert8"])):
         target, drafter = _models(name)
         reference = Generator(target, drafter, backend="xla")  # one device, the same XLA numerics
         case = {"reference": {}, "meshes": {}, "odd_batch": {}, "problems": {}, "stream": {}}
@@ -159,6 +172,23 @@ def sharded_run(out: str, workdir: str) -> None:
             case["stream"] = rows
         found[name] = case
 
+    # The sharded decode loop copies no cache either (test_decode_hlo's check on the partitioned
+    # program: every instruction carrying the capacity, 1024, is an alias or an in-place row update).
+    from test_decode_hlo import whole_buffer_ops
+
+    from dflash_jax._speculative import prompt_bucket
+    from dflash_jax.kernels import KEY_TILE, round_up
+
+    found["whole_buffer_ops"] = {}
+    for name, mesh_name in (("qwen3", "tensor2_data4"), ("qwen3_moe", "expert4_tensor2")):
+        generator = generators[name, mesh_name]
+        cfg, args, _ = generator._prepare(PROMPTS, max_new_tokens=1000, temperature=0.0, top_k=0, top_p=1.0,
+                                          stop_token_ids=(), block_size=None, seed=0, acceptance="exact")
+        capacity = round_up(prompt_bucket(max(map(len, PROMPTS))) + 1000 + cfg.block_size, KEY_TILE)
+        assert capacity == 1024, capacity
+        _, loop, _ = generator._executables(cfg, args, "decode")
+        found["whole_buffer_ops"][name] = whole_buffer_ops(loop.as_text(), capacity)
+
     # Loaded with a mesh: every weight on the rules' shards as read; generating from them agrees.
     target, drafter = _models("qwen3")
     mesh = meshes["tensor4_data2"]
@@ -176,6 +206,35 @@ def sharded_run(out: str, workdir: str) -> None:
     generator = generators["qwen3", "tensor4_data2"].bind(loaded, loaded_drafter)
     found["loaded"] = {"mesh_kept": loaded.mesh is mesh and loaded_drafter.mesh is mesh, "placement": placement,
                        "tokens": generator.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens}
+
+    # A Qwen3-MoE target loaded onto expert=4 x tensor=2: every weight by the rules, each device's
+    # block read from only the tensors it overlaps (each expert's tensors read once per tensor shard
+    # holding a slice of it, not once per device), and generating from it agrees.
+    from dflash_jax.loading import checkpoint_files
+
+    moe_target, moe_drafter = _models("qwen3_moe")
+    moe_mesh = meshes["expert4_tensor2"]
+    _save_target(moe_target, Path(workdir) / "moe")
+    reads: dict = {}
+    read_tensor = checkpoint_files.SafetensorsFile.__getitem__
+
+    def counted(self, name):
+        reads[name] = reads.get(name, 0) + 1
+        return read_tensor(self, name)
+
+    checkpoint_files.SafetensorsFile.__getitem__ = counted
+    try:
+        moe_loaded = load_target(Path(workdir) / "moe", tokenizer=False, mesh=moe_mesh)
+    finally:
+        checkpoint_files.SafetensorsFile.__getitem__ = read_tensor
+    rules = sharding.param_shardings(moe_mesh, moe_loaded.params, moe_loaded.config)
+    moe_placement = [jax.tree_util.keystr(path) for (path, x), want in zip(
+        jax.tree_util.tree_leaves_with_path(moe_loaded.params), jax.tree_util.tree_leaves(rules))
+        if not x.sharding.is_equivalent_to(want, x.ndim)]
+    expert_reads = sorted({n for name, n in reads.items() if ".experts." in name})
+    found["moe_loaded"] = {"placement": moe_placement, "expert_reads": expert_reads,
+                           "tokens": generators["qwen3_moe", "expert4_tensor2"].bind(moe_loaded, moe_drafter).generate(
+                               PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens}
 
     # A kv-head count (2) the tensor axis (4) does not divide: refused, naming the weight.
     errors = {}
@@ -235,7 +294,9 @@ def findings(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-CASES = [("qwen3", mesh) for mesh in MESHES] + [("llama", "tensor4_data2"), ("qwen3_5", "tensor2_data4")]
+DENSE = [mesh for mesh in MESHES if not mesh.startswith("expert")]
+CASES = ([("qwen3", mesh) for mesh in DENSE] + [("llama", mesh) for mesh in DENSE] + [("qwen3_5", "tensor2_data4")]
+         + [("qwen3_moe", "expert4_tensor2"), ("qwen3_moe", "expert8")])
 
 
 @pytest.mark.parametrize("model, mesh", CASES)
@@ -263,6 +324,20 @@ def test_load_with_a_mesh_places_every_weight_by_the_rules(findings):
     assert loaded["mesh_kept"]
     assert loaded["placement"] == []
     assert loaded["tokens"] == findings["qwen3"]["reference"]["even"]
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_sharded_decode_loop_copies_no_cache(findings, model):
+    assert findings["whole_buffer_ops"][model] == []
+
+
+def test_an_moe_target_loads_shard_by_shard(findings):
+    """Loaded onto expert=4 x tensor=2: placed by the rules; each expert tensor read twice (once per
+    tensor shard of its expert's block), never once per device (8); it generates as one device."""
+    loaded = findings["moe_loaded"]
+    assert loaded["placement"] == []
+    assert loaded["expert_reads"] == [2]
+    assert loaded["tokens"] == findings["qwen3_moe"]["reference"]["even"]
 
 
 @pytest.mark.parametrize("what", ["generator", "load_target"])
@@ -296,9 +371,21 @@ def test_rules_on_one_device():
     assert spec(("draft_head", "kernel"), (64, 32), 4) == (None, "tensor")
     with pytest.raises(ValueError, match=r"mlp/up_proj/kernel of shape \[2, 64, 126\].*tensor axis of size 4"):
         sharding.param_spec(("layers", "mlp", "up_proj", "kernel"), (2, 64, 126), qwen3, 4)
+    # MoE experts [L, E, ...]: E over `expert`, Megatron within each expert over `tensor`
+    espec = lambda path, shape, t, e: tuple(sharding.param_spec(path, shape, qwen3, t, e))
+    assert espec(("layers", "mlp", "gate_proj"), (2, 8, 64, 32), 2, 4) == (None, "expert", None, "tensor")
+    assert espec(("layers", "mlp", "down_proj"), (2, 8, 32, 64), 2, 4) == (None, "expert", "tensor", None)
+    assert espec(("layers", "mlp", "up_bias"), (2, 8, 32), 2, 4) == (None, "expert", "tensor")
+    assert espec(("layers", "mlp", "down_bias"), (2, 8, 64), 2, 4) == (None, "expert", None)
+    assert espec(("layers", "mlp", "gate_proj"), (2, 8, 64, 32), 1, 8) == (None, "expert", None, None)
+    assert espec(("layers", "mlp", "router", "kernel"), (2, 64, 8), 2, 4) == (None, None, None)
+    assert espec(("layers", "self_attn", "q_proj", "kernel"), (2, 64, 64), 1, 4) == (None, None, None)
+    with pytest.raises(ValueError, match=r"mlp/gate_proj of shape \[2, 6, 64, 32\]: its 6 experts .* expert axis of size 4"):
+        sharding.param_spec(("layers", "mlp", "gate_proj"), (2, 6, 64, 32), qwen3, 1, 4)
     with pytest.raises(ValueError, match="make_mesh: data=3 x fsdp=1 x tensor=1 needs 3 devices"):
         sharding.make_mesh(data=3)
     assert sharding.parse_mesh("tensor=4,data=2") == {"tensor": 4, "data": 2}
+    assert sharding.parse_mesh("expert=4,tensor=2") == {"expert": 4, "tensor": 2}
     with pytest.raises(ValueError, match="'model=2'"):
         sharding.parse_mesh("model=2")
 
@@ -320,8 +407,9 @@ def test_sampling_on_a_mesh_matches_the_target_distribution(findings):
 
 def distributed_run(out: str, coordinator: str, num_processes: int, process_id: int) -> None:
     """One process of a jax.distributed job (4 CPU devices each): the Qwen3 pair on a tensor=2 x
-    data=4 mesh over both processes' devices; every process passes the same prompts and gets every
-    row back (`Generator` gathers across processes)."""
+    data=4 mesh over both processes' devices; the prompts arrive on process 0 only (the others pass
+    None: `Generator` broadcasts process 0's) and every process gets every row back (`Generator`
+    gathers across processes). Then a prompt process 0 refuses raises on every process."""
     from dflash_jax import sharding
 
     sharding.initialize_distributed(coordinator, num_processes, process_id)
@@ -331,14 +419,22 @@ def distributed_run(out: str, coordinator: str, num_processes: int, process_id: 
 
     target, drafter = _models("qwen3")
     mesh = sharding.make_mesh(tensor=2, data=4)
-    result = Generator(target, drafter, mesh=mesh).generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=())
+    generator = Generator(target, drafter, mesh=mesh)
+    prompts = PROMPTS if process_id == 0 else None
+    result = generator.generate(prompts, max_new_tokens=MAX_NEW, stop_token_ids=())
+    try:
+        generator.generate([[1], [10**6]] if process_id == 0 else None, max_new_tokens=2)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
     Path(out).write_text(json.dumps({"tokens": result.tokens, "devices": len(jax.devices()),
-                                     "local_devices": len(jax.local_devices())}))
+                                     "local_devices": len(jax.local_devices()), "refused": refused}))
 
 
 def test_two_processes_joined_by_jax_distributed_generate_as_one(findings, tmp_path):
-    """Two processes (CPU collectives over gloo) run one sharded generate over their 8 devices and
-    both get one device's tokens."""
+    """Two processes (CPU collectives over gloo) run one sharded generate over their 8 devices, the
+    prompts given to process 0 only, and both get one device's tokens; a token id outside the
+    vocabulary on process 0 is refused on both."""
     import socket
 
     with socket.socket() as s:
@@ -364,3 +460,6 @@ def test_two_processes_joined_by_jax_distributed_generate_as_one(findings, tmp_p
         run = json.loads((tmp_path / f"p{i}.json").read_text())
         assert (run["devices"], run["local_devices"]) == (8, 4)
         assert run["tokens"] == findings["qwen3"]["reference"]["even"], i
+        assert run["refused"] is not None, i
+    assert "token ids must lie in [0, 64)" in json.loads((tmp_path / "p0.json").read_text())["refused"]
+    assert "process 0" in json.loads((tmp_path / "p1.json").read_text())["refused"]

@@ -20,12 +20,15 @@ BATCH, LENGTH = 8, 24
 
 
 def one_step(out: str, data: int = -1, fsdp: int = 1, shard_target: bool = False, coordinator: str | None = None,
-             num_processes: int | None = None, process_id: int | None = None) -> None:
+             num_processes: int | None = None, process_id: int | None = None, moe: bool = False) -> None:
     """Two train steps of the tiny drafter on a fixed batch over a (data, fsdp) mesh; saves the
     losses and params to `out` (.npz). With a coordinator, joins a jax.distributed job first and
-    feeds only this process's rows."""
+    feeds only this process's rows. moe: the target is a Qwen3-MoE one (test_moe_train's)."""
     sharding.initialize_distributed(coordinator, num_processes, process_id)
-    target = Target(fitted_models.TARGET_CONFIG, init_target_params(fitted_models.TARGET_CONFIG, jax.random.PRNGKey(0)))
+    config = fitted_models.TARGET_CONFIG
+    if moe:
+        from test_moe_train import CONFIG as config
+    target = Target(config, init_target_params(config, jax.random.PRNGKey(0)))
     config = fitted_models.drafter_config(block_size=4)
     mesh = sharding.make_mesh(data=data, fsdp=fsdp)
     schedule = step_lib.learning_rate_schedule(1e-3, 10, 0.1)
@@ -87,6 +90,16 @@ def test_eight_device_mesh_equals_one_device(reference, tmp_path):
     proc = _spawn(f"t.one_step({str(out)!r}, data=2, fsdp=4, shard_target=True)", devices=8)
     assert proc.wait(timeout=300) == 0, proc.stdout.read()
     _assert_same(reference, out)
+
+
+def test_an_moe_target_sharded_over_eight_devices_trains_as_one(tmp_path):
+    """Online features from a Qwen3-MoE target whose weights (experts included) are split by the
+    training rules over data=2 x fsdp=4: the same two steps as one device."""
+    one_step(str(tmp_path / "one.npz"), moe=True)
+    proc = _spawn(f"t.one_step({str(tmp_path / 'eight.npz')!r}, data=2, fsdp=4, shard_target=True, moe=True)",
+                  devices=8)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    _assert_same(tmp_path / "one.npz", tmp_path / "eight.npz")
 
 
 def test_two_processes_joined_by_jax_distributed_agree(reference, tmp_path):

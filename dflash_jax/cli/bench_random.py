@@ -39,6 +39,23 @@ RANDOM_TARGETS = {
                        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
                        "tie_word_embeddings": False},
                       151669),
+    # Qwen3.5-35B-A3B's text model (Qwen3.6-35B-A3B has its shapes): 40 layers, 30 Gated DeltaNet and 10
+    # gated full-attention ones, each with an MoE of 256 experts (8 per token) and a shared expert. The
+    # released config.json nests these under text_config (Qwen3_5MoeForConditionalGeneration), lists
+    # layer_types in full (the default interval-4 pattern) and has no intermediate_size; the drafter here
+    # gets ModelConfig's stand-in, 3 x hidden = 6144 (no official drafter config is read). Mask id: the
+    # last one, as for qwen3.5-9b.
+    "qwen3.5-35b-a3b": ({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+                         "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+                         "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                         "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+                         "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                         "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6,
+                         "max_position_embeddings": 262144, "tie_word_embeddings": False,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                             "partial_rotary_factor": 0.25}},
+                        248319),
     # gpt-oss-20b (openai/gpt-oss-20b config.json: gpt-oss-120b's with 24 layers and 32 experts): 24 layers
     # alternating a 128-token sliding window and full attention, attention sinks, q/k/v/o biases, YaRN
     # (factor 32 from 4,096, not truncated), 32 experts with biases, 4 per token, the clamped SwiGLU.
@@ -102,9 +119,9 @@ def random_configs(name: str, layers: int | None, block_size: int | None):
         layer_ids = tuple(int(i) for i in np.linspace(0, num_layers - 1, draft_layers).round())
     drafter_config = DrafterConfig.from_hf_config({
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-        **{k: hf[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                              "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
-                              "max_position_embeddings")},
+        **{k: hf[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                              "vocab_size", "rms_norm_eps", "max_position_embeddings")},
+        "intermediate_size": config.intermediate_size,  # the config's, or its stand-in (qwen3.5-35b-a3b)
         "rope_theta": config.rope_theta,
         "num_hidden_layers": draft_layers, "num_target_layers": num_layers, "block_size": block_size or 16,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)}})

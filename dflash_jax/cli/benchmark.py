@@ -131,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_flags(gen)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--mesh", metavar="AXIS=N,...",
-                     help="generate on a device mesh, e.g. tensor=4,data=2 (dflash_jax.sharding.make_mesh): "
-                          "weights split over tensor, the batch over data; the stacked layout on XLA")
+                     help="generate on a device mesh, e.g. tensor=4,data=2 or expert=4,tensor=2 (dflash_jax.sharding."
+                          "make_mesh): weights split over tensor, an MoE target's experts over expert, the batch "
+                          "over data; the stacked layout on XLA")
     add_compile_cache_flag(gen)
     out = p.add_argument_group("output")
     out.add_argument("--baseline", choices=("transformers",),

@@ -31,6 +31,13 @@ their row-tile lists; the folded rows sum the G heads of a group for free), reco
 probabilities from the saved log-sum-exp, under `jax.custom_vjp`. ``backward="reference"`` uses
 the VJP of the dense reference (`dflash_jax.kernels.reference`) instead (debugging).
 
+Attention sinks (gpt-oss; ``sinks`` [Hq], optional): one logit per query head that joins every
+row's softmax and carries no value. The forward starts each row's online softmax from it (running
+max = sink, denominator 1, accumulator 0; in the first split only), so the saved log-sum-exp
+includes it and the backward kernels, which recompute the probabilities from that log-sum-exp,
+need no change; d(sinks) = -sum over rows of p_sink * rowsum(dO * O) is plain jnp. Without sinks
+the kernels are the same as before they existed (no extra operand, no extra instruction).
+
 Fully masked rows (padding blocks) produce zeros and zero gradients. Lengths that are not
 multiples of the tile sizes are padded in the wrapper (zeros; padded keys lie outside every range
 because the ranges are clipped to ``[0, Tk)``), as are head dims that are not powers of two.
@@ -198,11 +205,14 @@ def _tile_index(j, n0, lo0, lo1):
 
 
 def _fwd_kernel(
-    plan_ref, bounds_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-    *, scale, block_k, num_splits, precision,
+    plan_ref, bounds_ref, *refs, scale, block_k, num_splits, precision, has_sinks,
 ):
-    # plan_ref [4]; bounds_ref [4, bq]; q_ref [bq, Dp]; k_ref, v_ref [Tk_pad, Dp]
+    # plan_ref [4]; bounds_ref [4, bq]; (sink_ref [bq]); q_ref [bq, Dp]; k_ref, v_ref [Tk_pad, Dp]
     # o_ref [bq, Dp]; lse_ref [bq]
+    if has_sinks:
+        sink_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     lo0, hi0, lo1, hi1 = plan_ref[0], plan_ref[1], plan_ref[2], plan_ref[3]
     n0 = hi0 - lo0
     n = n0 + (hi1 - lo1)
@@ -239,11 +249,21 @@ def _fwd_kernel(
         acc = acc * correction[:, None] + _mm(p.astype(v.dtype), v, 1, 0, precision)
         return acc, m_next, l_next
 
-    init = (
-        jnp.zeros((block_q, dim), jnp.float32),
-        jnp.full((block_q,), NEG, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
-    )
+    if has_sinks:
+        # The sink is one more logit (base 2) with no value: the softmax starts from it (m = sink,
+        # l = 1, acc = 0), in the first split only. A row that sees no key ends with out 0 and
+        # lse = sink.
+        m0, l0 = sink_ref[...], jnp.ones((block_q,), jnp.float32)
+        if num_splits > 1:
+            first = pl.program_id(0) == 0
+            m0, l0 = jnp.where(first, m0, NEG), jnp.where(first, l0, 0.0)
+        init = (jnp.zeros((block_q, dim), jnp.float32), m0, l0)
+    else:
+        init = (
+            jnp.zeros((block_q, dim), jnp.float32),
+            jnp.full((block_q,), NEG, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32),
+        )
     acc, m, l = lax.fori_loop(j_lo, j_hi, body, init)
     seen = m > _SEEN
     l_safe = jnp.where(seen, l, 1.0)
@@ -346,8 +366,17 @@ def _tiling(q, k, block_q: int, block_k: int, wide_block_q: int):
     return g, dp, bq, bk, round_up(tq * g, bq), round_up(tk, bk)
 
 
-def _forward(q, k, v, start, end, scale: float, blocks: BlockSizes, interpret: bool):
-    """Returns (out [B, Tq, Hq, D] in q.dtype, lse2 [B, Tq, Hq] float32 base-2, NEG if empty)."""
+def _fold_sinks(sinks, tq: int, num_kv_heads: int, rows_padded: int):
+    """sinks [Hq] -> base-2 logits [Hkv, R_pad] float32 in the folded row order (row r = t * G + g
+    of kv head h: query head h * G + g); -inf (no sink) becomes NEG, padded rows 0."""
+    s2 = jnp.maximum(sinks.astype(jnp.float32) * _LOG2E, NEG).reshape(num_kv_heads, -1)
+    s2 = jnp.tile(s2, (1, tq))
+    return jnp.pad(s2, [(0, 0), (0, rows_padded - s2.shape[1])])
+
+
+def _forward(q, k, v, start, end, scale: float, blocks: BlockSizes, interpret: bool, sinks=None):
+    """Returns (out [B, Tq, Hq, D] in q.dtype, lse2 [B, Tq, Hq] float32 base-2, NEG if empty).
+    sinks [Hq] (or None): one more logit per query head in every row's softmax; lse2 includes it."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     g, dp, bq, bk, r_pad, tk_pad = _tiling(q, k, blocks.block_q, blocks.block_k, wide_block_q=64)
@@ -371,7 +400,8 @@ def _forward(q, k, v, start, end, scale: float, blocks: BlockSizes, interpret: b
     num_warps = blocks.num_warps or (8 if bq * dp >= 128 * 128 else 4)
 
     kernel = functools.partial(
-        _fwd_kernel, scale=scale, block_k=bk, num_splits=splits, precision=_precision(q.dtype)
+        _fwd_kernel, scale=scale, block_k=bk, num_splits=splits, precision=_precision(q.dtype),
+        has_sinks=sinks is not None,
     )
     out_dtype = q.dtype if splits == 1 else jnp.float32
     # Row tiles run in reverse (x-major launch order): with causal-like masks the last row tiles
@@ -394,6 +424,10 @@ def _forward(q, k, v, start, end, scale: float, blocks: BlockSizes, interpret: b
         jax.ShapeDtypeStruct((splits, b, hkv, r_pad, dp), out_dtype),
         jax.ShapeDtypeStruct((splits, b, hkv, r_pad), jnp.float32),
     ]
+    operands = [plan, bounds, qf, kp, vp]
+    if sinks is not None:
+        in_specs.insert(2, pl.BlockSpec((None, bq), lambda s, i, bb, h: (h, rt(i))))  # sinks
+        operands.insert(2, _fold_sinks(sinks, tq, hkv, r_pad))
     o, lse = pl.pallas_call(
         kernel,
         grid=(splits, n_rt, b, hkv),
@@ -403,7 +437,7 @@ def _forward(q, k, v, start, end, scale: float, blocks: BlockSizes, interpret: b
         compiler_params=_compiler_params(num_warps, blocks.num_stages),
         interpret=interpret,
         name="block_attention_fwd",
-    )(plan, bounds, qf, kp, vp)
+    )(*operands)
 
     if splits == 1:
         o, lse = o[0], lse[0]
@@ -487,27 +521,40 @@ def _backward_pallas(q, k, v, start, end, out, lse2, do, scale: float, blocks: B
     return dq, dk[:, :tk, :, :d], dv[:, :tk, :, :d]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _block_attention(q, k, v, start, end, scale: float, blocks: BlockSizes, interpret: bool,
+def _sink_grad(sinks, out, lse2, do):
+    """d(sinks) [Hq]: the sink's probability p = exp(sink - lse) times its score's gradient
+    p * (dO . v_sink - delta) = -p * delta (the sink has no value), delta = rowsum(dO * O),
+    summed over batch and queries."""
+    delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Tq, Hq]
+    s2 = jnp.maximum(sinks.astype(jnp.float32) * _LOG2E, NEG)
+    p_sink = jnp.exp2(jnp.minimum(s2 - lse2, 0.0))  # lse includes the sink: p <= 1
+    return (-jnp.sum(p_sink * delta, axis=(0, 1))).astype(sinks.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _block_attention(q, k, v, start, end, sinks, scale: float, blocks: BlockSizes, interpret: bool,
                      backward: str):
-    return _forward(q, k, v, start, end, scale, blocks, interpret)[0]
+    return _forward(q, k, v, start, end, scale, blocks, interpret, sinks)[0]
 
 
-def _block_attention_fwd(q, k, v, start, end, scale, blocks, interpret, backward):
-    out, lse2 = _forward(q, k, v, start, end, scale, blocks, interpret)
-    return out, (q, k, v, start, end, out, lse2)
+def _block_attention_fwd(q, k, v, start, end, sinks, scale, blocks, interpret, backward):
+    out, lse2 = _forward(q, k, v, start, end, scale, blocks, interpret, sinks)
+    return out, (q, k, v, start, end, sinks, out, lse2)
 
 
 def _block_attention_bwd(scale, blocks, interpret, backward, res, do):
-    q, k, v, start, end, out, lse2 = res
+    q, k, v, start, end, sinks, out, lse2 = res
     if backward == "reference":
-        def ref(q_, k_, v_):
-            return reference_attention(q_, k_, v_, KeyRanges(start, end), scale=scale)
+        def ref(q_, k_, v_, sinks_):
+            return reference_attention(q_, k_, v_, KeyRanges(start, end), scale=scale, sinks=sinks_)
 
-        dq, dk, dv = jax.vjp(ref, q, k, v)[1](do)
+        dq, dk, dv, dsinks = jax.vjp(ref, q, k, v, sinks)[1](do)
     else:
+        # The saved lse includes the sink, so the recomputed probabilities of the keys (and dq,
+        # dk, dv) already carry it; the sink itself only needs its own gradient.
         dq, dk, dv = _backward_pallas(q, k, v, start, end, out, lse2, do, scale, blocks, interpret)
-    return dq, dk, dv, None, None
+        dsinks = None if sinks is None else _sink_grad(sinks, out, lse2, do)
+    return dq, dk, dv, None, None, dsinks
 
 
 _block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
@@ -570,28 +617,40 @@ def block_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     backward: str = "pallas",
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D] where each query sees its `ranges`.
 
     Same semantics as `dflash_jax.kernels.reference.reference_attention`: scale defaults to
     D**-0.5, float32 softmax and accumulation, output in q's dtype, zeros for queries that see no
-    key. Differentiable (dq, dk, dv) with Pallas backward kernels, or the reference's VJP when
-    ``backward="reference"``. ``block_sizes``: tiles and launch parameters (None: `BlockSizes()`).
-    ``interpret=True`` runs the kernels in Pallas interpret mode (CPU tests).
+    key. ``sinks`` [Hq] (attention sinks, `reference.with_sinks`): one learned logit per query head
+    that joins every query's softmax denominator inside the kernel and carries no value.
+    Differentiable (dq, dk, dv and d(sinks)) with Pallas backward kernels, or the reference's VJP
+    when ``backward="reference"``. ``block_sizes``: tiles and launch parameters (None:
+    `BlockSizes()`). ``interpret=True`` runs the kernels in Pallas interpret mode (CPU tests).
     """
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     scale, start, end = _static_scale_and_bounds(q, k, v, ranges, scale)
+    _check_sinks(sinks, q.shape[2])
     blocks = BlockSizes() if block_sizes is None else block_sizes
-    return _block_attention(q, k, v, start, end, scale, blocks, bool(interpret), backward)
+    return _block_attention(q, k, v, start, end, sinks, scale, blocks, bool(interpret), backward)
+
+
+def _check_sinks(sinks, num_q_heads: int):
+    if sinks is not None and tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(f"sinks must have shape [Hq={num_q_heads}], got {tuple(sinks.shape)}")
 
 
 def block_attention_with_lse(q, k, v, ranges: KeyRanges, *, scale: float | None = None,
-                             block_sizes: BlockSizes | None = None, interpret: bool = False):
+                             block_sizes: BlockSizes | None = None, interpret: bool = False,
+                             sinks: jax.Array | None = None):
     """Forward only: (out [B, Tq, Hq, D] in q's dtype, lse [B, Tq, Hq] float32 natural
     log-sum-exp, -inf where the query sees no key); arguments as in `block_attention` (only the
-    forward fields of ``block_sizes`` matter)."""
+    forward fields of ``block_sizes`` matter). With ``sinks`` the lse includes the sink (a query
+    that sees no key: out 0, lse = its head's sink)."""
     scale, start, end = _static_scale_and_bounds(q, k, v, ranges, scale)
+    _check_sinks(sinks, q.shape[2])
     blocks = BlockSizes() if block_sizes is None else block_sizes
-    out, lse2 = _forward(q, k, v, start, end, scale, blocks, bool(interpret))
+    out, lse2 = _forward(q, k, v, start, end, scale, blocks, bool(interpret), sinks)
     return out, jnp.where(lse2 > _SEEN, lse2 * _LN2, -jnp.inf)

@@ -6,6 +6,8 @@ Per-layer names contain ``{i}``; their Flax params are stacked on a leading laye
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import re
 from typing import Any, Callable, Collection, Mapping
 
@@ -76,13 +78,21 @@ def decoder_layer_rules(hf_layer: str, qk_norm: bool, attention_bias: bool, mlp_
     return rules
 
 
-def moe_layer_rules(hf_layer: str, experts: int) -> list[Rule]:
+def moe_layer_rules(hf_layer: str, experts: int, path: tuple[str, ...] = ("layers", "mlp"),
+                    layer_ids: tuple[int, ...] | None = None, shared_expert: bool = False) -> list[Rule]:
     """The MoE block of a Qwen3-MoE layer in its released layout: the router `mlp.gate` [E, D] and
-    each expert's gate / up / down projections, stacked [L, E, ...] (kernels [in, out])."""
-    rules = [Rule(f"{hf_layer}.mlp.gate.weight", ("layers", "mlp", "router", "kernel"), transpose=True)]
+    each expert's gate / up / down projections, stacked [L, E, ...] (kernels [in, out]) under `path`
+    (`layer_ids`: `Rule.layer_ids`). shared_expert: Qwen3.5-MoE's shared expert `mlp.shared_expert.*`
+    and its gate `mlp.shared_expert_gate` [1, D] too. (A checkpoint whose experts are fused,
+    `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, reads through `unfuse_experts`.)"""
+    rules = [Rule(f"{hf_layer}.mlp.gate.weight", (*path, "router", "kernel"), transpose=True, layer_ids=layer_ids)]
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        rules.append(Rule(f"{hf_layer}.mlp.experts.{{e}}.{proj}.weight", ("layers", "mlp", proj), transpose=True,
-                          experts=experts))
+        rules.append(Rule(f"{hf_layer}.mlp.experts.{{e}}.{proj}.weight", (*path, proj), transpose=True,
+                          experts=experts, layer_ids=layer_ids))
+    if shared_expert:
+        rules += _linear_rules(f"{hf_layer}.mlp.shared_expert", (*path, "shared_expert"),
+                               ("gate_proj", "up_proj", "down_proj"), False, layer_ids)
+        rules += _linear_rules(f"{hf_layer}.mlp", path, ("shared_expert_gate",), False, layer_ids)
     return rules
 
 
@@ -102,6 +112,60 @@ def gpt_oss_layer_rules(hf_layer: str) -> list[Rule]:
             Rule(f"{experts}.gate_up_proj_bias", (*path, "up_bias"), columns=(1, 2)),
             Rule(f"{experts}.down_proj", (*path, "down_proj")),
             Rule(f"{experts}.down_proj_bias", (*path, "down_bias"))]
+
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+class _UnfusedExperts(Mapping):
+    """`tensors` with each fused expert tensor shown as the per-expert tensors it holds (views, never
+    copies: a memory-mapped file stays unread until a weight is built)."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], source: str):
+        self._tensors, self._views = tensors, {}
+        for name in tensors:
+            match = _FUSED_EXPERTS.match(name)
+            if match is None:
+                self._views[name] = (name, None)
+                continue
+            shape = np.shape(tensors[name])
+            prefix, proj = match["prefix"], match["proj"]
+            if len(shape) != 3 or (proj == "gate_up_proj" and shape[1] % 2):
+                raise CheckpointError(f"{source}: fused expert tensor {name} has shape {shape}; expected "
+                                      "[experts, 2 x width, hidden] (gate_up_proj) or [experts, hidden, width] "
+                                      "(down_proj)")
+            for e in range(shape[0]):
+                if proj == "down_proj":
+                    self._views[f"{prefix}.{e}.down_proj.weight"] = (name, (e, slice(None)))
+                else:
+                    half = shape[1] // 2
+                    self._views[f"{prefix}.{e}.gate_proj.weight"] = (name, (e, slice(0, half)))
+                    self._views[f"{prefix}.{e}.up_proj.weight"] = (name, (e, slice(half, None)))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        stored, part = self._views[name]
+        value = self._tensors[stored]
+        return value if part is None else value[part]
+
+    def __contains__(self, name) -> bool:
+        return name in self._views
+
+    def __iter__(self):
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+
+def unfuse_experts(tensors: Mapping[str, np.ndarray], source: str = "checkpoint") -> Mapping[str, np.ndarray]:
+    """An MoE checkpoint as the per-expert names the name table reads. The released Qwen3.5-MoE /
+    Qwen3.6-MoE checkpoints (and transformers 5's own modules) hold each layer's experts fused:
+    `mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up rows) and `mlp.experts.down_proj`
+    [E, D, I]; transformers' save_pretrained writes them per expert, `mlp.experts.{e}.gate_proj.weight`
+    [I, D] and so on. Either reads the same; a checkpoint without fused tensors is returned as is."""
+    if not any(_FUSED_EXPERTS.match(name) for name in tensors):
+        return tensors
+    return _UnfusedExperts(tensors, source)
 
 
 def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
@@ -125,7 +189,8 @@ def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
 def hybrid_target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     """Rules of a Qwen3.5 hybrid target (`dflash_jax._hybrid`): HF layer i is position i % P of its
     layer pattern (P positions), stacked under layers/layer_{i % P}. prefix: "model." for a
-    `Qwen3_5ForCausalLM` checkpoint, "model.language_model." for a `Qwen3_5ForConditionalGeneration`."""
+    `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` checkpoint, "model.language_model." for a
+    `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`."""
     pattern = layer_pattern(cfg.layer_types)
     rules = [Rule(f"{prefix}embed_tokens.weight", ("embed_tokens", "embedding")),
              Rule(f"{prefix}norm.weight", ("norm", "scale"))]
@@ -134,7 +199,12 @@ def hybrid_target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
         hf, path = f"{prefix}layers.{{i}}", ("layers", f"layer_{p}")
         layer = [Rule(f"{hf}.{n}.weight", (*path, n, "scale"), layer_ids=ids)
                  for n in ("input_layernorm", "post_attention_layernorm")]
-        layer += _linear_rules(f"{hf}.mlp", (*path, "mlp"), ("gate_proj", "up_proj", "down_proj"), cfg.mlp_bias, ids)
+        if cfg.num_experts:  # Qwen3.5-MoE: every layer's MLP is the MoE block with a shared expert
+            layer += moe_layer_rules(hf, cfg.num_experts, (*path, "mlp"), ids,
+                                     shared_expert=cfg.shared_expert_intermediate_size > 0)
+        else:
+            layer += _linear_rules(f"{hf}.mlp", (*path, "mlp"), ("gate_proj", "up_proj", "down_proj"), cfg.mlp_bias,
+                                   ids)
         if kind == LINEAR:
             mixer = (*path, "linear_attn")
             layer += _linear_rules(f"{hf}.linear_attn", mixer,
@@ -205,6 +275,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
         raise CheckpointError(f"{source} has {len(unmapped)} tensor(s) this model does not use: {unmapped[:8]}")
     params: dict = {}
     shape_of = shape_of or (lambda name: np.shape(tensors[name]))
+    assemble = getattr(place, "assemble", None)
     for rule in rules:
         want = _get(shapes, rule.path).shape
         layer_shape = tuple(want[rule.stacked_axes:])
@@ -216,13 +287,16 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
                 if tuple(shape_of(name)) != need:
                     raise CheckpointError(f"{source}: tensor {name} has shape {tuple(shape_of(name))}, expected {need}")
             continue
+        if assemble is not None:  # a sharded load: each device's block read on its own
+            read = functools.partial(_read_block, rule, tensors, tuple(want), need, np_dtype, num_layers, source)
+            _set(params, rule.path, assemble(rule.path, tuple(want), read))
+            for name in rule.hf_names(num_layers):
+                if progress:
+                    progress(name)
+            continue
         out = host_arrays.empty(want, np_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
-            value = tensors[name]  # an array, or a lazy tensor with a shape (`_columns`)
-            value = value if hasattr(value, "shape") else np.asarray(value)
-            if tuple(value.shape) != need:
-                raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {need}")
-            value = _columns(value, rule.columns) if rule.columns else np.asarray(value)
+            value = _read_tensor(rule, tensors, name, need, source)
             value = value.T if rule.transpose else value
             if rule.per_layer:
                 out[rule.index(i)] = value.astype(np_dtype)
@@ -237,6 +311,37 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     if unfilled:
         raise ValueError(f"name table leaves params unfilled: {unfilled}")
     return params
+
+
+def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers: int, source: str, index) -> np.ndarray:
+    """The block `index` (a tuple of slices over the param's shape `want`) of the param that `rule`
+    fills, read from the checkpoint tensors that overlap it and nothing else: a device's shard of
+    a stacked weight reads its layers' (and experts') tensors, and of each only its slice."""
+    index = tuple(index) + (slice(None),) * (len(want) - len(tuple(index)))
+    spans = [range(*s.indices(n)) for s, n in zip(index, want)]
+    block = host_arrays.empty(tuple(len(r) for r in spans), dtype)
+    lead = rule.stacked_axes
+    names = rule.hf_names(num_layers)
+    inner = tuple(index[lead:])
+    stacked = [spans[0]] + ([spans[1]] if rule.experts else []) if rule.per_layer else []
+    for at in itertools.product(*[range(len(r)) for r in stacked]):
+        position = tuple(r[i] for r, i in zip(stacked, at))
+        name = names[position[0] * rule.experts + position[1] if rule.experts else (position[0] if position else 0)]
+        value = _read_tensor(rule, tensors, name, need, source)
+        value = value.T if rule.transpose else value
+        block[at] = value[inner].astype(dtype)
+    return block
+
+
+def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str) -> np.ndarray:
+    """Checkpoint tensor `name` as `rule` reads it (before any transpose): its shape checked against
+    `need` (the whole tensor's), then its columns picked (`Rule.columns`). A lazy tensor (an MXFP4
+    one, `loading.mxfp4`) is read only here, and only the columns asked for."""
+    value = tensors[name]
+    value = value if hasattr(value, "shape") else np.asarray(value)
+    if tuple(value.shape) != need:
+        raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {need}")
+    return _columns(value, rule.columns) if rule.columns else np.asarray(value)
 
 
 def _columns(value, columns: tuple[int, int]) -> np.ndarray:

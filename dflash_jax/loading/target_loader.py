@@ -18,7 +18,7 @@ from dflash_jax._errors import CheckpointError
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
 from dflash_jax.loading.mxfp4 import dequantized
-from dflash_jax.loading.names import hf_to_params, target_rules
+from dflash_jax.loading.names import hf_to_params, target_rules, unfuse_experts
 from dflash_jax._resources import smollm2_gguf_path
 from dflash_jax._target import Target, target_param_shapes
 
@@ -52,6 +52,8 @@ def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=f
     place = None if mesh is None else sharding.placer(mesh, shapes, config)
     if config.arch == "gpt_oss":  # the released checkpoints' MXFP4 experts, dequantised as they are read
         tensors = dequantized(tensors, source)
+    elif config.num_experts:  # fused expert tensors (Qwen3.5-MoE's released layout) read as per-expert ones
+        tensors = unfuse_experts(tensors, source)
     prefix = "model."
     if config.is_hybrid_arch:
         prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in tensors else "model."
@@ -121,7 +123,9 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     from the unquantised tensors transformers' save_pretrained writes, in the stacked layout.
     A Qwen3.5 / Qwen3.6 hybrid checkpoint (`Qwen3_5ForCausalLM`, or the text model of a
     `Qwen3_5ForConditionalGeneration`: its vision tower and MTP head are not read) loads in the
-    stacked layout on every backend.
+    stacked layout on every backend; so do MoE checkpoints (`Qwen3MoeForCausalLM`, and the
+    Qwen3.5-MoE / Qwen3.6-MoE hybrids `Qwen3_5MoeForCausalLM` / `Qwen3_5MoeForConditionalGeneration`,
+    experts stored per expert as transformers' save_pretrained writes them, or fused as released).
     mesh: a `jax.sharding.Mesh` (`dflash_jax.sharding.make_mesh`) to place the weights on: the
       stacked layout, each weight put on its shards by `dflash_jax.sharding`'s rules as it is read
       (the host holds one weight at a time, never the whole model twice); `Target.mesh` keeps it

@@ -1,0 +1,122 @@
+"""Training a drafter for a mixture-of-experts target (Qwen3-MoE): `train.cache_features` stores
+what the online step computes, `train.train` runs online from the target's checkpoint directory
+(the target sharded by the training rules) and offline from a feature cache, and what it trains is
+a drafter the target verifies losslessly. No torch: the target is built and saved here."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fitted_models
+from dflash_jax import generate, load_target
+from dflash_jax._drafter import Drafter
+from dflash_jax._target import Target, init_target_params
+from dflash_jax.loading.names import params_to_hf, target_rules
+from dflash_jax.loading.safetensors_io import save_safetensors
+from train import checkpointing, step as step_lib
+from train.cache_features import _feature_fn, cache_features
+from train.config import config_from_dict
+from train.train import drafter_config_for, train
+
+PROMPT, NEW = 4, 20
+CONFIG = dataclasses.replace(fitted_models.TARGET_CONFIG, arch="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, norm_topk_prob=True)
+
+
+def save_moe_target(target: Target, directory) -> None:
+    """An HF directory (config.json + model.safetensors) of a Qwen3-MoE Target."""
+    c = target.config
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": c.vocab_size,
+          "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+          "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+          "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
+          "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_word_embeddings, "torch_dtype": "float32",
+          "num_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
+          "moe_intermediate_size": c.moe_intermediate_size, "norm_topk_prob": c.norm_topk_prob}
+    (directory / "config.json").write_text(json.dumps(hf))
+    save_safetensors(params_to_hf(target_rules(c), target.params, c.num_layers), directory / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """(target loaded from its directory, the directory, train JSONL, held-out prompts): a random
+    Qwen3-MoE target and its own greedy continuations of pattern prompts."""
+    root = tmp_path_factory.mktemp("moe-train")
+    built = Target(CONFIG, init_target_params(CONFIG, jax.random.PRNGKey(4)))
+    save_moe_target(built, root / "target")
+    target = load_target(root / "target", tokenizer=False)
+    assert target.config.num_experts == 8
+    prompts = fitted_models.pattern_batch(np.random.default_rng(1), 40, PROMPT).tolist()
+    out = generate(target, None, prompts, max_new_tokens=NEW, stop_token_ids=())
+    data = root / "train.jsonl"
+    with data.open("w") as f:
+        for p, t in zip(prompts[:32], out.tokens[:32]):
+            f.write(json.dumps({"tokens": p + t, "loss_mask": [0] * PROMPT + [1] * len(t)}) + "\n")
+    return target, root / "target", data, prompts[32:]
+
+
+def test_cached_features_equal_the_online_ones(moe):
+    """`train.cache_features`'s target pass (the cached prefill, 256 tokens a chunk: 300 positions
+    make two) equals the online step's one causal pass, in the bfloat16 both are stored in; its next
+    tokens are the forward's argmax."""
+    target = moe[0]
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 40, size=(2, 300)), jnp.int32)
+    layer_ids = (0, 2)
+    cached, next_tokens = _feature_fn(target, layer_ids)(target.params, tokens)
+    online = step_lib.target_features(target, target.params, tokens, layer_ids)
+    np.testing.assert_allclose(np.asarray(cached, np.float32), np.asarray(online.astype(jnp.bfloat16), np.float32),
+                               atol=2e-2, rtol=1e-2)
+    hidden, _, _ = target.forward(target.params, tokens)
+    np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(jnp.argmax(target.logits(target.params, hidden), -1)))
+
+
+def _config(target_dir, data, out_dir, steps, log_every=None, **data_extra):
+    log_every = steps if log_every is None else log_every
+    return config_from_dict({
+        "model": {"target": str(target_dir), "num_layers": 1, "intermediate_size": 64, "block_size": 4,
+                  "target_layer_ids": [0, 2], "mask_token_id": fitted_models.MASK},
+        "data": {"path": str(data), "max_length": 32, "batch_size": 8, "seed": 3, **data_extra},
+        "optim": {"learning_rate": 3e-3, "warmup_ratio": 0.05},
+        "run": {"out_dir": str(out_dir), "steps": steps, "num_anchors": 8, "log_every": log_every,
+                "checkpoint_every": steps, "async_checkpointing": False, "shard_target": True}})
+
+
+def test_online_training_from_the_checkpoint_directory(moe, tmp_path):
+    """`train.train` loads the MoE target from its directory and trains online; the loss at the
+    last step is well below the first step's, and the trained drafter's output is the target's
+    greedy output."""
+    target, target_dir, data, held_out = moe
+    cfg = _config(target_dir, data, tmp_path / "run", steps=30, log_every=1)
+    last = train(cfg)
+    assert last["step"] == 30 and np.isfinite(last["loss"])
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in logged if r.get("step") == 1)
+    assert last["loss"] < 0.6 * first["loss"], (first["loss"], last["loss"])  # measured: 4.52 -> 1.78
+    _, params = checkpointing.restore_params(tmp_path / "run")
+    drafter = Drafter(drafter_config_for(cfg, target), params["drafter"])
+    trained = generate(target, drafter, held_out, max_new_tokens=12, stop_token_ids=())
+    assert trained.tokens == generate(target, None, held_out, max_new_tokens=12, stop_token_ids=()).tokens
+
+
+def test_cache_features_then_offline_training(moe, tmp_path):
+    """The offline pipeline: features of the records cached (equal to a forward's at every real
+    position of ragged rows), then `train.train` from the cache."""
+    from train.data import DataConfig, load_token_records, make_iterator
+
+    target, target_dir, data, _ = moe
+    layers = (0, 2)
+    records = load_token_records(data, None, 32)
+    cache_features(target, records, tmp_path / "cache", layers, batch_size=4, buckets=(32,), progress=False)
+    forward = jax.jit(lambda params, tokens: target.forward(params, tokens, capture=layers))
+    config = DataConfig(str(tmp_path / "cache"), max_length=32, batch_size=4, buckets=(32,), num_epochs=1)
+    for batch in make_iterator(config, process_index=0, process_count=1):
+        _, online, _ = forward(target.params, batch["tokens"])
+        for row, n in enumerate(batch["lengths"]):
+            np.testing.assert_allclose(batch["features"][row, :n].astype(np.float32), np.asarray(online[row, :n]),
+                                       rtol=1e-2, atol=1e-2)
+    cfg = _config(target_dir, tmp_path / "cache", tmp_path / "run", steps=2, buckets=[32])
+    assert train(cfg, target=target)["step"] == 2

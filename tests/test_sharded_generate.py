@@ -1,8 +1,9 @@
 """Generation on a device mesh (`dflash_jax.sharding`): greedy speculative output on 8 simulated CPU
 devices equals the 1-device output token for token in float32, for tensor x data meshes of
 2 x 4, 4 x 2 and 8 x 1, on a tiny Qwen3 target (q/k norms, untied head) and a tiny Llama one (no
-q/k norms, tied embeddings), with ragged prompts, a Qwen3.5 hybrid on 2 x 4, and a Qwen3-MoE target
-with its experts over an `expert` axis (expert x tensor = 4 x 2, and 8); the compiled programs' parameter shardings are
+q/k norms, tied embeddings), with ragged prompts, a Qwen3-MoE target with its experts over an `expert` axis (expert x tensor =
+4 x 2, and 8) and a Qwen3.5-MoE hybrid (Gated DeltaNet layers, routed and shared experts) on
+expert x tensor x data = 2 x 2 x 2; the compiled programs' parameter shardings are
 the rules' and no weight the rules split is replicated (the decode state's, the state rules');
 models loaded with a mesh are placed by the rules as they are read; a kv-head count the tensor
 axis does not divide is refused with an error naming the weight; speculative sampling on a mesh
@@ -27,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MESHES = {"tensor2_data4": dict(tensor=2, data=4), "tensor4_data2": dict(tensor=4, data=2),
           "tensor8_data1": dict(tensor=8, data=1),
           # a mixture-of-experts target's experts over `expert`
-          "expert4_tensor2": dict(expert=4, tensor=2, data=1), "expert8": dict(expert=8, data=1)}
+          "expert4_tensor2": dict(expert=4, tensor=2, data=1), "expert8": dict(expert=8, data=1),
+          "expert2_tensor2_data2": dict(expert=2, tensor=2, data=2)}
 PROMPTS = [[3, 9, 4], [7, 1, 2, 5, 8, 6, 11], [12], [5, 5, 20, 31, 2]]  # ragged, B=4
 ODD_PROMPTS = PROMPTS[:3]  # B=3: data does not divide it, so the batch is replicated
 MAX_NEW = 12
@@ -51,13 +53,18 @@ def _configs():
                           layer_types=("linear_attention", "full_attention"), linear_conv_kernel_dim=4,
                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                           linear_value_head_dim=8, max_position_embeddings=256)
+    # a Qwen3.5-MoE hybrid: the same layers, every MLP 4 routed experts (over `expert`) and a
+    # shared one (over `tensor`)
+    qwen3_5_moe = dataclasses.replace(qwen3_5, arch="qwen3_5_moe", num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                      norm_topk_prob=True)
     # a Qwen3-MoE target: 8 experts, 2 per token, split over `expert` (and `tensor` within each)
     qwen3_moe = dataclasses.replace(qwen3, arch="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                                     moe_intermediate_size=32, norm_topk_prob=True)
     drafter = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=8,
                             head_dim=8, vocab_size=vocab, num_target_layers=2, target_layer_ids=(0, 1),
                             block_size=4, mask_token_id=vocab - 1, max_position_embeddings=256)
-    return {"qwen3": qwen3, "llama": llama, "qwen3_5": qwen3_5, "qwen3_moe": qwen3_moe}, drafter
+    return {"qwen3": qwen3, "llama": llama, "qwen3_5_moe": qwen3_5_moe, "qwen3_moe": qwen3_moe}, drafter
 
 
 def _models(name: str):
@@ -147,7 +154,7 @@ def sharded_run(out: str, workdir: str) -> None:
     generators = {}
     # Qwen3 on every mesh shape; Llama (no q/k norms, tied embeddings) and a Qwen3.5 hybrid on one
     dense_meshes = [m for m in MESHES if not m.startswith("expert")]
-    for name, mesh_names in (("qwen3", dense_meshes), ("llama", dense_meshes), ("qwen3_5", ["tensor2_data4"]),
+    for name, mesh_names in (("qwen3", dense_meshes), ("llama", dense_meshes), ("qwen3_5_moe", ["expert2_tensor2_data2"]),
                              ("qwen3_moe", ["expert4_tensor2", "expert8"])):
         target, drafter = _models(name)
         reference = Generator(target, drafter, backend="xla")  # one device, the same XLA numerics
@@ -295,7 +302,7 @@ def findings(tmp_path_factory):
 
 
 DENSE = [mesh for mesh in MESHES if not mesh.startswith("expert")]
-CASES = ([("qwen3", mesh) for mesh in DENSE] + [("llama", mesh) for mesh in DENSE] + [("qwen3_5", "tensor2_data4")]
+CASES = ([("qwen3", mesh) for mesh in DENSE] + [("llama", mesh) for mesh in DENSE] + [("qwen3_5_moe", "expert2_tensor2_data2")]
          + [("qwen3_moe", "expert4_tensor2"), ("qwen3_moe", "expert8")])
 
 

@@ -65,7 +65,8 @@ def grouped_experts(x, experts, weights, gate, up, down, *, biases=None, activat
         xs = jnp.repeat(x, k, axis=0)  # pair p = (token p // k, its (p % k)-th expert)
         h = activation(plus(jnp.einsum("pd,pdi->pi", xs, gate[flat].astype(x.dtype)), gate_bias, flat),
                        plus(jnp.einsum("pd,pdi->pi", xs, up[flat].astype(x.dtype)), up_bias, flat))
-        out = plus(jnp.einsum("pi,pid->pd", h, down[flat].astype(x.dtype)), down_bias, flat) * weights.reshape(-1)[:, None]
+        out = plus(jnp.einsum("pi,pid->pd", h, down[flat].astype(x.dtype)), down_bias, flat)
+        out = out * weights.reshape(-1)[:, None]
         return out.reshape(n, k, -1).sum(axis=1)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert

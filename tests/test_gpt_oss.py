@@ -1,7 +1,8 @@
 """gpt-oss targets: the router (softmax of the top-k logits), the experts' biases and clamped SwiGLU in
 both grouped forms, parity with transformers' GptOssForCausalLM (attention sinks, biases, sliding
 windows shorter than the prompt, YaRN), MXFP4 experts dequantised as transformers does, loading
-and exporting, and lossless speculative decoding with rejections at every block position."""
+and exporting, lossless speculative decoding with rejections at every block position, and (slow)
+speculative sampling's chi-square."""
 import json
 
 import jax
@@ -48,7 +49,9 @@ def test_router_and_clamped_experts_equal_a_loop_over_experts():
     gate, up = (jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.normal(size=(e, i, d)), jnp.float32)
     biases = tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, i), (e, i), (e, d)))
-    act = lambda g, u: (np.clip(u, -limit, limit) + 1) * np.minimum(g, limit) / (1 + np.exp(-alpha * np.minimum(g, limit)))
+    def act(g, u):
+        g = np.minimum(g, limit)
+        return (np.clip(u, -limit, limit) + 1) * g / (1 + np.exp(-alpha * g))
     for n in (2, 13):
         x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
         logits = rng.normal(size=(n, e)).astype(np.float32)
@@ -56,7 +59,8 @@ def test_router_and_clamped_experts_equal_a_loop_over_experts():
         top = np.argsort(-logits, axis=-1)[:, :k]
         np.testing.assert_array_equal(np.asarray(experts), top)
         chosen = np.take_along_axis(logits, top, -1)
-        np.testing.assert_allclose(np.asarray(weights), np.exp(chosen) / np.exp(chosen).sum(-1, keepdims=True), rtol=1e-6)
+        softmax = np.exp(chosen) / np.exp(chosen).sum(-1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(weights), softmax, rtol=1e-6)
         got = jax.jit(lambda *a: moe.grouped_experts(
             *a, biases=biases, activation=lambda g, u: moe.clamped_swiglu(g, u, limit=limit, alpha=alpha)))(
                 x, experts, weights, gate, up, down)
@@ -112,7 +116,8 @@ def test_logits_captured_layers_padded_rows_and_greedy_equal_transformers(hf_pai
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids), output_hidden_states=True)
     want = out.logits.numpy()
-    hidden, features, _ = jax.jit(lambda p, x: target.forward(p, x, capture=(0, 1)))(target.params, jnp.asarray(ids, jnp.int32))
+    forward = jax.jit(lambda p, x: target.forward(p, x, capture=(0, 1)))
+    hidden, features, _ = forward(target.params, jnp.asarray(ids, jnp.int32))
     np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden)), want, atol=1e-5, rtol=0)
     for j in range(2):
         np.testing.assert_allclose(np.asarray(features[..., j * 32:(j + 1) * 32]), out.hidden_states[j + 1].numpy(),

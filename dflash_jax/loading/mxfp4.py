@@ -41,7 +41,8 @@ def dequantize_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 class Mxfp4Tensor:
     """One dequantised tensor [E, G * 32, R] of `NAME_blocks` [E, R, G, 16] and `NAME_scales` [E, R, G],
     read lazily: `np.asarray(t)` (all of it), `t.columns(start, step)` (its last-axis columns
-    start::step, dequantising only those rows of the blocks)."""
+    start::step, dequantising only those rows of the blocks), `t.first_axis(slice)` (some experts: a
+    sharded load reads each device's experts only)."""
 
     dtype = np.dtype(np.float32)
 
@@ -53,6 +54,10 @@ class Mxfp4Tensor:
                                   f"[E, R, G], got {np.dtype(blocks.dtype).name} {list(b)} and "
                                   f"{np.dtype(scales.dtype).name} {list(s)}")
         self.shape = (b[0], b[2] * b[3] * 2, b[1])
+
+    def first_axis(self, index: slice) -> "Mxfp4Tensor":
+        """The tensor of the experts `index` picks (views of the blocks and scales: nothing is read)."""
+        return Mxfp4Tensor(self.blocks[index], self.scales[index], self.name)
 
     def columns(self, start: int = 0, step: int = 1) -> np.ndarray:
         rows = range(self.shape[2])[start::step]

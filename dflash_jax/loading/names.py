@@ -327,20 +327,27 @@ def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers
     for at in itertools.product(*[range(len(r)) for r in stacked]):
         position = tuple(r[i] for r, i in zip(stacked, at))
         name = names[position[0] * rule.experts + position[1] if rule.experts else (position[0] if position else 0)]
-        value = _read_tensor(rule, tensors, name, need, source)
-        value = value.T if rule.transpose else value
-        block[at] = value[inner].astype(dtype)
+        if inner and not rule.transpose:  # the first axis cut before the tensor is read (an MXFP4 one's experts)
+            value = _read_tensor(rule, tensors, name, need, source, inner[0])
+            block[at] = value[(slice(None), *inner[1:])].astype(dtype)
+        else:
+            value = _read_tensor(rule, tensors, name, need, source)
+            value = value.T if rule.transpose else value
+            block[at] = value[inner].astype(dtype)
     return block
 
 
-def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str) -> np.ndarray:
+def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str, first: slice = slice(None)) -> np.ndarray:
     """Checkpoint tensor `name` as `rule` reads it (before any transpose): its shape checked against
-    `need` (the whole tensor's), then its columns picked (`Rule.columns`). A lazy tensor (an MXFP4
-    one, `loading.mxfp4`) is read only here, and only the columns asked for."""
+    `need` (the whole tensor's), then the rows `first` of its first axis and its columns
+    (`Rule.columns`) picked. A lazy tensor (an MXFP4 one, `loading.mxfp4`) is read only here, and
+    only the part asked for."""
     value = tensors[name]
     value = value if hasattr(value, "shape") else np.asarray(value)
     if tuple(value.shape) != need:
         raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {need}")
+    if first != slice(None):
+        value = value.first_axis(first) if hasattr(value, "first_axis") else np.asarray(value)[first]
     return _columns(value, rule.columns) if rule.columns else np.asarray(value)
 
 

@@ -18,14 +18,24 @@ ARCH_BY_HF_CLASS = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not read
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # Qwen3.5 / Qwen3.6 hybrids whose every MLP is an MoE block
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
-               "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+               "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "gpt_oss": "gpt_oss"}
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")  # families with Gated DeltaNet ("linear_attention") layers
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 LINEAR = "linear_attention"
 ARCHS = tuple(sorted(set(ARCH_BY_HF_CLASS.values())))
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")  # Qwen3-MoE: top k of the softmax; gpt-oss: softmax of the top k
+# What transformers' GptOssConfig fills in where a gpt-oss config.json is silent (its defaults are
+# gpt-oss-120b's shapes; the released configs state these fields anyway).
+GPT_OSS_DEFAULTS = {
+    "rope_theta": 150000.0, "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "attention_bias": True, "tie_word_embeddings": False, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+}
 REQUIRED = object()  # ConfigFields default: the field must be present
 
 
@@ -277,11 +287,13 @@ class ModelConfig(LayerLayout):
     """A decoder-only target: Qwen3 or Llama, or a Qwen3.5 hybrid ("qwen3_5": Gated DeltaNet
     "linear_attention" layers between gated full-attention layers; the `linear_*` fields size the
     former, `partial_rotary_factor` the part of each attention head that is rotated). MoE targets
-    ("qwen3_moe", and the hybrid "qwen3_5_moe") have `num_experts` > 0: every layer's MLP is the MoE
-    block, with a sigmoid-gated shared expert where `shared_expert_intermediate_size` > 0 (Qwen3.5-MoE);
-    their `intermediate_size` sizes no layer (it is a drafter's default width)."""
+    ("qwen3_moe", "gpt_oss", and the hybrid "qwen3_5_moe") have `num_experts` > 0: every layer's MLP is
+    the MoE block, with a sigmoid-gated shared expert where `shared_expert_intermediate_size` > 0
+    (Qwen3.5-MoE), or gpt-oss's router and experts (`moe_router`, `router_bias`, `expert_bias`,
+    `swiglu_limit`) beside its attention sinks; their `intermediate_size` sizes no layer (it is a
+    drafter's default width)."""
 
-    arch: str  # "qwen3" | "llama" | "qwen3_moe" | "qwen3_5" | "qwen3_5_moe"
+    arch: str  # "qwen3" | "llama" | "qwen3_moe" | "qwen3_5" | "qwen3_5_moe" | "gpt_oss"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -315,6 +327,15 @@ class ModelConfig(LayerLayout):
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE's shared expert (0: none)
+    # gpt-oss: attention sinks (one learned logit per query head in each softmax), the router's
+    # order (`MOE_ROUTERS`) and bias, expert biases, and the clamped SwiGLU of its experts
+    # (swiglu_limit 0: plain SwiGLU)
+    attention_sinks: bool = False
+    moe_router: str = "softmax_topk"
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -342,6 +363,15 @@ class ModelConfig(LayerLayout):
             if not self.norm_topk_prob:
                 raise ValueError("a qwen3_5_moe router always renormalises its top-k weights: norm_topk_prob "
                                  "must be True")
+        if self.moe_router not in MOE_ROUTERS:
+            raise ValueError(f"unknown moe_router {self.moe_router!r}; supported: {MOE_ROUTERS}")
+        if not self.num_experts and (self.router_bias or self.expert_bias or self.swiglu_limit
+                                     or self.moe_router != "softmax_topk"):
+            raise ValueError("router_bias, expert_bias, swiglu_limit and moe_router describe MoE layers; "
+                             "num_experts is 0")
+        if self.swiglu_limit < 0 or self.swiglu_alpha <= 0:
+            raise ValueError(f"swiglu_limit must be >= 0 and swiglu_alpha > 0, got {self.swiglu_limit} and "
+                             f"{self.swiglu_alpha}")
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise ValueError(f"the rotated part of a head ({self.head_dim} x {self.partial_rotary_factor}) "
                              "must be a positive even number of dims")
@@ -412,6 +442,15 @@ class ModelConfig(LayerLayout):
                        moe_intermediate_size=fields.int("moe_intermediate_size", 512),
                        shared_expert_intermediate_size=fields.int("shared_expert_intermediate_size", 512),
                        norm_topk_prob=True)
+        if arch == "gpt_oss":
+            fields = ConfigFields(_gpt_oss_defaults(fields), source)
+            experts = fields.int("num_local_experts", None)
+            top_k = fields.int("num_experts_per_tok", None)
+            moe = dict(num_experts=fields.int("num_experts") if experts is None else experts,
+                       num_experts_per_tok=fields.int("experts_per_token") if top_k is None else top_k,
+                       moe_intermediate_size=fields.int("intermediate_size"), moe_router="topk_softmax",
+                       router_bias=True, expert_bias=True, attention_sinks=True,
+                       swiglu_limit=fields.float("swiglu_limit"), swiglu_alpha=fields.float("swiglu_alpha"))
         if arch == "qwen3_moe":
             sparse_step = fields.int("decoder_sparse_step", 1)
             dense_layers = fields.int_list("mlp_only_layers", ())
@@ -441,3 +480,22 @@ class ModelConfig(LayerLayout):
             eos_token_ids=fields.int_or_int_list("eos_token_id"),
             pad_token_id=fields.int("pad_token_id", None),
         )
+
+
+def _gpt_oss_defaults(fields: ConfigFields) -> dict:
+    """A gpt-oss config dict with transformers' GptOssConfig defaults where it is silent (`GPT_OSS_DEFAULTS`;
+    layer_types: sliding and full layers alternating, the first sliding). Its MXFP4 `quantization_config`
+    is the only one read (the experts are dequantised on load, `loading.mxfp4`)."""
+    hf = fields.hf
+    quant = fields.section("quantization_config").hf.get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise fields.error(f"quantization_config.quant_method {quant!r} is not supported for gpt-oss (mxfp4 is)")
+    out = {k: v for k, v in GPT_OSS_DEFAULTS.items() if k not in ("rope_scaling", "rope_theta")}
+    if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
+        out["rope_scaling"] = GPT_OSS_DEFAULTS["rope_scaling"]
+    if hf.get("rope_theta") is None and (hf.get("rope_parameters") or {}).get("rope_theta") is None:
+        out["rope_theta"] = GPT_OSS_DEFAULTS["rope_theta"]
+    layers = hf.get("num_hidden_layers")
+    if hf.get("layer_types") is None and isinstance(layers, int):
+        out["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return {**out, **{k: v for k, v in hf.items() if v is not None}}

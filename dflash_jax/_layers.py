@@ -232,6 +232,7 @@ class AttentionProjections(nn.Module):
     dtype: Dtype = jnp.float32
     backend: str = "xla"  # whose products (`make_dense`)
     fused: bool = False  # q, k, v as one product ("qkv_proj": a backend's decode layout, `Backend.fuses`)
+    attention_sinks: bool = False  # a learned logit per query head, "sinks" [num_heads] (gpt-oss)
 
     def setup(self):
         dense = lambda n: make_dense(n, self.use_bias, self.dtype, self.backend)
@@ -246,6 +247,8 @@ class AttentionProjections(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.eps, self.dtype)
             self.k_norm = RMSNorm(self.eps, self.dtype)
+        if self.attention_sinks:
+            self.sinks = self.param("sinks", nn.initializers.zeros, (self.num_heads,), self.dtype)
 
     def _heads(self, y, heads: int):
         return y.reshape(*y.shape[:-1], heads, self.head_dim)

@@ -1,4 +1,5 @@
-"""The target model (Qwen3 / Llama) as a pure functional Flax module with a static-shape KV cache.
+"""The target model (Qwen3 / Llama; the MoE families Qwen3-MoE and gpt-oss) as a pure functional
+Flax module with a static-shape KV cache.
 
 `TargetModel.__call__(tokens, cache, capture=...)` runs T new tokens per row at that row's own
 offset (`cache.lengths`), returns the final-normed hidden states, the features of the captured
@@ -60,23 +61,27 @@ class TargetLayer(nn.Module):
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype,
-                                    self.backend, ops.fuses(q_width, kv_width, kv_width), name="self_attn")
+                                    self.backend, ops.fuses(q_width, kv_width, kv_width), cfg.attention_sinks,
+                                    name="self_attn")
+        sinks = attn.sinks if cfg.attention_sinks else None
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
         q, k, v = attn.queries_keys_values(x, cos, sin)
         ranges = masks.causal(positions, window)  # over cache slots (== positions)
         if cache is None:
-            attended = attention(q, k, v, ranges, impl=self.attn_impl)
+            attended = attention(q, k, v, ranges, impl=self.attn_impl, sinks=sinks)
         else:
             offsets = cache.lengths
             k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
             attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, offsets), k, v,
                                        ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl,
-                                       backend=self.backend)
+                                       backend=self.backend, sinks=sinks)
         hidden = hidden + attn.output(attended)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
         if cfg.num_experts:
             hidden = hidden + MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                                  cfg.norm_topk_prob, self.dtype, name="mlp")(x)
+                                  cfg.norm_topk_prob, self.dtype, routing=cfg.moe_router, router_bias=cfg.router_bias,
+                                  expert_bias=cfg.expert_bias, swiglu_limit=cfg.swiglu_limit,
+                                  swiglu_alpha=cfg.swiglu_alpha, name="mlp")(x)
         else:
             fused_mlp = ops.fuses(cfg.intermediate_size, cfg.intermediate_size)
             hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.backend, fused_mlp,

@@ -56,6 +56,24 @@ RANDOM_TARGETS = {
                          "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
                                              "partial_rotary_factor": 0.25}},
                         248319),
+    # gpt-oss-20b (openai/gpt-oss-20b config.json: gpt-oss-120b's with 24 layers and 32 experts): 24 layers
+    # alternating a 128-token sliding window and full attention, attention sinks, q/k/v/o biases, YaRN
+    # (factor 32 from 4,096, not truncated), 32 experts with biases, 4 per token, the clamped SwiGLU.
+    # Its experts are MXFP4 in the release; here they are random floats of the dequantised shapes. The
+    # released layer_types (sliding, full) x 12 are left to the default, which is the same rule for any
+    # --layers.
+    # Mask id: the last one (random weights; no official drafter config is read here).
+    "gpt-oss-20b": ({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+                     "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+                     "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+                     "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+                     "attention_bias": True,
+                     "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+                     "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "original_max_position_embeddings": 4096, "truncate": False},
+                     "max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": 199998,
+                     "eos_token_id": 200002, "pad_token_id": 199999},
+                    201087),
 }
 RANDOM_DRAFT_LAYERS = 5  # the official DFlash drafters of these targets
 

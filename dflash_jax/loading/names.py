@@ -29,6 +29,9 @@ class Rule:
     layer_ids: tuple[int, ...] | None = None
     # "{e}" in `hf`: one tensor per expert, stacked [layers, experts, ...] (an MoE layer's experts)
     experts: int = 0
+    # (start, step): the param is the checkpoint tensor's last-axis columns start::step (gpt-oss's
+    # gate and up columns interleaved in one tensor); two rules with steps 2 share the tensor
+    columns: tuple[int, int] | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -93,6 +96,24 @@ def moe_layer_rules(hf_layer: str, experts: int, path: tuple[str, ...] = ("layer
     return rules
 
 
+def gpt_oss_layer_rules(hf_layer: str) -> list[Rule]:
+    """What a gpt-oss layer has beside a Llama layer with attention biases: the attention sinks, and
+    its MoE block: the router Linear (weight [E, D], bias [E]) and the experts stacked in one tensor
+    each, gate_up_proj [E, D, 2I] with gate and up columns interleaved (gate ::2, up 1::2; split
+    into our gate_proj / up_proj [E, D, I]), its bias [E, 2I] alike, down_proj [E, I, D] and its
+    bias [E, D]. The released checkpoints' MXFP4 experts are dequantised first (`loading.mxfp4`)."""
+    experts, path = f"{hf_layer}.mlp.experts", ("layers", "mlp")
+    return [Rule(f"{hf_layer}.self_attn.sinks", ("layers", "self_attn", "sinks")),
+            Rule(f"{hf_layer}.mlp.router.weight", (*path, "router", "kernel"), transpose=True),
+            Rule(f"{hf_layer}.mlp.router.bias", (*path, "router", "bias")),
+            Rule(f"{experts}.gate_up_proj", (*path, "gate_proj"), columns=(0, 2)),
+            Rule(f"{experts}.gate_up_proj", (*path, "up_proj"), columns=(1, 2)),
+            Rule(f"{experts}.gate_up_proj_bias", (*path, "gate_bias"), columns=(0, 2)),
+            Rule(f"{experts}.gate_up_proj_bias", (*path, "up_bias"), columns=(1, 2)),
+            Rule(f"{experts}.down_proj", (*path, "down_proj")),
+            Rule(f"{experts}.down_proj_bias", (*path, "down_bias"))]
+
+
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -155,7 +176,9 @@ def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     rules = [Rule("model.embed_tokens.weight", ("embed_tokens", "embedding")),
              Rule("model.norm.weight", ("norm", "scale"))]
     layer = decoder_layer_rules("model.layers.{i}", cfg.qk_norm, cfg.attention_bias, cfg.mlp_bias)
-    if cfg.num_experts:  # every layer's MLP is the MoE block
+    if cfg.arch == "gpt_oss":
+        layer = [r for r in layer if ".mlp." not in r.hf] + gpt_oss_layer_rules("model.layers.{i}")
+    elif cfg.num_experts:  # every layer's MLP is the MoE block
         layer = [r for r in layer if ".mlp." not in r.hf] + moe_layer_rules("model.layers.{i}", cfg.num_experts)
     rules += layer
     if not cfg.tie_word_embeddings:
@@ -257,6 +280,8 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
         want = _get(shapes, rule.path).shape
         layer_shape = tuple(want[rule.stacked_axes:])
         need = tuple(reversed(layer_shape)) if rule.transpose else layer_shape  # as the checkpoint holds it
+        if rule.columns:  # the whole tensor, of which the param is every step-th column
+            need = (*need[:-1], need[-1] * rule.columns[1])
         if rule.path in skip:
             for name in rule.hf_names(num_layers):
                 if tuple(shape_of(name)) != need:
@@ -271,9 +296,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
             continue
         out = host_arrays.empty(want, np_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
-            value = np.asarray(tensors[name])
-            if value.shape != need:
-                raise CheckpointError(f"{source}: tensor {name} has shape {value.shape}, expected {need}")
+            value = _read_tensor(rule, tensors, name, need, source)
             value = value.T if rule.transpose else value
             if rule.per_layer:
                 out[rule.index(i)] = value.astype(np_dtype)
@@ -304,12 +327,37 @@ def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers
     for at in itertools.product(*[range(len(r)) for r in stacked]):
         position = tuple(r[i] for r, i in zip(stacked, at))
         name = names[position[0] * rule.experts + position[1] if rule.experts else (position[0] if position else 0)]
-        value = np.asarray(tensors[name])
-        if value.shape != need:
-            raise CheckpointError(f"{source}: tensor {name} has shape {value.shape}, expected {need}")
-        value = value.T if rule.transpose else value
-        block[at] = value[inner].astype(dtype)
+        if inner and not rule.transpose:  # the first axis cut before the tensor is read (an MXFP4 one's experts)
+            value = _read_tensor(rule, tensors, name, need, source, inner[0])
+            block[at] = value[(slice(None), *inner[1:])].astype(dtype)
+        else:
+            value = _read_tensor(rule, tensors, name, need, source)
+            value = value.T if rule.transpose else value
+            block[at] = value[inner].astype(dtype)
     return block
+
+
+def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str, first: slice = slice(None)) -> np.ndarray:
+    """Checkpoint tensor `name` as `rule` reads it (before any transpose): its shape checked against
+    `need` (the whole tensor's), then the rows `first` of its first axis and its columns
+    (`Rule.columns`) picked. A lazy tensor (an MXFP4 one, `loading.mxfp4`) is read only here, and
+    only the part asked for."""
+    value = tensors[name]
+    value = value if hasattr(value, "shape") else np.asarray(value)
+    if tuple(value.shape) != need:
+        raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {need}")
+    if first != slice(None):
+        value = value.first_axis(first) if hasattr(value, "first_axis") else np.asarray(value)[first]
+    return _columns(value, rule.columns) if rule.columns else np.asarray(value)
+
+
+def _columns(value, columns: tuple[int, int]) -> np.ndarray:
+    """The last-axis columns start::step of a checkpoint tensor: a lazy tensor's own `columns` where
+    it has one (an MXFP4 tensor dequantises only those), else a strided copy."""
+    if hasattr(value, "columns"):
+        return value.columns(*columns)
+    start, step = columns
+    return np.ascontiguousarray(np.asarray(value)[..., start::step])
 
 
 def _has(tree, path) -> bool:
@@ -327,7 +375,13 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
         value = np.asarray(jax.device_get(_get(params, rule.path)))
         for i, name in enumerate(rule.hf_names(num_layers)):
             layer = value[rule.index(i)] if rule.per_layer else value
-            out[name] = np.ascontiguousarray(layer.T if rule.transpose else layer)
+            layer = layer.T if rule.transpose else layer
+            if rule.columns:  # interleave into the shared tensor
+                start, step = rule.columns
+                whole = out.setdefault(name, np.zeros((*layer.shape[:-1], layer.shape[-1] * step), layer.dtype))
+                whole[..., start::step] = layer
+            else:
+                out[name] = np.ascontiguousarray(layer)
     return out
 
 

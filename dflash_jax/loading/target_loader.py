@@ -17,6 +17,7 @@ from dflash_jax._config import ConfigFields, ModelConfig, read_config_json, read
 from dflash_jax._errors import CheckpointError
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
+from dflash_jax.loading.mxfp4 import dequantized
 from dflash_jax.loading.names import hf_to_params, target_rules, unfuse_experts
 from dflash_jax._resources import smollm2_gguf_path
 from dflash_jax._target import Target, target_param_shapes
@@ -49,7 +50,9 @@ def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=f
     read (`sharding.placer`)."""
     shapes = target_param_shapes(config, dtype)
     place = None if mesh is None else sharding.placer(mesh, shapes, config)
-    if config.num_experts:  # fused expert tensors (Qwen3.5-MoE's released layout) read as per-expert ones
+    if config.arch == "gpt_oss":  # the released checkpoints' MXFP4 experts, dequantised as they are read
+        tensors = dequantized(tensors, source)
+    elif config.num_experts:  # fused expert tensors (Qwen3.5-MoE's released layout) read as per-expert ones
         tensors = unfuse_experts(tensors, source)
     prefix = "model."
     if config.is_hybrid_arch:
@@ -116,6 +119,8 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
       Products of several rows (a verify) cost about what one row's does; the model is then the
       file's weights with rounded activations, its own slightly different logits, the same in
       plain and speculative decoding (both lossless against it).
+    A gpt-oss checkpoint loads from its released MXFP4 experts (dequantised one tensor at a time) or
+    from the unquantised tensors transformers' save_pretrained writes, in the stacked layout.
     A Qwen3.5 / Qwen3.6 hybrid checkpoint (`Qwen3_5ForCausalLM`, or the text model of a
     `Qwen3_5ForConditionalGeneration`: its vision tower and MTP head are not read) loads in the
     stacked layout on every backend; so do MoE checkpoints (`Qwen3MoeForCausalLM`, and the

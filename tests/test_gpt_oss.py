@@ -1,0 +1,324 @@
+"""gpt-oss targets: the router (softmax of the top-k logits), the experts' biases and clamped SwiGLU in
+both grouped forms, parity with transformers' GptOssForCausalLM (attention sinks, biases, sliding
+windows shorter than the prompt, YaRN), MXFP4 experts dequantised as transformers does, loading
+and exporting, lossless speculative decoding with rejections at every block position, and (slow)
+speculative sampling's chi-square."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import _moe as moe
+from dflash_jax._config import ModelConfig
+from dflash_jax._errors import CheckpointError, ConfigError
+from dflash_jax._speculative import generate
+from dflash_jax._target import Target, target_param_shapes
+from dflash_jax.loading import mxfp4
+from dflash_jax.loading.names import params_to_hf, target_rules
+from dflash_jax.loading.safetensors_io import save_safetensors
+from test_qwen3_5 import check_rejections_at_every_position, check_sampling_lossless, tiny_drafter
+
+# hidden and expert widths multiples of 32 (an MXFP4 block); a window of 4 under 12-token prompts;
+# a small swiglu_limit so that the clamps bite
+HF = dict(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+          max_position_embeddings=256, swiglu_limit=0.5)
+# the same config for the tests without torch: plain decoding then compiles once for the module
+CONFIG = ModelConfig.from_hf_config({"architectures": ["GptOssForCausalLM"], **HF})
+PROMPTS = [list(map(int, np.random.default_rng(5).integers(0, 40, size=n))) for n in (2, 11, 19)]  # ragged
+MAX_NEW = 40
+
+
+def _hf():
+    """(torch, transformers) for the parity and MXFP4 tests, which skip without them (the
+    jax-latest leg has no torch); the rest of this file needs neither."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("this transformers has no GptOss")
+    return torch, transformers
+
+
+def test_router_and_clamped_experts_equal_a_loop_over_experts():
+    """Both grouped forms (gathered experts for fewer pairs than experts, `ragged_dot` otherwise) with
+    expert biases and the clamped SwiGLU, after the top-k-then-softmax router."""
+    rng = np.random.default_rng(0)
+    d, i, e, k, limit, alpha = 8, 6, 5, 2, 0.7, 1.702
+    gate, up = (jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(e, i, d)), jnp.float32)
+    biases = tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, i), (e, i), (e, d)))
+    def act(g, u):
+        g = np.minimum(g, limit)
+        return (np.clip(u, -limit, limit) + 1) * g / (1 + np.exp(-alpha * g))
+    for n in (2, 13):
+        x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+        logits = rng.normal(size=(n, e)).astype(np.float32)
+        weights, experts = jax.jit(moe.route_top_k_softmax, static_argnums=1)(jnp.asarray(logits), k)
+        top = np.argsort(-logits, axis=-1)[:, :k]
+        np.testing.assert_array_equal(np.asarray(experts), top)
+        chosen = np.take_along_axis(logits, top, -1)
+        softmax = np.exp(chosen) / np.exp(chosen).sum(-1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(weights), softmax, rtol=1e-6)
+        got = jax.jit(lambda *a: moe.grouped_experts(
+            *a, biases=biases, activation=lambda g, u: moe.clamped_swiglu(g, u, limit=limit, alpha=alpha)))(
+                x, experts, weights, gate, up, down)
+        want = np.zeros((n, d), np.float32)
+        xs, w = np.asarray(x), np.asarray(weights)
+        g_, u_, d_, (gb, ub, db) = np.asarray(gate), np.asarray(up), np.asarray(down), map(np.asarray, biases)
+        for t in range(n):
+            for j in range(k):
+                ex = top[t, j]
+                h = act(xs[t] @ g_[ex] + gb[ex], xs[t] @ u_[ex] + ub[ex])
+                want[t] += w[t, j] * (h @ d_[ex] + db[ex])
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with transformers
+
+def make_hf(seed=0):
+    torch, transformers = _hf()
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**HF))
+    with torch.no_grad():  # every weight random: sinks and biases too (transformers starts some at zero)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn_like(p))
+            elif "router" in name:  # far-apart logits: no near-tie in the top k
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    from dflash_jax import load_target
+
+    model = make_hf()
+    directory = tmp_path_factory.mktemp("gpt-oss")
+    model.save_pretrained(directory)  # the unquantised layout
+    return model, load_target(directory, tokenizer=False), directory
+
+
+def test_logits_captured_layers_padded_rows_and_greedy_equal_transformers(hf_pair):
+    torch, _ = _hf()
+    model, target, _ = hf_pair
+    cfg = target.config
+    assert cfg == CONFIG and (cfg.arch, cfg.num_experts, cfg.layer_windows) == ("gpt_oss", 8, (4, 0))
+    assert cfg.attention_sinks and cfg.rope["rope_type"] == "yarn"
+    ids = np.random.default_rng(1).integers(0, 96, size=(3, 12))
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(ids), output_hidden_states=True)
+    want = out.logits.numpy()
+    forward = jax.jit(lambda p, x: target.forward(p, x, capture=(0, 1)))
+    hidden, features, _ = forward(target.params, jnp.asarray(ids, jnp.int32))
+    np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden)), want, atol=1e-5, rtol=0)
+    for j in range(2):
+        np.testing.assert_allclose(np.asarray(features[..., j * 32:(j + 1) * 32]), out.hidden_states[j + 1].numpy(),
+                                   atol=1e-5, rtol=0)
+    # right-padded rows through the cache, 6 tokens per chunk (windows across chunks): each row as alone
+    lengths = [12, 7, 3]
+    prefill = jax.jit(lambda p, x, c: target.prefill(p, x, c, num_new=jnp.asarray(lengths), chunk_size=6)[0])
+    cached = prefill(target.params, jnp.asarray(ids, jnp.int32), target.init_cache(3, 32))
+    for row, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(target.logits(target.params, cached[row, :n])), want[row, :n],
+                                   atol=1e-5, rtol=0)
+    with torch.no_grad():
+        expect = [model.generate(torch.as_tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                                 pad_token_id=95)[0, len(p):].tolist() for p in PROMPTS]  # (0 is a prompt token)
+    assert generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens == expect
+
+
+def test_export_writes_back_transformers_tensors(hf_pair, tmp_path):
+    """params_to_hf re-interleaves gate and up: the exported tensors are transformers' own, bit for
+    bit, and they load back to the same params."""
+    from dflash_jax import load_target
+    from dflash_jax.loading.checkpoint_files import open_checkpoint
+
+    _, target, directory = hf_pair
+    exported = params_to_hf(target_rules(target.config), target.params, target.config.num_layers)
+    saved = open_checkpoint(directory)
+    assert sorted(exported) == sorted(saved)
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, np.asarray(saved[name]), err_msg=name)
+    save_safetensors(exported, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    again = load_target(tmp_path, tokenizer=False)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, again.params, target.params)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4
+
+def test_mxfp4_dequantisation_equals_transformers_bit_for_bit():
+    torch, _ = _hf()
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, size=(3, 10, 2, 16), dtype=np.uint8)
+    scales = rng.integers(0, 256, size=(3, 10, 2), dtype=np.uint8)
+    scales[0, 0] = [0, 255]  # the extremes: 2 ** -127 (subnormal), 2 ** 128 (infinite)
+    tensor = mxfp4.Mxfp4Tensor(blocks, scales)
+    ours = np.asarray(tensor)
+    assert ours.shape == tensor.shape == (3, 64, 10)
+    for dtype, bits in ((torch.float32, np.uint32), (torch.bfloat16, np.uint16)):
+        theirs = convert_moe_packed_tensors(torch.as_tensor(blocks), torch.as_tensor(scales), dtype=dtype)
+        theirs = theirs.view(torch.int32 if bits is np.uint32 else torch.int16).numpy().view(bits)
+        mine = ours if dtype == torch.float32 else ours.astype(jnp.bfloat16)
+        np.testing.assert_array_equal(mine.view(bits), theirs)
+    for start in (0, 1):
+        np.testing.assert_array_equal(tensor.columns(start, 2).view(np.uint32), ours[..., start::2].view(np.uint32))
+
+
+def test_mxfp4_nibble_order_scales_and_transpose():
+    """Without transformers: byte 0x2F of row r holds values 0 (low nibble: -6.0) and 1 (high: +1.0) of
+    its block, times 2 ** (scale - 127); rows become the last axis."""
+    blocks = np.zeros((1, 2, 1, 16), np.uint8)
+    blocks[0, 0, 0, 0], blocks[0, 1, 0, 15] = 0x2F, 0x9B  # row 1, values 30 and 31: -1.5, -0.5
+    scales = np.array([[[128], [125]]], np.uint8)
+    out = np.asarray(mxfp4.Mxfp4Tensor(blocks, scales))
+    want = np.zeros((1, 32, 2), np.float32)
+    want[0, :2, 0] = [-12.0, 2.0]
+    want[0, 30:, 1] = [-1.5 / 4, -0.5 / 4]
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(CheckpointError, match=r"ckpt: .*without both _blocks and _scales.*x\.down_proj"):
+        mxfp4.dequantized({"x.down_proj_blocks": blocks}, "ckpt")
+
+
+def _pack_random(rng, rows: int, cols: int, experts: int):
+    """Random MXFP4 blocks [E, rows, cols / 32, 16] and scales in a model's range of magnitudes."""
+    blocks = rng.integers(0, 256, size=(experts, rows, cols // 32, 16), dtype=np.uint8)
+    scales = rng.integers(122, 127, size=(experts, rows, cols // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_checkpoint_loads_as_transformers_dequantises_it(hf_pair, tmp_path):
+    """A released-layout directory (experts as *_blocks / *_scales, quantization_config mxfp4) loads to
+    the experts transformers' dequantiser makes, and the model then equals transformers' with them."""
+    torch, _ = _hf()
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from dflash_jax import load_target
+    from dflash_jax.loading.checkpoint_files import open_checkpoint
+
+    model, _, directory = hf_pair
+    rng = np.random.default_rng(3)
+    e, d, i = HF["num_local_experts"], HF["hidden_size"], HF["intermediate_size"]
+    tensors = {k: np.asarray(v) for k, v in open_checkpoint(directory).items()}
+    packed = {}
+    for layer in range(HF["num_hidden_layers"]):
+        for proj, (rows, cols) in (("gate_up_proj", (2 * i, d)), ("down_proj", (d, i))):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            del tensors[name]
+            packed[name] = _pack_random(rng, rows, cols, e)
+            tensors[name + "_blocks"], tensors[name + "_scales"] = packed[name]
+    save_safetensors(tensors, tmp_path / "model.safetensors")
+    hf = json.loads((directory / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    target = load_target(tmp_path, tokenizer=False)
+    with torch.no_grad():
+        for name, (blocks, scales) in packed.items():
+            weight = convert_moe_packed_tensors(torch.as_tensor(blocks), torch.as_tensor(scales), dtype=torch.float32)
+            layer, proj = int(name.split(".")[2]), name.rsplit(".", 1)[1]
+            mlp = target.params["layers"]["mlp"]
+            if proj == "gate_up_proj":
+                np.testing.assert_array_equal(np.asarray(mlp["gate_proj"][layer]), weight[..., ::2].numpy())
+                np.testing.assert_array_equal(np.asarray(mlp["up_proj"][layer]), weight[..., 1::2].numpy())
+            else:
+                np.testing.assert_array_equal(np.asarray(mlp["down_proj"][layer]), weight.numpy())
+            getattr(model.model.layers[layer].mlp.experts, proj).copy_(weight)
+        ids = np.random.default_rng(4).integers(0, 96, size=(2, 12))
+        want = model(input_ids=torch.as_tensor(ids)).logits.numpy()
+    hidden, _, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32))
+    np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden)), want, atol=1e-5, rtol=0)
+    # half a pair is one clear error
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_safetensors(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="down_proj"):
+        load_target(tmp_path, tokenizer=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+def test_config_fields_and_refusals():
+    released = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+                "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+                "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "experts_per_token": 4,
+                "num_experts_per_tok": 4, "sliding_window": 128, "swiglu_limit": 7.0, "rope_theta": 150000,
+                "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "rope_type": "yarn",
+                                 "original_max_position_embeddings": 4096, "truncate": False},
+                "quantization_config": {"quant_method": "mxfp4"}}
+    cfg = ModelConfig.from_hf_config(released)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (32, 4, 2880)
+    assert cfg.layer_windows[:4] == (128, 0, 128, 0) and cfg.attention_bias and cfg.rms_norm_eps == 1e-5
+    assert (cfg.moe_router, cfg.router_bias, cfg.expert_bias, cfg.swiglu_limit) == ("topk_softmax", True, True, 7.0)
+    with pytest.raises(ConfigError, match="quant_method"):
+        ModelConfig.from_hf_config({**released, "quantization_config": {"quant_method": "gptq"}})
+    with pytest.raises(ValueError, match="num_experts is 0"):
+        ModelConfig(arch="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+                    num_kv_heads=1, head_dim=8, swiglu_limit=7.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+
+def tiny_gpt_oss(seed=0, scale=0.3, config=CONFIG):
+    """A random target of `config`: every weight, sink and bias drawn (numpy: no initialiser to
+    compile), norms near 1, weights large enough for peaked distributions."""
+    rng = np.random.default_rng(seed)
+    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"
+                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
+    return Target(config, jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(draw(p, s)),
+                                                           target_param_shapes(config)))
+
+
+def test_speculative_greedy_equals_plain_decoding_with_rejections_at_every_position(monkeypatch):
+    """Ragged rows (prompts shorter and longer than the window of 4) decoded plainly, then speculatively
+    with a random drafter, then with drafts wrong at a moving position of the 8-token block
+    (`check_rejections_at_every_position`): all three the same tokens, every acceptance length 1..8."""
+    import test_qwen3_5
+
+    target = tiny_gpt_oss()
+    drafter = tiny_drafter(target)
+    plain = generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
+    assert generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens == plain
+    # the helper's reference is a token-by-token loop compiled per prompt; plain decoding's batch (equal
+    # to transformers' generate above, and compiled there) is the same reference at no compile
+    monkeypatch.setattr(test_qwen3_5, "plain_greedy", lambda t, prompt, n: plain[PROMPTS.index(prompt)][:n])
+    check_rejections_at_every_position(target, drafter, PROMPTS, MAX_NEW, monkeypatch)
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: `make test-all`
+def test_speculative_sampling_keeps_the_targets_distribution():
+    import dataclasses
+
+    from test_sampling import V
+
+    target = tiny_gpt_oss(seed=3, scale=0.2, config=dataclasses.replace(CONFIG, vocab_size=V + 1))
+    check_sampling_lossless(target, tiny_drafter(target, block_size=4, seed=5))
+
+
+def test_decode_step_touches_only_new_cache_rows():
+    """test_decode_hlo's check on a gpt-oss decode step (sinks, windows, gathered experts): nothing of a
+    whole cache layer is copied or rewritten (a verify's cache work is the same; one compile is kept)."""
+    from test_decode_hlo import CAPACITY, compiled_text, whole_buffer_ops
+
+    target = tiny_gpt_oss(seed=3)
+    spec = target.spec
+
+    def step(params, tokens, cache):
+        hidden, features, cache = spec.forward(params, tokens, cache, capture=(0, 1))
+        return spec.logits(params, hidden), features, cache
+
+    tokens = jnp.zeros((2, 1), jnp.int32)
+    hlo = compiled_text(step, target.params, tokens, spec.init_cache(2, CAPACITY), donate=(2,))
+    assert whole_buffer_ops(hlo) == []

@@ -44,41 +44,90 @@ def clamped_swiglu(gate, up, *, limit: float, alpha: float):
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
-def grouped_experts(x, experts, weights, gate, up, down, *, biases=None, activation: Callable = swiglu):
+def grouped_experts(x, experts, weights, gate, up, down, *, biases=None, activation: Callable = swiglu,
+                    form: str = "auto"):
     """sum_j weights[n, j] * expert_{experts[n, j]}(x[n]) for x [N, D], with SwiGLU experts
     gate / up [E, D, I] and down [E, I, D]: down(activation(x gate, x up)). biases: None or
     (gate [E, I], up [E, I], down [E, D]), added after each product (gpt-oss).
 
-    With fewer (token, expert) pairs than experts (a decode step: k pairs), each pair's expert
-    weights are gathered and multiplied: only the chosen experts' weights are read. Otherwise the
-    N * k pairs are sorted by expert and each expert's run multiplies its own weights
-    (`ragged_dot`, one group per expert). XLA's CPU backend lowers `ragged_dot` to a dense product
-    over every expert (docs/architecture.md, "Mixture-of-experts targets")."""
+    Only the chosen experts' weights are read, by the form that suits the platform the program is
+    compiled for (`jax.lax.platform_dependent`):
+    - GPU, TPU: with fewer (token, expert) pairs than experts (a decode step: k pairs), each pair's
+      expert weights are gathered and multiplied (`_gathered_pairs`); otherwise the N * k pairs are
+      sorted by expert and each expert's run multiplies its own weights (`_sorted_groups`:
+      `ragged_dot`, one group per expert, each expert's weights read once).
+    - CPU: one pair at a time (`_pair_by_pair`): XLA's CPU backend lowers `ragged_dot` to a dense
+      product with every expert, so a verify of 16 tokens would multiply all of them. A pair reads
+      its expert's weights as it is multiplied, and a token's products are the same whatever the
+      number of tokens beside it (a verify computes exactly what a decode step does).
+    form: "auto" (the above), or one of `FORMS` on every platform (tests).
+    """
     n, k = experts.shape
-    num_experts = gate.shape[0]
-    # each (token, expert) pair's bias rows: `pair_experts` are the pairs' expert ids in product order
-    plus = (lambda y, b, pair_experts: y) if biases is None else \
-        (lambda y, b, pair_experts: y + b[pair_experts].astype(y.dtype))
-    gate_bias, up_bias, down_bias = biases if biases is not None else (None,) * 3
-    if n * k < num_experts:
-        flat = experts.reshape(-1)
-        xs = jnp.repeat(x, k, axis=0)  # pair p = (token p // k, its (p % k)-th expert)
-        h = activation(plus(jnp.einsum("pd,pdi->pi", xs, gate[flat].astype(x.dtype)), gate_bias, flat),
-                       plus(jnp.einsum("pd,pdi->pi", xs, up[flat].astype(x.dtype)), up_bias, flat))
-        out = plus(jnp.einsum("pi,pid->pd", h, down[flat].astype(x.dtype)), down_bias, flat)
-        out = out * weights.reshape(-1)[:, None]
-        return out.reshape(n, k, -1).sum(axis=1)
+    args = (x, experts, weights, gate, up, down, biases, activation)
+    if form != "auto":
+        if form not in FORMS:
+            raise ValueError(f"form must be 'auto' or one of {sorted(FORMS)}, got {form!r}")
+        return FORMS[form](*args)
+    accelerator = _gathered_pairs if n * k < gate.shape[0] else _sorted_groups
+    return jax.lax.platform_dependent(cpu=lambda: _pair_by_pair(*args), default=lambda: accelerator(*args))
+
+
+def _plus(biases):
+    """y + the bias rows of each pair's expert (`pair_experts`), or y where there are no biases."""
+    if biases is None:
+        return lambda y, which, pair_experts: y
+    return lambda y, which, pair_experts: y + biases[which][pair_experts].astype(y.dtype)
+
+
+def _gathered_pairs(x, experts, weights, gate, up, down, biases, activation):
+    """Each pair's expert weights gathered, then the pairs' products at once."""
+    n, k = experts.shape
+    plus = _plus(biases)
+    flat = experts.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)  # pair p = (token p // k, its (p % k)-th expert)
+    h = activation(plus(jnp.einsum("pd,pdi->pi", xs, gate[flat].astype(x.dtype)), 0, flat),
+                   plus(jnp.einsum("pd,pdi->pi", xs, up[flat].astype(x.dtype)), 1, flat))
+    out = plus(jnp.einsum("pi,pid->pd", h, down[flat].astype(x.dtype)), 2, flat)
+    out = out * weights.reshape(-1)[:, None]
+    return out.reshape(n, k, -1).sum(axis=1)
+
+
+def _sorted_groups(x, experts, weights, gate, up, down, biases, activation):
+    """The pairs sorted by expert, each expert's run through its own weights (`ragged_dot`)."""
+    n, k = experts.shape
+    plus = _plus(biases)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
     tokens = order // k
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
     xs = x[tokens]
     sorted_experts = flat[order]
-    h = activation(plus(jax.lax.ragged_dot(xs, gate.astype(x.dtype), sizes), gate_bias, sorted_experts),
-                   plus(jax.lax.ragged_dot(xs, up.astype(x.dtype), sizes), up_bias, sorted_experts))
-    out = plus(jax.lax.ragged_dot(h, down.astype(x.dtype), sizes), down_bias, sorted_experts)
+    h = activation(plus(jax.lax.ragged_dot(xs, gate.astype(x.dtype), sizes), 0, sorted_experts),
+                   plus(jax.lax.ragged_dot(xs, up.astype(x.dtype), sizes), 1, sorted_experts))
+    out = plus(jax.lax.ragged_dot(h, down.astype(x.dtype), sizes), 2, sorted_experts)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[tokens].add(out)
+
+
+def _pair_by_pair(x, experts, weights, gate, up, down, biases, activation):
+    """A loop over the N * k pairs, each multiplying its token by its expert's weights (sliced out
+    of the stacked experts where the loop reads them)."""
+    n, k = experts.shape
+    flat, pair_weights = experts.reshape(-1), weights.reshape(-1)
+
+    def pair(p):
+        expert = flat[p]
+        row = jax.lax.dynamic_index_in_dim(x, p // k, 0)  # [1, D]
+        take = lambda w: jax.lax.dynamic_index_in_dim(w, expert, 0, keepdims=False).astype(x.dtype)
+        bias = (lambda which, y: y) if biases is None else (lambda which, y: y + take(biases[which]))
+        h = activation(bias(0, row @ take(gate)), bias(1, row @ take(up)))
+        return (bias(2, h @ take(down)) * pair_weights[p])[0]
+
+    out = jax.lax.map(pair, jnp.arange(n * k, dtype=jnp.int32))
+    return out.reshape(n, k, -1).sum(axis=1)
+
+
+FORMS = {"gathered": _gathered_pairs, "sorted": _sorted_groups, "pair_by_pair": _pair_by_pair}
 
 
 class MoE(nn.Module):

@@ -41,9 +41,11 @@ def _hf():
     return torch, transformers
 
 
-def test_router_and_clamped_experts_equal_a_loop_over_experts():
-    """Both grouped forms (gathered experts for fewer pairs than experts, `ragged_dot` otherwise) with
-    expert biases and the clamped SwiGLU, after the top-k-then-softmax router."""
+@pytest.mark.parametrize("form", ["auto", *moe.FORMS])
+def test_router_and_clamped_experts_equal_a_loop_over_experts(form):
+    """Every grouped form (gathered experts, `ragged_dot` over the sorted pairs, one pair at a time,
+    and this platform's choice) with expert biases and the clamped SwiGLU, after the
+    top-k-then-softmax router; fewer pairs than experts and more."""
     rng = np.random.default_rng(0)
     d, i, e, k, limit, alpha = 8, 6, 5, 2, 0.7, 1.702
     gate, up = (jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32) for _ in range(2))
@@ -62,7 +64,8 @@ def test_router_and_clamped_experts_equal_a_loop_over_experts():
         softmax = np.exp(chosen) / np.exp(chosen).sum(-1, keepdims=True)
         np.testing.assert_allclose(np.asarray(weights), softmax, rtol=1e-6)
         got = jax.jit(lambda *a: moe.grouped_experts(
-            *a, biases=biases, activation=lambda g, u: moe.clamped_swiglu(g, u, limit=limit, alpha=alpha)))(
+            *a, biases=biases, activation=lambda g, u: moe.clamped_swiglu(g, u, limit=limit, alpha=alpha),
+            form=form))(
                 x, experts, weights, gate, up, down)
         want = np.zeros((n, d), np.float32)
         xs, w = np.asarray(x), np.asarray(weights)

@@ -18,10 +18,12 @@ HF = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_
           max_position_embeddings=256)
 
 
-@pytest.mark.parametrize("n", [2, 13], ids=["gathered-experts", "ragged-dot"])
-def test_grouped_experts_equal_a_loop_over_experts(n):
-    """Both forms: fewer (token, expert) pairs than experts gather the chosen experts' weights; more
-    run `ragged_dot` over the pairs sorted by expert."""
+@pytest.mark.parametrize("form", ["auto", *moe.FORMS])
+@pytest.mark.parametrize("n", [2, 13])
+def test_grouped_experts_equal_a_loop_over_experts(n, form):
+    """Every form, for fewer (token, expert) pairs than experts and more: the chosen experts'
+    weights gathered, `ragged_dot` over the pairs sorted by expert, one pair at a time, and "auto"
+    (this platform's choice)."""
     rng = np.random.default_rng(0)
     d, i, e, k = 8, 6, 5, 2
     x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
@@ -29,7 +31,7 @@ def test_grouped_experts_equal_a_loop_over_experts(n):
     down = jnp.asarray(rng.normal(size=(e, i, d)), jnp.float32)
     weights, experts = moe.route(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
     np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-6)
-    got = moe.grouped_experts(x, experts, weights, gate, up, down)
+    got = moe.grouped_experts(x, experts, weights, gate, up, down, form=form)
     want = np.zeros((n, d), np.float32)
     for t in range(n):
         for j in range(k):

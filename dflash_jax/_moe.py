@@ -44,22 +44,26 @@ def clamped_swiglu(gate, up, *, limit: float, alpha: float):
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
+CPU_GATHER_BYTES = 4 << 30  # on a CPU, the most expert weights gathered at once (bytes)
+
+
 def grouped_experts(x, experts, weights, gate, up, down, *, biases=None, activation: Callable = swiglu,
                     form: str = "auto"):
     """sum_j weights[n, j] * expert_{experts[n, j]}(x[n]) for x [N, D], with SwiGLU experts
     gate / up [E, D, I] and down [E, I, D]: down(activation(x gate, x up)). biases: None or
     (gate [E, I], up [E, I], down [E, D]), added after each product (gpt-oss).
 
-    Only the chosen experts' weights are read, by the form that suits the platform the program is
+    The chosen experts' weights are read by the form that suits the platform the program is
     compiled for (`jax.lax.platform_dependent`):
-    - GPU, TPU: with fewer (token, expert) pairs than experts (a decode step: k pairs), each pair's
-      expert weights are gathered and multiplied (`_gathered_pairs`); otherwise the N * k pairs are
-      sorted by expert and each expert's run multiplies its own weights (`_sorted_groups`:
-      `ragged_dot`, one group per expert, each expert's weights read once).
-    - CPU: one pair at a time (`_pair_by_pair`): XLA's CPU backend lowers `ragged_dot` to a dense
-      product with every expert, so a verify of 16 tokens would multiply all of them. A pair reads
-      its expert's weights as it is multiplied, and a token's products are the same whatever the
-      number of tokens beside it (a verify computes exactly what a decode step does).
+    - fewer (token, expert) pairs than experts (a decode step: k pairs), everywhere: each pair's
+      expert weights are gathered and multiplied (`_gathered_pairs`): only the chosen experts'
+      weights are read;
+    - more, on a GPU or TPU: the N * k pairs are sorted by expert and each expert's run multiplies
+      its own weights (`_sorted_groups`: `ragged_dot`, one group per expert, each expert's weights
+      read once);
+    - more, on a CPU: gathered too, while the gathered weights stay under `CPU_GATHER_BYTES` (a
+      verify of 16 tokens), because XLA's CPU backend lowers `ragged_dot` to a dense product with
+      every expert (docs/architecture.md, "Mixture-of-experts targets"); `ragged_dot` beyond.
     form: "auto" (the above), or one of `FORMS` on every platform (tests).
     """
     n, k = experts.shape
@@ -68,8 +72,11 @@ def grouped_experts(x, experts, weights, gate, up, down, *, biases=None, activat
         if form not in FORMS:
             raise ValueError(f"form must be 'auto' or one of {sorted(FORMS)}, got {form!r}")
         return FORMS[form](*args)
-    accelerator = _gathered_pairs if n * k < gate.shape[0] else _sorted_groups
-    return jax.lax.platform_dependent(cpu=lambda: _pair_by_pair(*args), default=lambda: accelerator(*args))
+    if n * k < gate.shape[0]:
+        return _gathered_pairs(*args)
+    expert_bytes = sum(w[0].size * jnp.dtype(x.dtype).itemsize for w in (gate, up, down))
+    on_cpu = _gathered_pairs if n * k * expert_bytes <= CPU_GATHER_BYTES else _sorted_groups
+    return jax.lax.platform_dependent(cpu=lambda: on_cpu(*args), default=lambda: _sorted_groups(*args))
 
 
 def _plus(biases):
@@ -109,25 +116,7 @@ def _sorted_groups(x, experts, weights, gate, up, down, biases, activation):
     return jnp.zeros_like(x).at[tokens].add(out)
 
 
-def _pair_by_pair(x, experts, weights, gate, up, down, biases, activation):
-    """A loop over the N * k pairs, each multiplying its token by its expert's weights (sliced out
-    of the stacked experts where the loop reads them)."""
-    n, k = experts.shape
-    flat, pair_weights = experts.reshape(-1), weights.reshape(-1)
-
-    def pair(p):
-        expert = flat[p]
-        row = jax.lax.dynamic_index_in_dim(x, p // k, 0)  # [1, D]
-        take = lambda w: jax.lax.dynamic_index_in_dim(w, expert, 0, keepdims=False).astype(x.dtype)
-        bias = (lambda which, y: y) if biases is None else (lambda which, y: y + take(biases[which]))
-        h = activation(bias(0, row @ take(gate)), bias(1, row @ take(up)))
-        return (bias(2, h @ take(down)) * pair_weights[p])[0]
-
-    out = jax.lax.map(pair, jnp.arange(n * k, dtype=jnp.int32))
-    return out.reshape(n, k, -1).sum(axis=1)
-
-
-FORMS = {"gathered": _gathered_pairs, "sorted": _sorted_groups, "pair_by_pair": _pair_by_pair}
+FORMS = {"gathered": _gathered_pairs, "sorted": _sorted_groups}
 
 
 class MoE(nn.Module):

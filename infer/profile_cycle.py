@@ -273,8 +273,8 @@ def main(argv=None):
         per_layer = 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(args.dtype).itemsize
         print(f"# experts: {cfg.num_experts} x {per_layer / 2**20:.1f} MiB per layer ({cfg.num_layers * cfg.num_experts * per_layer / 2**30:.2f} GiB in all); "
               f"a step of B rows gathers its B x {cfg.num_experts_per_tok} (token, expert) pairs' weights while "
-              f"they are fewer than the experts, else runs ragged_dot over the pairs (XLA:CPU lowers it to a "
-              f"product with every expert)")
+              f"they are fewer than the experts (on a CPU: while they fit _moe.CPU_GATHER_BYTES), else runs "
+              f"ragged_dot over the pairs")
     for batch in [] if args.prefill_only else args.batch:
         for capacity in args.capacity:
             for block in args.block:

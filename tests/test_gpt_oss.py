@@ -43,7 +43,7 @@ def _hf():
 
 @pytest.mark.parametrize("form", ["auto", *moe.FORMS])
 def test_router_and_clamped_experts_equal_a_loop_over_experts(form):
-    """Every grouped form (gathered experts, `ragged_dot` over the sorted pairs, one pair at a time,
+    """Every grouped form (gathered experts, `ragged_dot` over the sorted pairs,
     and this platform's choice) with expert biases and the clamped SwiGLU, after the
     top-k-then-softmax router; fewer pairs than experts and more."""
     rng = np.random.default_rng(0)

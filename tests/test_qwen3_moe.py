@@ -22,7 +22,7 @@ HF = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_
 @pytest.mark.parametrize("n", [2, 13])
 def test_grouped_experts_equal_a_loop_over_experts(n, form):
     """Every form, for fewer (token, expert) pairs than experts and more: the chosen experts'
-    weights gathered, `ragged_dot` over the pairs sorted by expert, one pair at a time, and "auto"
+    weights gathered, `ragged_dot` over the pairs sorted by expert, and "auto"
     (this platform's choice)."""
     rng = np.random.default_rng(0)
     d, i, e, k = 8, 6, 5, 2

@@ -289,6 +289,7 @@ def test_speculative_greedy_with_rejections_at_every_position(monkeypatch):
     check_rejections_at_every_position(target, tiny_drafter(target), prompts, 50, monkeypatch)
 
 
+@pytest.mark.slow  # make test-all: the rejections test covers every acceptance length, 1 included
 def test_speculative_greedy_with_a_random_drafter_equals_plain_decoding():
     target = tiny_hybrid(seed=2, layer_types=("linear_attention", "full_attention") * 2)
     drafter = tiny_drafter(target, block_size=4, seed=3)

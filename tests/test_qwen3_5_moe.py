@@ -244,6 +244,7 @@ def test_speculative_greedy_with_rejections_at_every_position(tiny_pair, monkeyp
     check_rejections_at_every_position(target, drafter, prompts, 40, monkeypatch)
 
 
+@pytest.mark.slow  # make test-all: the hybrid's sampling (test_qwen3_5) and the MoE's (test_qwen3_moe) run by default
 def test_speculative_sampling_keeps_the_targets_distribution(tiny_pair):
     target, drafter, _ = tiny_pair
     check_sampling_lossless(target, drafter)

@@ -57,6 +57,7 @@ def test_cached_features_equal_the_online_ones(hybrid):
     np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(jnp.argmax(target.logits(target.params, hidden), -1)))
 
 
+@pytest.mark.slow  # make test-all: training from a checkpoint directory runs by default in test_moe_train
 def test_a_short_run_on_the_checkpoint_drafts_better_than_an_untrained_drafter(hybrid, tmp_path):
     target, target_dir, data, held_out = hybrid
     cfg = config_from_dict({

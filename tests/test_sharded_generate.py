@@ -1,17 +1,19 @@
 """Generation on a device mesh (`dflash_jax.sharding`): greedy speculative output on 8 simulated CPU
-devices equals the 1-device output token for token in float32, for tensor x data meshes of
-2 x 4, 4 x 2 and 8 x 1, on a tiny Qwen3 target (q/k norms, untied head) and a tiny Llama one (no
-q/k norms, tied embeddings), with ragged prompts, a Qwen3-MoE target with its experts over an `expert` axis (expert x tensor =
-4 x 2, and 8) and a Qwen3.5-MoE hybrid (Gated DeltaNet layers, routed and shared experts) on
-expert x tensor x data = 2 x 2 x 2; the compiled programs' parameter shardings are
-the rules' and no weight the rules split is replicated (the decode state's, the state rules');
-models loaded with a mesh are placed by the rules as they are read; a kv-head count the tensor
-axis does not divide is refused with an error naming the weight; speculative sampling on a mesh
-keeps the target's exact distribution (tests/test_sampling.py's chi-square); and two processes
-joined by jax.distributed generate as one device does.
+devices equals the 1-device output token for token in float32: a tiny Qwen3 target (q/k norms,
+untied head) on tensor x data = 2 x 4, 4 x 2 and 8 x 1, a tiny Llama one (no q/k norms, tied
+embeddings) on 4 x 2 (and the other two under `make test-all`), a Qwen3-MoE target with its experts
+over an `expert` axis (expert x tensor = 4 x 2; all 8 on expert under `make test-all`) and a
+Qwen3.5-MoE hybrid (Gated DeltaNet layers, routed and shared experts) on expert x tensor x data =
+2 x 2 x 2, with ragged prompts. The compiled programs' parameter shardings are the rules' and no
+weight the rules split is replicated (the decode state's, the state rules'); the sharded decode
+loop copies no cache; models loaded with a mesh are placed by the rules as they are read, shard by
+shard; a kv-head count the tensor axis does not divide is refused with an error naming the weight;
+speculative sampling on a mesh keeps the target's exact distribution (tests/test_sampling.py's
+chi-square); and two processes joined by jax.distributed, the prompts given to one, generate as
+one device does.
 
-Everything multi-device runs in one subprocess (`sharded_run`, 8 devices: conftest pins this
-process to 1), which writes its findings as JSON for the tests below to check.
+The multi-device checks run in a subprocess (`sharded_run`; `extra_run` for the slow ones; 8
+devices: conftest pins this process to 1), which writes its findings as JSON for the tests below.
 """
 from __future__ import annotations
 
@@ -139,8 +141,80 @@ def _save_target(target, directory: Path) -> None:
     save_safetensors(params_to_hf(target_rules(c), target.params, c.num_layers), directory / "model.safetensors")
 
 
+# The default suite runs these (model, mesh) pairs; `make test-all` adds EXTRA_CASES in a second
+# subprocess (`extra_run`): every shape of the issue's tensor x data list for Llama too, all 8
+# devices on `expert`, and the MoE's whole-buffer check.
+DEFAULT_MESHES = {"qwen3": ["tensor2_data4", "tensor4_data2", "tensor8_data1"], "llama": ["tensor4_data2"],
+                  "qwen3_moe": ["expert4_tensor2"], "qwen3_5_moe": ["expert2_tensor2_data2"]}
+EXTRA_MESHES = {"llama": ["tensor2_data4", "tensor8_data1"], "qwen3_moe": ["expert8"]}
+
+
+def _mesh_cases(meshes, mesh_names_of, found, generators):
+    """Each model's one-device reference (and, for Qwen3, the odd batch and the stream) and its
+    output and compiled shardings on each of its meshes, into `found`."""
+    import jax
+
+    from dflash_jax import sharding
+    from dflash_jax._speculative import Generator
+
+    for name, mesh_names in mesh_names_of.items():
+        target, drafter = _models(name)
+        reference = Generator(target, drafter, backend="xla")  # one device, the same XLA numerics
+        case = {"reference": {}, "meshes": {}, "odd_batch": {}, "problems": {}, "stream": {}}
+        for prompts_name, prompts in (("even", PROMPTS), ("odd", ODD_PROMPTS))[: 2 if name == "qwen3" else 1]:
+            result = reference.generate(prompts, max_new_tokens=MAX_NEW, stop_token_ids=())
+            case["reference"][prompts_name] = result.tokens
+            case.setdefault("histogram", result.histogram().tolist())
+        for mesh_name in mesh_names:
+            mesh = meshes[mesh_name]
+            generator = generators[name, mesh_name] = Generator(target, drafter, mesh=mesh)
+            case["meshes"][mesh_name] = generator.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
+            expected = {"target": sharding.param_shardings(mesh, generator._target_params, target.config),
+                        "drafter": sharding.param_shardings(mesh, generator._drafter_params, drafter.config)}
+            case["problems"][mesh_name] = _sharding_problems(generator, expected.__getitem__)
+        if name == "qwen3" and "tensor2_data4" in mesh_names:  # B=3: replicated batch; and the stream
+            generator = generators[name, "tensor2_data4"]
+            case["odd_batch"] = generator.generate(ODD_PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
+            rows = [[] for _ in PROMPTS]
+            for chunk in generator.stream(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()):
+                rows = [r + c for r, c in zip(rows, chunk)]
+            case["stream"] = rows
+        found[name] = case
+
+
+def _whole_buffer_ops(generator) -> list[str]:
+    """test_decode_hlo's check on the partitioned decode loop: every instruction carrying the
+    capacity (1024) is an alias or an in-place row update, so no cache is copied."""
+    from test_decode_hlo import whole_buffer_ops
+
+    from dflash_jax._speculative import prompt_bucket
+    from dflash_jax.kernels import KEY_TILE, round_up
+
+    cfg, args, _ = generator._prepare(PROMPTS, max_new_tokens=1000, temperature=0.0, top_k=0, top_p=1.0,
+                                      stop_token_ids=(), block_size=None, seed=0, acceptance="exact")
+    capacity = round_up(prompt_bucket(max(map(len, PROMPTS))) + 1000 + cfg.block_size, KEY_TILE)
+    assert capacity == 1024, capacity
+    _, loop, _ = generator._executables(cfg, args, "decode")
+    return whole_buffer_ops(loop.as_text(), capacity)
+
+
+def extra_run(out: str) -> None:
+    """The slow multi-device checks (EXTRA_MESHES, the MoE loop's whole-buffer check) -> `out`."""
+    import jax
+
+    from dflash_jax import sharding
+
+    assert len(jax.devices()) == 8, jax.devices()
+    found: dict = {}
+    generators: dict = {}
+    meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
+    _mesh_cases(meshes, EXTRA_MESHES, found, generators)
+    found["whole_buffer_ops"] = {"qwen3_moe": _whole_buffer_ops(generators["qwen3_moe", "expert8"])}
+    Path(out).write_text(json.dumps(found))
+
+
 def sharded_run(out: str, workdir: str) -> None:
-    """Every multi-device check; findings to `out` (JSON)."""
+    """The default multi-device checks; findings to `out` (JSON)."""
     import jax
 
     from dflash_jax import sharding
@@ -152,49 +226,8 @@ def sharded_run(out: str, workdir: str) -> None:
     found: dict = {}
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     generators = {}
-    # Qwen3 on every mesh shape; Llama (no q/k norms, tied embeddings) and a Qwen3.5 hybrid on one
-    dense_meshes = [m for m in MESHES if not m.startswith("expert")]
-    for name, mesh_names in (("qwen3", dense_meshes), ("llama", dense_meshes), ("qwen3_5_moe", ["expert2_tensor2_data2"]),
-                             ("qwen3_moe", ["expert4_tensor2", "expert8"])):
-        target, drafter = _models(name)
-        reference = Generator(target, drafter, backend="xla")  # one device, the same XLA numerics
-        case = {"reference": {}, "meshes": {}, "odd_batch": {}, "problems": {}, "stream": {}}
-        for prompts_name, prompts in (("even", PROMPTS), ("odd", ODD_PROMPTS)):
-            result = reference.generate(prompts, max_new_tokens=MAX_NEW, stop_token_ids=())
-            case["reference"][prompts_name] = result.tokens
-            case.setdefault("histogram", result.histogram().tolist())
-        for mesh_name in mesh_names:
-            mesh = meshes[mesh_name]
-            generator = generators[name, mesh_name] = Generator(target, drafter, mesh=mesh)
-            case["meshes"][mesh_name] = generator.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
-            expected = {"target": sharding.param_shardings(mesh, generator._target_params, target.config),
-                        "drafter": sharding.param_shardings(mesh, generator._drafter_params, drafter.config)}
-            case["problems"][mesh_name] = _sharding_problems(generator, expected.__getitem__)
-        if name == "qwen3":  # B=3: replicated batch, still tensor parallel; and the stream
-            generator = generators[name, "tensor2_data4"]
-            case["odd_batch"] = generator.generate(ODD_PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
-            rows = [[] for _ in PROMPTS]
-            for chunk in generator.stream(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()):
-                rows = [r + c for r, c in zip(rows, chunk)]
-            case["stream"] = rows
-        found[name] = case
-
-    # The sharded decode loop copies no cache either (test_decode_hlo's check on the partitioned
-    # program: every instruction carrying the capacity, 1024, is an alias or an in-place row update).
-    from test_decode_hlo import whole_buffer_ops
-
-    from dflash_jax._speculative import prompt_bucket
-    from dflash_jax.kernels import KEY_TILE, round_up
-
-    found["whole_buffer_ops"] = {}
-    for name, mesh_name in (("qwen3", "tensor2_data4"), ("qwen3_moe", "expert4_tensor2")):
-        generator = generators[name, mesh_name]
-        cfg, args, _ = generator._prepare(PROMPTS, max_new_tokens=1000, temperature=0.0, top_k=0, top_p=1.0,
-                                          stop_token_ids=(), block_size=None, seed=0, acceptance="exact")
-        capacity = round_up(prompt_bucket(max(map(len, PROMPTS))) + 1000 + cfg.block_size, KEY_TILE)
-        assert capacity == 1024, capacity
-        _, loop, _ = generator._executables(cfg, args, "decode")
-        found["whole_buffer_ops"][name] = whole_buffer_ops(loop.as_text(), capacity)
+    _mesh_cases(meshes, DEFAULT_MESHES, found, generators)
+    found["whole_buffer_ops"] = {"qwen3": _whole_buffer_ops(generators["qwen3", "tensor2_data4"])}
 
     # Loaded with a mesh: every weight on the rules' shards as read; generating from them agrees.
     target, drafter = _models("qwen3")
@@ -287,23 +320,45 @@ def _sampling_pair():
     return Target(test_sampling.TARGET, params), drafter
 
 
+def _run_8_devices(call: str) -> dict:
+    """Run `t.<call>` (writing its findings to `out`) in a subprocess with 8 CPU devices -> them."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "findings.json"
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+        code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
+                f"import test_sharded_generate as t; t.{call.format(out=repr(str(out)), tmp=repr(tmp))}")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
-def findings(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sharded")
-    out = tmp / "findings.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
-            f"import test_sharded_generate as t; t.sharded_run({str(out)!r}, {str(tmp)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+def findings():
+    return _run_8_devices("sharded_run({out}, {tmp})")
 
 
-DENSE = [mesh for mesh in MESHES if not mesh.startswith("expert")]
-CASES = ([("qwen3", mesh) for mesh in DENSE] + [("llama", mesh) for mesh in DENSE] + [("qwen3_5_moe", "expert2_tensor2_data2")]
-         + [("qwen3_moe", "expert4_tensor2"), ("qwen3_moe", "expert8")])
+@pytest.fixture(scope="module")
+def extra_findings():
+    return _run_8_devices("extra_run({out})")
+
+
+CASES = [(model, mesh) for model, meshes in DEFAULT_MESHES.items() for mesh in meshes]
+EXTRA_CASES = [(model, mesh) for model, meshes in EXTRA_MESHES.items() for mesh in meshes]
+
+
+@pytest.mark.slow  # make test-all
+@pytest.mark.parametrize("model, mesh", EXTRA_CASES)
+def test_more_meshes_equal_one_device(extra_findings, model, mesh):
+    """Llama on the rest of the tensor x data shapes, Qwen3-MoE's experts over all 8 devices: the
+    one-device tokens, the rules' compiled shardings; the MoE's sharded loop copies no cache."""
+    case = extra_findings[model]
+    assert case["meshes"][mesh] == case["reference"]["even"]
+    assert case["problems"][mesh] == []
+    assert extra_findings["whole_buffer_ops"]["qwen3_moe"] == []
 
 
 @pytest.mark.parametrize("model, mesh", CASES)
@@ -333,9 +388,8 @@ def test_load_with_a_mesh_places_every_weight_by_the_rules(findings):
     assert loaded["tokens"] == findings["qwen3"]["reference"]["even"]
 
 
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
-def test_sharded_decode_loop_copies_no_cache(findings, model):
-    assert findings["whole_buffer_ops"][model] == []
+def test_sharded_decode_loop_copies_no_cache(findings):
+    assert findings["whole_buffer_ops"]["qwen3"] == []
 
 
 def test_an_moe_target_loads_shard_by_shard(findings):

@@ -32,14 +32,19 @@ def token_positions(tokens, cache, positions=None):
 
 
 class RMSNorm(nn.Module):
-    """Hugging Face RMSNorm: normalise in float32, cast back, then scale."""
+    """Hugging Face RMSNorm: normalise in float32, cast back, then scale; with scale_in_float32
+    (gpt-oss's `GptOssRMSNorm`), scale in float32 and cast once (the same in float32, one rounding
+    fewer in bfloat16)."""
 
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
+    scale_in_float32: bool = False
 
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if self.scale_in_float32:
+            return (scale.astype(jnp.float32) * rms_normalize(x, self.eps)).astype(x.dtype)
         return scale * rms_normalize(x, self.eps).astype(x.dtype)
 
 

@@ -64,7 +64,8 @@ class TargetLayer(nn.Module):
                                     self.backend, ops.fuses(q_width, kv_width, kv_width), cfg.attention_sinks,
                                     name="self_attn")
         sinks = attn.sinks if cfg.attention_sinks else None
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
+        norm_f32 = cfg.arch == "gpt_oss"  # GptOssRMSNorm scales before it casts
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_f32, name="input_layernorm")(hidden)
         q, k, v = attn.queries_keys_values(x, cos, sin)
         ranges = masks.causal(positions, window)  # over cache slots (== positions)
         if cache is None:
@@ -76,7 +77,7 @@ class TargetLayer(nn.Module):
                                        ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl,
                                        backend=self.backend, sinks=sinks)
         hidden = hidden + attn.output(attended)
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_f32, name="post_attention_layernorm")(hidden)
         if cfg.num_experts:
             hidden = hidden + MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                                   cfg.norm_topk_prob, self.dtype, routing=cfg.moe_router, router_bias=cfg.router_bias,
@@ -104,7 +105,7 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self._make_layers()
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.arch == "gpt_oss")
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
                                     param_dtype=self.dtype)

@@ -139,6 +139,29 @@ def test_logits_captured_layers_padded_rows_and_greedy_equal_transformers(hf_pai
     assert generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens == expect
 
 
+def test_rms_norm_scales_in_float32_as_transformers_does():
+    """GptOssRMSNorm multiplies by its weight in float32 and rounds once: in bfloat16 ours does the
+    same (the other families' norm, rounding before it scales, differs in about half the values)."""
+    torch, transformers = _hf()
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from dflash_jax._layers import RMSNorm
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4, 64)).astype(np.float32)
+    weight = (1 + 0.1 * rng.normal(size=64)).astype(np.float32)
+    hf = GptOssRMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(torch.as_tensor(weight))
+        want = hf(torch.as_tensor(x).to(torch.bfloat16)).float().numpy()
+    params = {"params": {"scale": jnp.asarray(weight, jnp.bfloat16)}}
+    xb = jnp.asarray(x, jnp.bfloat16)
+    ours = np.asarray(RMSNorm(1e-5, jnp.bfloat16, True).apply(params, xb).astype(jnp.float32))
+    rounded_first = np.asarray(RMSNorm(1e-5, jnp.bfloat16).apply(params, xb).astype(jnp.float32))
+    np.testing.assert_array_equal(ours, want)
+    assert (rounded_first != want).mean() > 0.1
+
+
 def test_export_writes_back_transformers_tensors(hf_pair, tmp_path):
     """params_to_hf re-interleaves gate and up: the exported tensors are transformers' own, bit for
     bit, and they load back to the same params."""

@@ -168,7 +168,11 @@ KERNEL_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(KERNEL_CASES))
+SLOW_KERNEL_CASES = ("gqa2_d24_q16k32", "mha_d8_reference_backward")  # make test-all
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_KERNEL_CASES else n
+                                  for n in KERNEL_CASES])
 def test_kernel_sink_forward_and_grads(name):
     """block_attention(..., sinks=) against float64 (forward) and jax.grad of the reference (dq, dk,
     dv, dsinks); a query that sees no key gives zeros and zero dq."""

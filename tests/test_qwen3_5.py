@@ -63,7 +63,11 @@ def make_hf(kind, text, out_dir, seed=0):
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+SLOW_VARIANTS = ("interval2-tied",)  # make test-all: its parity tests repeat the others' on another pattern
+
+
+@pytest.fixture(scope="module", params=[pytest.param(v, marks=pytest.mark.slow) if v in SLOW_VARIANTS else v
+                                        for v in sorted(VARIANTS)])
 def hf_pair(request, tmp_path_factory):
     from dflash_jax import load_target
 
@@ -194,6 +198,7 @@ def tiny_hybrid(seed=0, vocab=48, scale=4.0, layer_types=("linear_attention",) *
     return Target(cfg, params)
 
 
+@pytest.mark.slow  # make test-all: the masked-state test and the rejections test (every acceptance length) check rollback by default
 def test_state_after_rollback_equals_plain_decoding_of_the_accepted_tokens():
     """A verify of 8 tokens committed for n = 0..8 (two rows, n and 8 - n) holds what a forward of
     the first n tokens alone writes: the first layer's conv tail bit for bit (its inputs are the

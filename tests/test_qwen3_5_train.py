@@ -78,6 +78,7 @@ def test_a_short_run_on_the_checkpoint_drafts_better_than_an_untrained_drafter(h
     assert trained.tau > tau_before + 0.15, (tau_before, trained.tau)  # measured: 1.02 -> 1.28
 
 
+@pytest.mark.slow  # make test-all: cache_features then offline training runs by default in test_moe_train
 def test_regenerate_then_cache_features_then_train_offline(hybrid, tmp_path):
     """The offline pipeline on a hybrid target: `train.regenerate` answers with its greedy
     decoding, `train.cache_features` stores its features of those records (equal to a forward's

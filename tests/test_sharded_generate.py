@@ -1,12 +1,12 @@
 """Generation on a device mesh (`dflash_jax.sharding`): greedy speculative output on 8 simulated CPU
 devices equals the 1-device output token for token in float32: a tiny Qwen3 target (q/k norms,
-untied head) on tensor x data = 2 x 4, 4 x 2 and 8 x 1, a tiny Llama one (no q/k norms, tied
-embeddings) on 4 x 2 (and the other two under `make test-all`), a Qwen3-MoE target with its experts
+untied head) on tensor x data = 2 x 4, a tiny Llama one (no q/k norms, tied embeddings) on 4 x 2
+(both on all of 2 x 4, 4 x 2 and 8 x 1 under `make test-all`), a Qwen3-MoE target with its experts
 over an `expert` axis (expert x tensor = 4 x 2; all 8 on expert under `make test-all`) and a
 Qwen3.5-MoE hybrid (Gated DeltaNet layers, routed and shared experts) on expert x tensor x data =
 2 x 2 x 2, with ragged prompts. The compiled programs' parameter shardings are the rules' and no
 weight the rules split is replicated (the decode state's, the state rules'); the sharded decode
-loop copies no cache; models loaded with a mesh are placed by the rules as they are read, shard by
+loop copies no cache (`make test-all`); models loaded with a mesh are placed by the rules as they are read, shard by
 shard; a kv-head count the tensor axis does not divide is refused with an error naming the weight;
 speculative sampling on a mesh keeps the target's exact distribution (tests/test_sampling.py's
 chi-square); and two processes joined by jax.distributed, the prompts given to one, generate as
@@ -142,11 +142,12 @@ def _save_target(target, directory: Path) -> None:
 
 
 # The default suite runs these (model, mesh) pairs; `make test-all` adds EXTRA_CASES in a second
-# subprocess (`extra_run`): every shape of the issue's tensor x data list for Llama too, all 8
-# devices on `expert`, and the MoE's whole-buffer check.
-DEFAULT_MESHES = {"qwen3": ["tensor2_data4", "tensor4_data2", "tensor8_data1"], "llama": ["tensor4_data2"],
+# subprocess (`extra_run`): the rest of the tensor x data shapes for Qwen3 and Llama, all 8 devices
+# on `expert`, and the whole-buffer check of the sharded decode loops.
+DEFAULT_MESHES = {"qwen3": ["tensor2_data4"], "llama": ["tensor4_data2"],
                   "qwen3_moe": ["expert4_tensor2"], "qwen3_5_moe": ["expert2_tensor2_data2"]}
-EXTRA_MESHES = {"llama": ["tensor2_data4", "tensor8_data1"], "qwen3_moe": ["expert8"]}
+EXTRA_MESHES = {"qwen3": ["tensor4_data2", "tensor8_data1"], "llama": ["tensor2_data4", "tensor8_data1"],
+                "qwen3_moe": ["expert8"]}
 
 
 def _mesh_cases(meshes, mesh_names_of, found, generators):
@@ -209,7 +210,8 @@ def extra_run(out: str) -> None:
     generators: dict = {}
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     _mesh_cases(meshes, EXTRA_MESHES, found, generators)
-    found["whole_buffer_ops"] = {"qwen3_moe": _whole_buffer_ops(generators["qwen3_moe", "expert8"])}
+    found["whole_buffer_ops"] = {"qwen3": _whole_buffer_ops(generators["qwen3", "tensor4_data2"]),
+                                 "qwen3_moe": _whole_buffer_ops(generators["qwen3_moe", "expert8"])}
     Path(out).write_text(json.dumps(found))
 
 
@@ -227,11 +229,10 @@ def sharded_run(out: str, workdir: str) -> None:
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     generators = {}
     _mesh_cases(meshes, DEFAULT_MESHES, found, generators)
-    found["whole_buffer_ops"] = {"qwen3": _whole_buffer_ops(generators["qwen3", "tensor2_data4"])}
 
     # Loaded with a mesh: every weight on the rules' shards as read; generating from them agrees.
     target, drafter = _models("qwen3")
-    mesh = meshes["tensor4_data2"]
+    mesh = meshes["tensor2_data4"]
     _save_target(target, Path(workdir) / "target")
     save_drafter(drafter, Path(workdir) / "drafter")
     loaded = load_target(Path(workdir) / "target", tokenizer=False, mesh=mesh)
@@ -242,8 +243,8 @@ def sharded_run(out: str, workdir: str) -> None:
         for (path, x), want in zip(jax.tree_util.tree_leaves_with_path(model.params), jax.tree_util.tree_leaves(rules)):
             if not x.sharding.is_equivalent_to(want, x.ndim):
                 placement.append(f"{type(model).__name__}{jax.tree_util.keystr(path)}: {x.sharding}, rules {want.spec}")
-    # the same specs and mesh: the tensor4_data2 programs run the loaded weights (no new compile)
-    generator = generators["qwen3", "tensor4_data2"].bind(loaded, loaded_drafter)
+    # the same specs and mesh: the tensor2_data4 programs run the loaded weights (no new compile)
+    generator = generators["qwen3", "tensor2_data4"].bind(loaded, loaded_drafter)
     found["loaded"] = {"mesh_kept": loaded.mesh is mesh and loaded_drafter.mesh is mesh, "placement": placement,
                        "tokens": generator.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens}
 
@@ -277,6 +278,7 @@ def sharded_run(out: str, workdir: str) -> None:
                                PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens}
 
     # A kv-head count (2) the tensor axis (4) does not divide: refused, naming the weight.
+    mesh = meshes["tensor4_data2"]
     errors = {}
     narrow = dataclasses.replace(target.config, num_kv_heads=2)
     from dflash_jax._target import Target, init_target_params
@@ -358,7 +360,7 @@ def test_more_meshes_equal_one_device(extra_findings, model, mesh):
     case = extra_findings[model]
     assert case["meshes"][mesh] == case["reference"]["even"]
     assert case["problems"][mesh] == []
-    assert extra_findings["whole_buffer_ops"]["qwen3_moe"] == []
+    assert extra_findings["whole_buffer_ops"] == {"qwen3": [], "qwen3_moe": []}
 
 
 @pytest.mark.parametrize("model, mesh", CASES)
@@ -386,10 +388,6 @@ def test_load_with_a_mesh_places_every_weight_by_the_rules(findings):
     assert loaded["mesh_kept"]
     assert loaded["placement"] == []
     assert loaded["tokens"] == findings["qwen3"]["reference"]["even"]
-
-
-def test_sharded_decode_loop_copies_no_cache(findings):
-    assert findings["whole_buffer_ops"]["qwen3"] == []
 
 
 def test_an_moe_target_loads_shard_by_shard(findings):

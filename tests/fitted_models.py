@@ -87,3 +87,17 @@ def fit_drafter(target: Target, steps: int = 300, block_size: int = 8, seed: int
     batches = (jnp.asarray(pattern_batch(rng, 16, 40)) for _ in range(steps))
     params, loss = _fit(loss_fn, drafter.params, batches, 3e-3)
     return dataclasses.replace(drafter, params=params)
+
+
+def write_self_continuations(target, path, prompts, train_rows: int, max_new_tokens: int) -> list:
+    """A training JSONL at `path` of the target's own greedy continuations of the first `train_rows`
+    prompts (the prompt tokens masked out of the loss) -> the held-out rest of `prompts`."""
+    import json
+
+    from dflash_jax import generate
+
+    out = generate(target, None, prompts, max_new_tokens=max_new_tokens, stop_token_ids=())
+    with open(path, "w") as f:
+        for p, t in zip(prompts[:train_rows], out.tokens[:train_rows]):
+            f.write(json.dumps({"tokens": p + t, "loss_mask": [0] * len(p) + [1] * len(t)}) + "\n")
+    return prompts[train_rows:]

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 import fitted_models
+from test_sharded_generate import save_target_dir
 from dflash_jax import generate, load_target
 from dflash_jax._drafter import Drafter
 from dflash_jax._target import Target, init_target_params
-from dflash_jax.loading.names import params_to_hf, target_rules
-from dflash_jax.loading.safetensors_io import save_safetensors
 from train import checkpointing, step as step_lib
 from train.cache_features import _feature_fn, cache_features
 from train.config import config_from_dict
@@ -26,37 +25,19 @@ CONFIG = dataclasses.replace(fitted_models.TARGET_CONFIG, arch="qwen3_moe", num_
                              moe_intermediate_size=32, norm_topk_prob=True)
 
 
-def save_moe_target(target: Target, directory) -> None:
-    """An HF directory (config.json + model.safetensors) of a Qwen3-MoE Target."""
-    c = target.config
-    directory.mkdir(parents=True, exist_ok=True)
-    hf = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": c.vocab_size,
-          "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-          "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-          "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
-          "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_word_embeddings, "torch_dtype": "float32",
-          "num_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
-          "moe_intermediate_size": c.moe_intermediate_size, "norm_topk_prob": c.norm_topk_prob}
-    (directory / "config.json").write_text(json.dumps(hf))
-    save_safetensors(params_to_hf(target_rules(c), target.params, c.num_layers), directory / "model.safetensors")
-
-
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """(target loaded from its directory, the directory, train JSONL, held-out prompts): a random
     Qwen3-MoE target and its own greedy continuations of pattern prompts."""
     root = tmp_path_factory.mktemp("moe-train")
     built = Target(CONFIG, init_target_params(CONFIG, jax.random.PRNGKey(4)))
-    save_moe_target(built, root / "target")
+    save_target_dir(built, root / "target")
     target = load_target(root / "target", tokenizer=False)
     assert target.config.num_experts == 8
     prompts = fitted_models.pattern_batch(np.random.default_rng(1), 40, PROMPT).tolist()
-    out = generate(target, None, prompts, max_new_tokens=NEW, stop_token_ids=())
     data = root / "train.jsonl"
-    with data.open("w") as f:
-        for p, t in zip(prompts[:32], out.tokens[:32]):
-            f.write(json.dumps({"tokens": p + t, "loss_mask": [0] * PROMPT + [1] * len(t)}) + "\n")
-    return target, root / "target", data, prompts[32:]
+    held_out = fitted_models.write_self_continuations(target, data, prompts, 32, NEW)
+    return target, root / "target", data, held_out
 
 
 def test_cached_features_equal_the_online_ones(moe):

@@ -34,12 +34,9 @@ def hybrid(tmp_path_factory):
     make_hf("causal", dict(vocab_size=fitted_models.VOCAB, num_hidden_layers=4), root / "target", seed=3)
     target = load_target(root / "target", tokenizer=False)
     prompts = fitted_models.pattern_batch(np.random.default_rng(1), 72, PROMPT).tolist()
-    out = generate(target, None, prompts, max_new_tokens=NEW, stop_token_ids=())
     data = root / "train.jsonl"
-    with data.open("w") as f:
-        for p, t in zip(prompts[:64], out.tokens[:64]):
-            f.write(json.dumps({"tokens": p + t, "loss_mask": [0] * PROMPT + [1] * len(t)}) + "\n")
-    return target, root / "target", data, prompts[64:]
+    held_out = fitted_models.write_self_continuations(target, data, prompts, 64, NEW)
+    return target, root / "target", data, held_out
 
 
 def test_cached_features_equal_the_online_ones(hybrid):

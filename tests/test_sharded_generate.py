@@ -120,8 +120,9 @@ def _sharding_problems(generator, expected_of) -> list[str]:
     return problems
 
 
-def _save_target(target, directory: Path) -> None:
-    """An HF directory (config.json + model.safetensors) of a Target built in memory."""
+def save_target_dir(target, directory: Path) -> None:
+    """An HF directory (config.json + model.safetensors) of a Qwen3, Llama or Qwen3-MoE Target built
+    in memory."""
     from dflash_jax.loading.names import params_to_hf, target_rules
     from dflash_jax.loading.safetensors_io import save_safetensors
 
@@ -233,7 +234,7 @@ def sharded_run(out: str, workdir: str) -> None:
     # Loaded with a mesh: every weight on the rules' shards as read; generating from them agrees.
     target, drafter = _models("qwen3")
     mesh = meshes["tensor2_data4"]
-    _save_target(target, Path(workdir) / "target")
+    save_target_dir(target, Path(workdir) / "target")
     save_drafter(drafter, Path(workdir) / "drafter")
     loaded = load_target(Path(workdir) / "target", tokenizer=False, mesh=mesh)
     loaded_drafter = load_drafter(Path(workdir) / "drafter", target=loaded, mesh=mesh)
@@ -255,7 +256,7 @@ def sharded_run(out: str, workdir: str) -> None:
 
     moe_target, moe_drafter = _models("qwen3_moe")
     moe_mesh = meshes["expert4_tensor2"]
-    _save_target(moe_target, Path(workdir) / "moe")
+    save_target_dir(moe_target, Path(workdir) / "moe")
     reads: dict = {}
     read_tensor = checkpoint_files.SafetensorsFile.__getitem__
 
@@ -285,7 +286,7 @@ def sharded_run(out: str, workdir: str) -> None:
 
     narrow_target = Target(narrow, init_target_params(narrow, jax.random.PRNGKey(0)))
     for what, call in (("generator", lambda: Generator(narrow_target, None, mesh=mesh)),
-                       ("load_target", lambda: (_save_target(narrow_target, Path(workdir) / "narrow"),
+                       ("load_target", lambda: (save_target_dir(narrow_target, Path(workdir) / "narrow"),
                                                 load_target(Path(workdir) / "narrow", tokenizer=False, mesh=mesh)))):
         try:
             call()
@@ -322,8 +323,9 @@ def _sampling_pair():
     return Target(test_sampling.TARGET, params), drafter
 
 
-def _run_8_devices(call: str) -> dict:
-    """Run `t.<call>` (writing its findings to `out`) in a subprocess with 8 CPU devices -> them."""
+def run_8_devices(call: str, module: str = "test_sharded_generate") -> dict:
+    """Run `<module>.<call>` (its "{out}" a JSON file it writes its findings to, "{tmp}" a scratch
+    directory) in a subprocess with 8 CPU devices -> the findings."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -331,7 +333,7 @@ def _run_8_devices(call: str) -> dict:
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
         code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
-                f"import test_sharded_generate as t; t.{call.format(out=repr(str(out)), tmp=repr(tmp))}")
+                f"import {module} as t; t.{call.format(out=repr(str(out)), tmp=repr(tmp))}")
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -340,12 +342,12 @@ def _run_8_devices(call: str) -> dict:
 
 @pytest.fixture(scope="module")
 def findings():
-    return _run_8_devices("sharded_run({out}, {tmp})")
+    return run_8_devices("sharded_run({out}, {tmp})")
 
 
 @pytest.fixture(scope="module")
 def extra_findings():
-    return _run_8_devices("extra_run({out})")
+    return run_8_devices("extra_run({out})")
 
 
 CASES = [(model, mesh) for model, meshes in DEFAULT_MESHES.items() for mesh in meshes]

@@ -14,14 +14,9 @@ writes its findings as JSON for the tests below.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def sharded_run(out: str) -> None:
@@ -126,16 +121,10 @@ def _generator_run(mesh) -> dict:
 
 
 @pytest.fixture(scope="module")
-def findings(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded_kernel") / "findings.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
-            f"import test_sharded_kernel as t; t.sharded_run({str(out)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+def findings():
+    from test_sharded_generate import run_8_devices
+
+    return run_8_devices("sharded_run({out})", module="test_sharded_kernel")
 
 
 @pytest.mark.parametrize("case", ["cache_attention_sinks", "cache_attention", "attention_grads"])

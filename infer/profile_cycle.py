@@ -75,7 +75,8 @@ def build_models(args):
     else:
         target_params = loaded.params
     # the official rule, clamped into range for a target cut to a few layers (--layers 2)
-    feature_layers = tuple(min(max(i, 0), config.num_layers - 1) for i in default_target_layer_ids(config.num_layers, 3))
+    feature_layers = tuple(min(max(i, 0), config.num_layers - 1)
+                           for i in default_target_layer_ids(config.num_layers, 3))
     drafter_config = DrafterConfig(
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_layers=args.draft_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
@@ -271,7 +272,8 @@ def main(argv=None):
     cfg = target.config
     if cfg.num_experts:  # what the grouped expert matmul reads (dflash_jax._moe.grouped_experts)
         per_layer = 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(args.dtype).itemsize
-        print(f"# experts: {cfg.num_experts} x {per_layer / 2**20:.1f} MiB per layer ({cfg.num_layers * cfg.num_experts * per_layer / 2**30:.2f} GiB in all); "
+        total = cfg.num_layers * cfg.num_experts * per_layer
+        print(f"# experts: {cfg.num_experts} x {per_layer / 2**20:.1f} MiB per layer ({total / 2**30:.2f} GiB in all); "
               f"a step of B rows gathers its B x {cfg.num_experts_per_tok} (token, expert) pairs' weights while "
               f"they are fewer than the experts (on a CPU: while they fit _moe.CPU_GATHER_BYTES), else runs "
               f"ragged_dot over the pairs")

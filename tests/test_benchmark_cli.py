@@ -134,7 +134,8 @@ def test_random_target_run_prints_the_table_and_writes_json(monkeypatch, capsys,
             "--no-compile-cache", "--out", str(out)]
     assert benchmark.main(argv) == 0
     text = capsys.readouterr().out
-    for line in ("float32 (KV cache float16)", "autoregressive decode tok/s", "speculative decode tok/s", "cycle cost", "tau",
+    for line in ("float32 (KV cache float16)", "autoregressive decode tok/s", "speculative decode tok/s", "cycle cost",
+                 "tau",
                  "peak RSS while generating", "compilation cache             : off"):
         assert line in text, text
     report = json.loads(out.read_text())

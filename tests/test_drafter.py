@@ -103,7 +103,8 @@ def test_training_entry_equals_inference_entry(tmp_path, target):
     for row in range(2):
         for j in range(2):
             a = anchors[row, j]
-            want = block_logits_via_cache(drafter, target, features[row:row + 1], jnp.asarray(blocks[row:row + 1, j]), [a])
+            want = block_logits_via_cache(drafter, target, features[row:row + 1],
+                                          jnp.asarray(blocks[row:row + 1, j]), [a])
             got = target.logits(target.params, hidden[row:row + 1, 4 * j:4 * j + 4])
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

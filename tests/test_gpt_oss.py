@@ -18,6 +18,7 @@ from dflash_jax._target import Target, target_param_shapes
 from dflash_jax.loading import mxfp4
 from dflash_jax.loading.names import params_to_hf, target_rules
 from dflash_jax.loading.safetensors_io import save_safetensors
+from support.tolerance import assert_model_close
 from test_qwen3_5 import check_rejections_at_every_position, check_sampling_lossless, tiny_drafter
 
 # hidden and expert widths multiples of 32 (an MXFP4 block); a window of 4 under 12-token prompts;
@@ -121,17 +122,17 @@ def test_logits_captured_layers_padded_rows_and_greedy_equal_transformers(hf_pai
     want = out.logits.numpy()
     forward = jax.jit(lambda p, x: target.forward(p, x, capture=(0, 1)))
     hidden, features, _ = forward(target.params, jnp.asarray(ids, jnp.int32))
-    np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden)), want, atol=1e-5, rtol=0)
+    assert_model_close(np.asarray(target.logits(target.params, hidden)), want, target.config, tokens=ids.shape[1])
     for j in range(2):
-        np.testing.assert_allclose(np.asarray(features[..., j * 32:(j + 1) * 32]), out.hidden_states[j + 1].numpy(),
-                                   atol=1e-5, rtol=0)
+        assert_model_close(np.asarray(features[..., j * 32:(j + 1) * 32]), out.hidden_states[j + 1].numpy(),
+                           target.config, tokens=ids.shape[1])
     # right-padded rows through the cache, 6 tokens per chunk (windows across chunks): each row as alone
     lengths = [12, 7, 3]
     prefill = jax.jit(lambda p, x, c: target.prefill(p, x, c, num_new=jnp.asarray(lengths), chunk_size=6)[0])
     cached = prefill(target.params, jnp.asarray(ids, jnp.int32), target.init_cache(3, 32))
     for row, n in enumerate(lengths):
-        np.testing.assert_allclose(np.asarray(target.logits(target.params, cached[row, :n])), want[row, :n],
-                                   atol=1e-5, rtol=0)
+        assert_model_close(np.asarray(target.logits(target.params, cached[row, :n])), want[row, :n],
+                           target.config, tokens=ids.shape[1])
     with torch.no_grad():
         expect = [model.generate(torch.as_tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                  max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
@@ -264,7 +265,7 @@ def test_mxfp4_checkpoint_loads_as_transformers_dequantises_it(hf_pair, tmp_path
         ids = np.random.default_rng(4).integers(0, 96, size=(2, 12))
         want = model(input_ids=torch.as_tensor(ids)).logits.numpy()
     hidden, _, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32))
-    np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden)), want, atol=1e-5, rtol=0)
+    assert_model_close(np.asarray(target.logits(target.params, hidden)), want, target.config, tokens=ids.shape[1])
     # half a pair is one clear error
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
     save_safetensors(tensors, tmp_path / "model.safetensors")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("dflash-generate", "dflash-benchmark", "dflash-convert")  # training runs from a checkout: python -m train.train
+# training runs from a checkout: python -m train.train
+SCRIPTS = ("dflash-generate", "dflash-benchmark", "dflash-convert")
 PROBE = textwrap.dedent("""
     import importlib.metadata as md, importlib.util, json
     import dflash_jax

@@ -52,7 +52,8 @@ def test_cached_features_equal_the_online_ones(moe):
     np.testing.assert_allclose(np.asarray(cached, np.float32), np.asarray(online.astype(jnp.bfloat16), np.float32),
                                atol=2e-2, rtol=1e-2)
     hidden, _, _ = target.forward(target.params, tokens)
-    np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(jnp.argmax(target.logits(target.params, hidden), -1)))
+    np.testing.assert_array_equal(np.asarray(next_tokens),
+                                  np.asarray(jnp.argmax(target.logits(target.params, hidden), -1)))
 
 
 def _config(target_dir, data, out_dir, steps, log_every=None, **data_extra):

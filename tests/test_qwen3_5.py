@@ -16,6 +16,7 @@ from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._errors import CheckpointError
 from dflash_jax._speculative import Generator, generate
 from dflash_jax._target import Target, init_target_params
+from support.tolerance import assert_model_close
 
 
 
@@ -35,8 +36,9 @@ VARIANTS = {
     # Qwen3.5's default pattern (3 linear, 1 full) twice; GQA 2:1 in both kinds of layer
     "causal-lm": dict(kind="causal", text={}),
     # every other layer full, GQA 4:1, one linear key head per 4 value heads, tied head
-    "interval2-tied": dict(kind="causal", text=dict(num_hidden_layers=6, num_key_value_heads=1, full_attention_interval=2,
-                                                    linear_num_key_heads=1, tie_word_embeddings=True)),
+    "interval2-tied": dict(kind="causal", text=dict(num_hidden_layers=6, num_key_value_heads=1,
+                                                    full_attention_interval=2, linear_num_key_heads=1,
+                                                    tie_word_embeddings=True)),
     # the text model of a multimodal checkpoint (its vision tower is not read)
     "conditional-generation": dict(kind="conditional", text=dict(num_hidden_layers=4)),
 }
@@ -94,11 +96,11 @@ def test_logits_and_captured_layers_equal_transformers(hf_pair):
     logits, hidden_states = hf_outputs(model, ids)
     capture = (0, 1, cfg.num_layers // 2, cfg.num_layers - 1)  # both kinds of layer, and the last
     hidden, features, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32), capture=capture)
-    np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden)), logits, atol=1e-5, rtol=0)
+    assert_model_close(np.asarray(target.logits(target.params, hidden)), logits, target.config, tokens=ids.shape[1])
     d = cfg.hidden_size
     for j, layer in enumerate(capture):
-        np.testing.assert_allclose(np.asarray(features[..., j * d:(j + 1) * d]), hidden_states[layer + 1],
-                                   atol=1e-5, rtol=0, err_msg=f"layer {layer}")
+        assert_model_close(np.asarray(features[..., j * d:(j + 1) * d]), hidden_states[layer + 1],
+                           target.config, tokens=ids.shape[1], err_msg=f"layer {layer}")
 
 
 def test_padded_batch_and_cached_prefill_equal_transformers(hf_pair):
@@ -119,10 +121,10 @@ def test_padded_batch_and_cached_prefill_equal_transformers(hf_pair):
     for row, n in enumerate(lengths):
         row_ids = np.concatenate([ids[row, :n], nxt[row:row + 1]])[None]
         logits, _ = hf_outputs(model, row_ids)
-        np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden[row, :n])), logits[0, :n],
-                                   atol=1e-5, rtol=0)
-        np.testing.assert_allclose(np.asarray(target.logits(target.params, step[row, 0])), logits[0, n],
-                                   atol=1e-5, rtol=0)
+        assert_model_close(np.asarray(target.logits(target.params, hidden[row, :n])), logits[0, :n],
+                           target.config, tokens=ids.shape[1])
+        assert_model_close(np.asarray(target.logits(target.params, step[row, 0])), logits[0, n],
+                           target.config, tokens=ids.shape[1])
 
 
 def test_greedy_tokens_equal_transformers_generate(hf_pair):
@@ -198,7 +200,8 @@ def tiny_hybrid(seed=0, vocab=48, scale=4.0, layer_types=("linear_attention",) *
     return Target(cfg, params)
 
 
-@pytest.mark.slow  # make test-all: the masked-state test and the rejections test (every acceptance length) check rollback by default
+# make test-all: the masked-state test and the rejections test (every acceptance length) check rollback by default
+@pytest.mark.slow
 def test_state_after_rollback_equals_plain_decoding_of_the_accepted_tokens():
     """A verify of 8 tokens committed for n = 0..8 (two rows, n and 8 - n) holds what a forward of
     the first n tokens alone writes: the first layer's conv tail bit for bit (its inputs are the

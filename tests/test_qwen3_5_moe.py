@@ -12,6 +12,7 @@ from dflash_jax._config import ModelConfig
 from dflash_jax._errors import ConfigError
 from dflash_jax._speculative import generate
 from dflash_jax._target import Target, init_target_params
+from support.tolerance import assert_model_close
 from test_qwen3_5 import check_rejections_at_every_position, check_sampling_lossless, tiny_drafter
 
 
@@ -115,13 +116,13 @@ def test_logits_and_captured_layers_of_padded_cached_rows_equal_transformers(hf_
     for row, n in enumerate(lengths):
         logits, hidden_states, gap = hf_outputs(model, np.concatenate([ids[row, :n], nxt[row:row + 1]])[None])
         assert gap > 1e-4  # no top-k choice that float rounding could flip
-        np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden[row, :n])), logits[0, :n],
-                                   atol=1e-5, rtol=0)
-        np.testing.assert_allclose(np.asarray(target.logits(target.params, step[row, 0])), logits[0, n],
-                                   atol=1e-5, rtol=0)
+        assert_model_close(np.asarray(target.logits(target.params, hidden[row, :n])), logits[0, :n],
+                           target.config, tokens=ids.shape[1])
+        assert_model_close(np.asarray(target.logits(target.params, step[row, 0])), logits[0, n],
+                           target.config, tokens=ids.shape[1])
         for j, layer in enumerate(capture):
-            np.testing.assert_allclose(np.asarray(features[row, :n, j * d:(j + 1) * d]), hidden_states[layer + 1][0, :n],
-                                       atol=1e-5, rtol=0, err_msg=f"row {row}, layer {layer}")
+            assert_model_close(np.asarray(features[row, :n, j * d:(j + 1) * d]), hidden_states[layer + 1][0, :n],
+                               target.config, tokens=ids.shape[1], err_msg=f"row {row}, layer {layer}")
 
 
 @pytest.mark.parametrize("hf_pair", ["causal-lm"], indirect=True)
@@ -180,9 +181,10 @@ def test_fused_experts_and_the_exported_names_load_the_same(hf_pair, tmp_path, c
 
 def test_config_reads_the_text_config_and_refuses_a_bad_one():
     hf = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-          "tie_word_embeddings": False, "text_config": {**TEXT, "model_type": "qwen3_5_moe_text",
-                                                        "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                                                            "mrope_section": [11, 11, 10]}}}
+          "tie_word_embeddings": False,
+          "text_config": {**TEXT, "model_type": "qwen3_5_moe_text",
+                          "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                              "mrope_section": [11, 11, 10]}}}
     cfg = ModelConfig.from_hf_config(hf)
     assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_5_moe", 8, 2, 12)
     assert cfg.shared_expert_intermediate_size == 20 and cfg.norm_topk_prob and cfg.is_hybrid_arch

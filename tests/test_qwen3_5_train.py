@@ -51,7 +51,8 @@ def test_cached_features_equal_the_online_ones(hybrid):
     np.testing.assert_allclose(np.asarray(cached, np.float32), np.asarray(online.astype(jnp.bfloat16), np.float32),
                                atol=2e-2, rtol=1e-2)
     hidden, _, _ = target.forward(target.params, tokens)
-    np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(jnp.argmax(target.logits(target.params, hidden), -1)))
+    np.testing.assert_array_equal(np.asarray(next_tokens),
+                                  np.asarray(jnp.argmax(target.logits(target.params, hidden), -1)))
 
 
 @pytest.mark.slow  # make test-all: training from a checkpoint directory runs by default in test_moe_train
@@ -91,7 +92,8 @@ def test_regenerate_then_cache_features_then_train_offline(hybrid, tmp_path):
     loaded = hybrid[0]
     target = Target(dataclasses.replace(loaded.config, eos_token_ids=(2,)), loaded.params, CharChatTokenizer())
     records = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"add {i}" * (1 + i % 3)}]} for i in range(6)]
-    stats = regenerate(target, records, tmp_path / "answers", RegenerateConfig(max_new_tokens=8, batch_size=3, max_prompt_tokens=60),
+    stats = regenerate(target, records, tmp_path / "answers",
+                       RegenerateConfig(max_new_tokens=8, batch_size=3, max_prompt_tokens=60),
                        progress=False)
     assert stats.responses == 6 and stats.generated_tokens > 0
     tok = target.tokenizer

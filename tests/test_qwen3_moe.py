@@ -11,6 +11,7 @@ from dflash_jax._config import ModelConfig
 from dflash_jax._errors import ConfigError
 from dflash_jax._speculative import generate
 from dflash_jax._target import Target, init_target_params
+from support.tolerance import assert_model_close
 from test_qwen3_5 import check_rejections_at_every_position, check_sampling_lossless, plain_greedy, tiny_drafter
 
 HF = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
@@ -65,17 +66,18 @@ def test_logits_captured_layers_and_cached_rows_equal_transformers(hf_pair):
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids), output_hidden_states=True)
     hidden, features, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32), capture=(0, 1, 2))
-    np.testing.assert_allclose(np.asarray(target.logits(target.params, hidden)), out.logits.numpy(), atol=1e-5, rtol=0)
+    assert_model_close(np.asarray(target.logits(target.params, hidden)), out.logits.numpy(),
+                       target.config, tokens=ids.shape[1])
     for j in range(3):
-        np.testing.assert_allclose(np.asarray(features[..., j * 32:(j + 1) * 32]), out.hidden_states[j + 1].numpy(),
-                                   atol=1e-5, rtol=0)
+        assert_model_close(np.asarray(features[..., j * 32:(j + 1) * 32]), out.hidden_states[j + 1].numpy(),
+                           target.config, tokens=ids.shape[1])
     # right-padded rows through the cache: each row's logits as alone
     lengths = [40, 17, 3]
     cached, _, _ = target.prefill(target.params, jnp.asarray(ids, jnp.int32), target.init_cache(3, 64),
                                   num_new=jnp.asarray(lengths))
     for row, n in enumerate(lengths):
-        np.testing.assert_allclose(np.asarray(target.logits(target.params, cached[row, :n])), out.logits.numpy()[row, :n],
-                                   atol=1e-5, rtol=0)
+        assert_model_close(np.asarray(target.logits(target.params, cached[row, :n])), out.logits.numpy()[row, :n],
+                           target.config, tokens=ids.shape[1])
     prompt = [5, 17, 33, 2, 9]
     with torch.no_grad():
         expect = model.generate(torch.as_tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,

@@ -109,11 +109,12 @@ def _generator_run(mesh) -> dict:
                                    block_size=4, mask_token_id=vocab - 1, max_position_embeddings=128)
     prompts = [[3, 9, 4], [7, 1, 2, 5, 8], [12], [5, 5, 20, 31]]
     found = {}
-    for name, impl, on_mesh in (("kernel_one_device", "pallas_interpret", None), ("kernel_mesh", "pallas_interpret", mesh),
-                                ("reference_mesh", "reference", mesh)):
+    for name, impl, on_mesh in (("kernel_one_device", "pallas_interpret", None),
+                                ("kernel_mesh", "pallas_interpret", mesh), ("reference_mesh", "reference", mesh)):
         target = Target(config, init_target_params(config, jax.random.PRNGKey(0)), attn_impl=impl)
         drafter = Drafter(drafter_config, init_drafter_params(drafter_config, jax.random.PRNGKey(1)), attn_impl=impl)
-        generator = Generator(target, drafter, backend="xla") if on_mesh is None else Generator(target, drafter, mesh=mesh)
+        generator = (Generator(target, drafter, backend="xla") if on_mesh is None
+                     else Generator(target, drafter, mesh=mesh))
         tokens = generator.generate(prompts, max_new_tokens=6, stop_token_ids=()).tokens
         found[name] = {"tokens": tokens,
                        "all_gathers": sum(e.as_text().count("all-gather(") for e in generator._compiled.values())}

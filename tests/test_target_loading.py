@@ -49,7 +49,8 @@ def test_wrong_shape_is_named(qwen_dir, tmp_path):
     def edit(t):
         t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:, :10].copy()
     d = copy_model(qwen_dir, tmp_path / "m", edit=edit)
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight has shape \(128, 10\), expected \(128, 64\)"):
+    expected = r"model.layers.0.mlp.up_proj.weight has shape \(128, 10\), expected \(128, 64\)"
+    with pytest.raises(ValueError, match=expected):
         load_target(d)
 
 

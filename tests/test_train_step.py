@@ -9,7 +9,6 @@ import pytest
 
 import fitted_models
 from dflash_jax import _objective as objective
-from dflash_jax._config import ModelConfig
 from dflash_jax._drafter import DrafterSpec
 from dflash_jax._target import Target, init_target_params
 from dflash_jax.backends.cpu.layout import pack_layers
@@ -189,7 +188,8 @@ def test_warm_start_copies_the_targets_top_layers():
         drafter_init.initial_params(narrow, target, target.params, jax.random.PRNGKey(1), warm=True)
     bottom = drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1), warm=True,
                                          warm_layers=(0, 3))["drafter"]["layers"]
-    np.testing.assert_array_equal(bottom["mlp"]["up_proj"]["kernel"], np.asarray(src["mlp"]["up_proj"]["kernel"])[[0, 3]])
+    np.testing.assert_array_equal(bottom["mlp"]["up_proj"]["kernel"],
+                                  np.asarray(src["mlp"]["up_proj"]["kernel"])[[0, 3]])
     with pytest.raises(drafter_init.DrafterFitError, match="cannot copy target layers"):
         drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1), warm=True,
                                     warm_layers=(0, 4))

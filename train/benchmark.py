@@ -138,7 +138,8 @@ def main(argv=None) -> None:
         rate = args.batch * s.num_anchors * args.block_size / seconds
         base = base or rate
         name = s.name + (f" {s.draft_vocab}" if s.draft_vocab else "")
-        row = f"| {name:<28} | {s.num_anchors:>7} | {s.anchor_chunk or '-':>5} | {seconds:>8.3f} | {rate:>13,.0f} | {rate / base:>7.1f}x |"
+        row = (f"| {name:<28} | {s.num_anchors:>7} | {s.anchor_chunk or '-':>5} | {seconds:>8.3f} | {rate:>13,.0f} "
+               f"| {rate / base:>7.1f}x |")
         if peak:
             row += f" {flops / seconds / peak:.1%} |" if flops else "  n/a |"
         print(row, flush=True)

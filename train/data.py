@@ -215,7 +215,8 @@ def _cache_metas(paths) -> list[tuple[Path, dict]]:
             raise FileNotFoundError(f"{path} is not a feature cache (no {META}; write one with train.cache_features)")
         meta = json.loads((path / META).read_text())
         if not meta.get("complete"):
-            raise ValueError(f"feature cache {path} is incomplete (rerun `python -m train.cache_features` to finish it)")
+            raise ValueError(f"feature cache {path} is incomplete "
+                             "(rerun `python -m train.cache_features` to finish it)")
         for key in ("target_layer_ids", "hidden_size", "feature_dtype"):
             if metas and meta.get(key) != metas[0][1].get(key):
                 raise ValueError(f"feature caches {paths[0]} and {path} differ in {key}: "

@@ -10,6 +10,9 @@ from pathlib import Path
 from dflash_jax.cli.common import histogram_text
 
 
+INT8_NOTE = (" (int8 activations: a slightly different model from the float32 one transformers runs, so "
+             "outputs may differ)")
+
 def _mb(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:,.0f} MB"
 
@@ -62,7 +65,7 @@ def print_summary(summary: dict) -> None:
               f"{t['torch_threads']} torch threads); ours autoregressive / transformers = "
               f"{t['autoregressive_over_transformers']:.2f}x; identical outputs in "
               f"{t['identical_batches']}/{s['num_batches']} batches"
-              f"{' (int8 activations: a slightly different model from the float32 one transformers runs, so outputs may differ)' if t['decode_activations'] == 'int8' else ''}")
+              f"{INT8_NOTE if t['decode_activations'] == 'int8' else ''}")
     print(f"model load                    : {s['load_seconds']:.2f} s")
     for c in s["compile"]:
         print(f"compile ({c['mode']}, batch {c['batch']}, {c['prompt_tokens']}-token prompt): "

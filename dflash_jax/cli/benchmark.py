@@ -275,13 +275,16 @@ def run(args) -> int:
 
     device = jax.devices()[0]
     stops = [] if args.random_target else None  # random weights: always max_new_tokens tokens
+    gate = drafter is not None and args.min_draft_probability
+    own_weights = drafter is not None and drafter.decode_weights != "stored"
+    own_cache_dtype = target.spec.kv_cache_dtype != target.spec.dtype
     print(f"benchmark: {len(setup.prompts)} prompts from {setup.set_name}, batch {args.batch}, target "
           f"{setup.target_name}, drafter {setup.drafter_name or 'none (autoregressive only)'}"
           f"{f' with lookup {args.lookup}' if drafter is not None and args.lookup else ''}"
-          f"{f', drafts verified from p >= {args.min_draft_probability:g}' if drafter is not None and args.min_draft_probability else ''}"
-          f"{f', drafter weights {drafter.decode_weights}' if drafter is not None and drafter.decode_weights != 'stored' else ''}, "
+          f"{f', drafts verified from p >= {args.min_draft_probability:g}' if gate else ''}"
+          f"{f', drafter weights {drafter.decode_weights}' if own_weights else ''}, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {args.dtype}"
-          f"{f' (KV cache {target.spec.kv_cache_dtype.name})' if target.spec.kv_cache_dtype != target.spec.dtype else ''}"
+          f"{f' (KV cache {target.spec.kv_cache_dtype.name})' if own_cache_dtype else ''}"
           f"{', int8 activations' if target.decode_activations == 'int8' else ''}, "
           f"device {device.platform}:{device.device_kind}"
           f"{f', mesh {dict(mesh.shape)} ({mesh.size} devices)' if mesh is not None else ''}", flush=True)

@@ -120,7 +120,8 @@ def _stream(target, drafter, ids, args) -> list[str]:
 
     answer = stream_answer(target, drafter, ids, **_generation_kwargs(args, drafter))
     lines = ["--- streamed ---",
-             f"new tokens      : {len(answer.tokens)} (ended by {stop_reason(answer.tokens, default_stop_ids(target))})",
+             f"new tokens      : {len(answer.tokens)} "
+             f"(ended by {stop_reason(answer.tokens, default_stop_ids(target))})",
              f"cycles          : {len(answer.per_cycle)}"]
     if drafter is not None and answer.per_cycle:
         counts = np.bincount(answer.per_cycle, minlength=(args.block_size or drafter.block_size) + 1)

@@ -264,9 +264,9 @@ def _fwd_kernel(
             jnp.full((block_q,), NEG, jnp.float32),
             jnp.zeros((block_q,), jnp.float32),
         )
-    acc, m, l = lax.fori_loop(j_lo, j_hi, body, init)
+    acc, m, denom = lax.fori_loop(j_lo, j_hi, body, init)
     seen = m > _SEEN
-    l_safe = jnp.where(seen, l, 1.0)
+    l_safe = jnp.where(seen, denom, 1.0)
     out = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log2(l_safe), NEG)

@@ -122,7 +122,8 @@ def gguf_tokenizer(source: "str | Path | GGUFCheckpoint"):
 
     # Belt and braces across transformers versions: if the post-processor still wraps text in
     # special tokens that the template writes itself (or an EOS), replace it by a plain one.
-    bad_bos = bool(template) and bool(tok.bos_token) and tok.bos_token in template and _encoding_adds(tok, tok.bos_token_id, at_start=True)
+    bad_bos = (bool(template) and bool(tok.bos_token) and tok.bos_token in template
+               and _encoding_adds(tok, tok.bos_token_id, at_start=True))
     if bad_bos or _encoding_adds(tok, tok.eos_token_id, at_start=False):
         from tokenizers import processors
 

@@ -313,7 +313,8 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     return params
 
 
-def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers: int, source: str, index) -> np.ndarray:
+def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers: int, source: str,
+                index) -> np.ndarray:
     """The block `index` (a tuple of slices over the param's shape `want`) of the param that `rule`
     fills, read from the checkpoint tensors that overlap it and nothing else: a device's shard of
     a stacked weight reads its layers' (and experts') tensors, and of each only its slice."""

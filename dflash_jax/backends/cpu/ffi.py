@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_rows_matmul.cc", "cpu_cache_attention.cc"))
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)  # the helper threads both share
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")  # no fusing of a * b + c
+# -ffp-contract=off: no fusing of a * b + c
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 TARGETS = {"dflash_rows_matmul": "DflashRowsMatmul", "dflash_rows_matmul_narrow": "DflashRowsMatmulNarrow",
            "dflash_rows_matmul_int8": "DflashRowsMatmulInt8",
            "dflash_cache_attention": "DflashCacheAttention",

@@ -1,9 +1,12 @@
-"""Static-shape KV cache with per-row lengths. Rolling back is setting lengths."""
+"""Static-shape decode caches with per-row lengths: `KVCache` (keys and values), and `HybridCache` (a hybrid
+target's KV cache beside its linear layers' conv tails and delta-rule states). Rolling back is setting lengths."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from dflash_jax import _gated_delta as gd
 
 UNROLLED_ROWS = 16  # batch rows written by unrolled updates; more rows use a loop
 KV_CACHE_DTYPE_NAMES = ("float32", "float16", "bfloat16")  # what a target's KV cache may store
@@ -65,6 +68,49 @@ class KVCache:
         """`append` of a forward's pending (k_new, v_new): what every target cache offers (a hybrid
         target's `HybridCache.commit` also rolls its recurrent state)."""
         return self.append(*pending, num_new)
+
+
+
+@struct.dataclass
+class HybridCache:
+    """A hybrid target's decode state: `kv` (a KVCache over the attention layers only, in their
+    order), `conv` [Nl, B, K-1, C] (each linear layer's last K-1 conv inputs) and `state`
+    [Nl, B, Hv, Dk, Dv] float32 (its delta-rule state). `lengths` are the KV cache's: the state
+    holds exactly the first lengths[b] positions of row b."""
+
+    kv: KVCache
+    conv: jax.Array
+    state: jax.Array
+
+    @classmethod
+    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32,
+                  conv_dtype=jnp.float32) -> "HybridCache":
+        kv = KVCache.zeros(len(config.attention_layer_ids), batch, capacity, config.num_kv_heads,
+                           config.head_dim, dtype)
+        n = len(config.linear_layer_ids)
+        conv = jnp.zeros((n, batch, config.linear_conv_kernel_dim - 1, config.linear_conv_dim), conv_dtype)
+        state = jnp.zeros((n, batch, config.linear_num_value_heads, config.linear_key_head_dim,
+                           config.linear_value_head_dim), jnp.float32)
+        return cls(kv, conv, state)
+
+    lengths = property(lambda self: self.kv.lengths)
+    capacity = property(lambda self: self.kv.capacity)
+
+    def with_lengths(self, lengths) -> "HybridCache":
+        return self.replace(kv=self.kv.with_lengths(lengths))
+
+    def commit(self, pending, num_new) -> "HybridCache":
+        """The cache after the first num_new[b] positions of `pending` (a forward's or a verify's
+        per-position outputs: (k, v, linear)); the rest leave no trace (module docstring)."""
+        k, v, linear = pending
+        valid = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), self.lengths.shape)
+        kv = self.kv.with_lengths(self.lengths + valid) if k is None else self.kv.append(k, v, valid)
+        if linear is None:
+            return self.replace(kv=kv)
+        conv = jax.vmap(lambda tail, x: gd.conv_tail(tail, x, valid))(self.conv, linear["conv_in"])
+        state = jax.vmap(lambda s, q, k_, v_, g, beta: gd.delta_rule(q, k_, v_, g, beta, s, valid)[1])(
+            self.state, linear["q"], linear["k"], linear["v"], linear["g"], linear["beta"])
+        return HybridCache(kv, conv, state)
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array, *, axis: int = 0) -> jax.Array:

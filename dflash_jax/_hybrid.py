@@ -29,11 +29,10 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from dflash_jax import _gated_delta as gd, _masks as masks
 from dflash_jax._attention import attention, cache_attention
-from dflash_jax._cache import KVCache
+from dflash_jax._cache import HybridCache, KVCache
 from dflash_jax._config import LINEAR, ModelConfig, layer_pattern
 from dflash_jax._layers import (MLP, Capture, Rotary, apply_rotary, capture_into, make_dense, rms_normalize,
                                token_positions)
@@ -197,48 +196,6 @@ class _Layer(nn.Module):
         else:
             mlp = MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, name="mlp")
         return hidden + mlp(x), out
-
-
-@struct.dataclass
-class HybridCache:
-    """A hybrid target's decode state: `kv` (a KVCache over the attention layers only, in their
-    order), `conv` [Nl, B, K-1, C] (each linear layer's last K-1 conv inputs) and `state`
-    [Nl, B, Hv, Dk, Dv] float32 (its delta-rule state). `lengths` are the KV cache's: the state
-    holds exactly the first lengths[b] positions of row b."""
-
-    kv: KVCache
-    conv: jax.Array
-    state: jax.Array
-
-    @classmethod
-    def for_model(cls, config: ModelConfig, batch: int, capacity: int, dtype=jnp.float32,
-                  conv_dtype=jnp.float32) -> "HybridCache":
-        kv = KVCache.zeros(len(config.attention_layer_ids), batch, capacity, config.num_kv_heads,
-                           config.head_dim, dtype)
-        n = len(config.linear_layer_ids)
-        conv = jnp.zeros((n, batch, config.linear_conv_kernel_dim - 1, config.linear_conv_dim), conv_dtype)
-        state = jnp.zeros((n, batch, config.linear_num_value_heads, config.linear_key_head_dim,
-                           config.linear_value_head_dim), jnp.float32)
-        return cls(kv, conv, state)
-
-    lengths = property(lambda self: self.kv.lengths)
-    capacity = property(lambda self: self.kv.capacity)
-
-    def with_lengths(self, lengths) -> "HybridCache":
-        return self.replace(kv=self.kv.with_lengths(lengths))
-
-    def commit(self, pending, num_new) -> "HybridCache":
-        """The cache after the first num_new[b] positions of `pending` (a forward's or a verify's
-        per-position outputs: (k, v, linear)); the rest leave no trace (module docstring)."""
-        k, v, linear = pending
-        valid = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), self.lengths.shape)
-        kv = self.kv.with_lengths(self.lengths + valid) if k is None else self.kv.append(k, v, valid)
-        if linear is None:
-            return self.replace(kv=kv)
-        conv = jax.vmap(lambda tail, x: gd.conv_tail(tail, x, valid))(self.conv, linear["conv_in"])
-        state = jax.vmap(lambda s, q, k_, v_, g, beta: gd.delta_rule(q, k_, v_, g, beta, s, valid)[1])(
-            self.state, linear["q"], linear["k"], linear["v"], linear["g"], linear["beta"])
-        return HybridCache(kv, conv, state)
 
 
 class HybridTargetModel(nn.Module):

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from dflash_jax import backends, _masks as masks
 from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import KVCache, resolve_kv_cache_dtype
-from dflash_jax._hybrid import HybridCache, HybridTargetModel
+from dflash_jax._cache import HybridCache
+from dflash_jax._hybrid import HybridTargetModel
 from dflash_jax._config import ModelConfig
 from dflash_jax._layers import (MLP, AttentionProjections, Capture, RMSNorm, Rotary, capture_into, run_layers,
                                token_positions)

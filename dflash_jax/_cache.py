@@ -88,9 +88,10 @@ class HybridCache:
         kv = KVCache.zeros(len(config.attention_layer_ids), batch, capacity, config.num_kv_heads,
                            config.head_dim, dtype)
         n = len(config.linear_layer_ids)
-        conv = jnp.zeros((n, batch, config.linear_conv_kernel_dim - 1, config.linear_conv_dim), conv_dtype)
-        state = jnp.zeros((n, batch, config.linear_num_value_heads, config.linear_key_head_dim,
-                           config.linear_value_head_dim), jnp.float32)
+        linear = config.linear
+        conv = jnp.zeros((n, batch, linear.conv_kernel_dim - 1, linear.conv_dim), conv_dtype)
+        state = jnp.zeros((n, batch, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim),
+                          jnp.float32)
         return cls(kv, conv, state)
 
     lengths = property(lambda self: self.kv.lengths)

@@ -9,34 +9,10 @@ from typing import Any, Callable
 
 from dflash_jax._errors import ConfigError
 
-# Hugging Face `architectures` class name -> our architecture key (ModelConfig.arch).
-ARCH_BY_HF_CLASS = {
-    "Qwen3ForCausalLM": "qwen3",
-    "LlamaForCausalLM": "llama",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3_5ForCausalLM": "qwen3_5",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not read
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # Qwen3.5 / Qwen3.6 hybrids whose every MLP is an MoE block
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-    "GptOssForCausalLM": "gpt_oss",
-}
-MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe", "qwen3_5": "qwen3_5",
-               "qwen3_5_text": "qwen3_5",
-               "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "gpt_oss": "gpt_oss"}
-HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")  # families with Gated DeltaNet ("linear_attention") layers
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 LINEAR = "linear_attention"
-ARCHS = tuple(sorted(set(ARCH_BY_HF_CLASS.values())))
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MOE_ROUTERS = ("softmax_topk", "topk_softmax")  # Qwen3-MoE: top k of the softmax; gpt-oss: softmax of the top k
-# What transformers' GptOssConfig fills in where a gpt-oss config.json is silent (its defaults are
-# gpt-oss-120b's shapes; the released configs state these fields anyway).
-GPT_OSS_DEFAULTS = {
-    "rope_theta": 150000.0, "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-    "attention_bias": True, "tie_word_embeddings": False, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
-    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                     "original_max_position_embeddings": 4096},
-}
 REQUIRED = object()  # ConfigFields default: the field must be present
 
 
@@ -284,17 +260,80 @@ class LayerLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig(LayerLayout):
-    """A decoder-only target: Qwen3 or Llama, or a Qwen3.5 hybrid ("qwen3_5": Gated DeltaNet
-    "linear_attention" layers between gated full-attention layers; the `linear_*` fields size the
-    former, `partial_rotary_factor` the part of each attention head that is rotated). MoE targets
-    ("qwen3_moe", "gpt_oss", and the hybrid "qwen3_5_moe") have `num_experts` > 0: every layer's MLP is
-    the MoE block, with a sigmoid-gated shared expert where `shared_expert_intermediate_size` > 0
-    (Qwen3.5-MoE), or gpt-oss's router and experts (`moe_router`, `router_bias`, `expert_bias`,
-    `swiglu_limit`) beside its attention sinks; their `intermediate_size` sizes no layer (it is a
-    drafter's default width)."""
+class MoEConfig:
+    """A family's mixture-of-experts MLPs: `num_experts` routed experts of width `intermediate_size`, the
+    top `num_experts_per_tok` chosen per token by `router` (`MOE_ROUTERS`; with a bias where
+    `router_bias`), renormalised where `norm_topk_prob`; a sigmoid-gated shared expert where
+    `shared_expert_intermediate_size` > 0 (Qwen3.5-MoE); expert biases and the clamped SwiGLU of
+    gpt-oss (`swiglu_limit` 0: plain SwiGLU). `dense_layers`: the layers whose MLP is the dense one
+    of the model's `intermediate_size` instead (Qwen3-MoE's `mlp_only_layers` and
+    `decoder_sparse_step`)."""
 
-    arch: str  # "qwen3" | "llama" | "qwen3_moe" | "qwen3_5" | "qwen3_5_moe" | "gpt_oss"
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    router: str = "softmax_topk"
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_experts_per_tok", "intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"moe {name} must be positive, got {getattr(self, name)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                             f"({self.num_experts})")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError("shared_expert_intermediate_size must be >= 0, got "
+                             f"{self.shared_expert_intermediate_size}")
+        if self.router not in MOE_ROUTERS:
+            raise ValueError(f"unknown moe router {self.router!r}; supported: {MOE_ROUTERS}")
+        if self.swiglu_limit < 0 or self.swiglu_alpha <= 0:
+            raise ValueError(f"swiglu_limit must be >= 0 and swiglu_alpha > 0, got {self.swiglu_limit} and "
+                             f"{self.swiglu_alpha}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """A hybrid family's Gated DeltaNet ("linear_attention") layers: a causal conv of width
+    `conv_kernel_dim` over q, k and v, `num_key_heads` q/k heads of `key_head_dim`, `num_value_heads`
+    v heads of `value_head_dim`."""
+
+    conv_kernel_dim: int = 4
+    num_key_heads: int = 16
+    num_value_heads: int = 32
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) <= 0:
+                raise ValueError(f"linear_{field.name} must be positive, got {getattr(self, field.name)}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.num_key_heads})")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k (key heads) and v (value heads)."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(LayerLayout):
+    """A decoder-only target of one family (`arch`, a name of the `dflash_jax.families` registry, whose
+    module reads config.json into this and checks what its family allows). The fields every family
+    has are here; what only some have is nested: `moe` (mixture-of-experts MLPs, None: dense) and
+    `linear` (Gated DeltaNet layers, None: none). `intermediate_size` is the dense MLP's width (the
+    default width of a drafter for an all-MoE target)."""
+
+    arch: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -315,77 +354,50 @@ class ModelConfig(LayerLayout):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    # Qwen3.5 hybrids (zero elsewhere)
-    partial_rotary_factor: float = 1.0
-    linear_conv_kernel_dim: int = 0
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    # mixture-of-experts MLPs (Qwen3-MoE; 0 experts: a dense MLP)
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE's shared expert (0: none)
-    # gpt-oss: attention sinks (one learned logit per query head in each softmax), the router's
-    # order (`MOE_ROUTERS`) and bias, expert biases, and the clamped SwiGLU of its experts
-    # (swiglu_limit 0: plain SwiGLU)
-    attention_sinks: bool = False
-    moe_router: str = "softmax_topk"
-    router_bias: bool = False
-    expert_bias: bool = False
-    swiglu_limit: float = 0.0
-    swiglu_alpha: float = 1.702
+    partial_rotary_factor: float = 1.0  # the part of each attention head RoPE rotates
+    attention_sinks: bool = False  # one learned logit per query head in each softmax (gpt-oss)
+    moe: MoEConfig | None = None
+    linear: LinearAttentionConfig | None = None
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"unknown arch {self.arch!r}; supported: {ARCHS}")
+        from dflash_jax import families  # the registry imports this module
+
+        family = families.get(self.arch)  # ValueError naming the known ones
         self._validate_sizes("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                              "num_kv_heads", "head_dim")
-        self._validate_layer_types(LAYER_TYPES if self.is_hybrid_arch else LAYER_TYPES[:2])
-        if self.is_hybrid_arch:
-            self._validate_sizes("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
-                                 "linear_key_head_dim", "linear_value_head_dim")
-            if self.linear_num_value_heads % self.linear_num_key_heads:
-                raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
-                                 f"of linear_num_key_heads ({self.linear_num_key_heads})")
-        if self.num_experts:
-            self._validate_sizes("num_experts_per_tok", "moe_intermediate_size")
-            if self.num_experts_per_tok > self.num_experts:
-                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
-                                 f"({self.num_experts})")
-        if self.shared_expert_intermediate_size < 0 or (self.shared_expert_intermediate_size
-                                                        and self.arch != "qwen3_5_moe"):
-            raise ValueError(f"shared_expert_intermediate_size ({self.shared_expert_intermediate_size}) must be "
-                             "0, or positive for a qwen3_5_moe target")
-        if self.arch == "qwen3_5_moe":
-            self._validate_sizes("num_experts", "shared_expert_intermediate_size")
-            if not self.norm_topk_prob:
-                raise ValueError("a qwen3_5_moe router always renormalises its top-k weights: norm_topk_prob "
-                                 "must be True")
-        if self.moe_router not in MOE_ROUTERS:
-            raise ValueError(f"unknown moe_router {self.moe_router!r}; supported: {MOE_ROUTERS}")
-        if not self.num_experts and (self.router_bias or self.expert_bias or self.swiglu_limit
-                                     or self.moe_router != "softmax_topk"):
-            raise ValueError("router_bias, expert_bias, swiglu_limit and moe_router describe MoE layers; "
-                             "num_experts is 0")
-        if self.swiglu_limit < 0 or self.swiglu_alpha <= 0:
-            raise ValueError(f"swiglu_limit must be >= 0 and swiglu_alpha > 0, got {self.swiglu_limit} and "
-                             f"{self.swiglu_alpha}")
+        self._validate_layer_types(LAYER_TYPES if self.linear is not None else LAYER_TYPES[:2])
+        if LINEAR in self.layer_types and self.linear is None:
+            raise ValueError("linear_attention layers need the linear attention sizes (linear=)")
+        if self.moe is not None:
+            bad = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"dense MLP layers {bad} out of range for {self.num_layers} layers")
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise ValueError(f"the rotated part of a head ({self.head_dim} x {self.partial_rotary_factor}) "
                              "must be a positive even number of dims")
+        family.validate(self)
+
+    @property
+    def family(self):
+        """The module-level family object of `arch` (`dflash_jax.families`)."""
+        from dflash_jax import families
+
+        return families.get(self.arch)
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense target)."""
+        return 0 if self.moe is None else self.moe.num_experts
 
     @property
     def is_hybrid_arch(self) -> bool:
-        """A family with Gated DeltaNet layers (`HYBRID_ARCHS`): its own model class and cache."""
-        return self.arch in HYBRID_ARCHS
+        """A target with Gated DeltaNet layers: its cache holds their recurrent states (`HybridCache`)."""
+        return self.linear is not None
 
     @property
     def stacked_only(self) -> bool:
         """Decoded from the stacked (XLA) layout on every backend: the CPU backend's packed layout
-        holds Qwen3 / Llama layers only."""
+        holds layers of one kind, attention and a dense MLP, only."""
         return self.is_hybrid_arch or self.num_experts > 0
 
     @property
@@ -394,111 +406,34 @@ class ModelConfig(LayerLayout):
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def mlp_kinds(self) -> tuple[str, ...]:
+        """Per layer, its MLP: "moe" or "dense"."""
+        dense = () if self.moe is None else self.moe.dense_layers
+        return tuple("moe" if self.moe is not None and i not in dense else "dense" for i in range(self.num_layers))
+
+    @property
+    def layer_kinds(self) -> tuple[tuple[str, str], ...]:
+        """Per layer, (its token mixer: "attention" (full or sliding: the window is data) or
+        "linear_attention", its MLP: `mlp_kinds`): what the decoder stack groups into scanned segments
+        (`dflash_jax._stack`)."""
+        mixers = (LINEAR if t == LINEAR else "attention" for t in self.layer_types)
+        return tuple(zip(mixers, self.mlp_kinds))
+
+    @property
     def attention_layer_ids(self) -> tuple[int, ...]:
         """The layers that keep keys and values in the KV cache (all but linear-attention ones)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t != "linear_attention")
+        return tuple(i for i, t in enumerate(self.layer_types) if t != LINEAR)
 
     @property
     def linear_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
-
-    @property
-    def linear_conv_dim(self) -> int:
-        """Channels of a linear-attention layer's causal conv: q, k (key heads) and v (value heads)."""
-        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                + self.linear_num_value_heads * self.linear_value_head_dim)
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 
     @classmethod
     def from_hf_config(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
-        """From a transformers config dict; `source` (the file) is named in every error."""
+        """From a transformers config dict: the family its `architectures` (or, without them, its
+        `model_type`) names reads it (`dflash_jax.families`); `source` (the file) is named in every error."""
+        from dflash_jax import families
+
         fields = ConfigFields(hf, source)
-        archs = fields.str_list("architectures", ())
-        model_type = hf.get("model_type")
-        arch = next((ARCH_BY_HF_CLASS[a] for a in archs if a in ARCH_BY_HF_CLASS), None)
-        if arch is None and model_type in MODEL_TYPES and not archs:
-            arch = MODEL_TYPES[model_type]
-        if arch is None:
-            raise fields.error(f"unsupported architecture {list(archs) or model_type!r}; supported: "
-                               f"{sorted(ARCH_BY_HF_CLASS)}")
-        hybrid = arch in HYBRID_ARCHS
-        if hybrid and isinstance(hf.get("text_config"), dict):
-            # a multimodal checkpoint's config: the text model's fields, the top level's where it has none
-            top = {k: v for k, v in hf.items() if k in ("tie_word_embeddings", "eos_token_id", "bos_token_id",
-                                                         "pad_token_id")}
-            fields = ConfigFields({**top, **{k: v for k, v in hf["text_config"].items() if v is not None}},
-                                  source, "text_config.")
-        linear = {}
-        if hybrid:
-            linear = dict(linear_conv_kernel_dim=fields.int("linear_conv_kernel_dim", 4),
-                          linear_num_key_heads=fields.int("linear_num_key_heads", 16),
-                          linear_num_value_heads=fields.int("linear_num_value_heads", 32),
-                          linear_key_head_dim=fields.int("linear_key_head_dim", 128),
-                          linear_value_head_dim=fields.int("linear_value_head_dim", 128))
-        moe = {}
-        if arch == "qwen3_5_moe":
-            # transformers' Qwen3_5MoeTextConfig: every layer's MLP is the sparse block (it deletes
-            # mlp_only_layers, decoder_sparse_step and norm_topk_prob: its router always renormalises
-            # the top k, `Qwen3_5MoeTopKRouter`); a shared expert beside the routed ones
-            moe = dict(num_experts=fields.int("num_experts", 256),
-                       num_experts_per_tok=fields.int("num_experts_per_tok", 8),
-                       moe_intermediate_size=fields.int("moe_intermediate_size", 512),
-                       shared_expert_intermediate_size=fields.int("shared_expert_intermediate_size", 512),
-                       norm_topk_prob=True)
-        if arch == "gpt_oss":
-            fields = ConfigFields(_gpt_oss_defaults(fields), source)
-            experts = fields.int("num_local_experts", None)
-            top_k = fields.int("num_experts_per_tok", None)
-            moe = dict(num_experts=fields.int("num_experts") if experts is None else experts,
-                       num_experts_per_tok=fields.int("experts_per_token") if top_k is None else top_k,
-                       moe_intermediate_size=fields.int("intermediate_size"), moe_router="topk_softmax",
-                       router_bias=True, expert_bias=True, attention_sinks=True,
-                       swiglu_limit=fields.float("swiglu_limit"), swiglu_alpha=fields.float("swiglu_alpha"))
-        if arch == "qwen3_moe":
-            sparse_step = fields.int("decoder_sparse_step", 1)
-            dense_layers = fields.int_list("mlp_only_layers", ())
-            # released configs say num_experts; transformers 5 writes its alias num_local_experts
-            experts = fields.int("num_experts", None)
-            experts = fields.int("num_local_experts") if experts is None else experts
-            if experts and (dense_layers or sparse_step != 1):
-                raise fields.error("dense MLP layers among the MoE ones (mlp_only_layers, decoder_sparse_step "
-                                   "> 1) are not supported yet: every layer must be an MoE layer")
-            moe = dict(num_experts=experts, num_experts_per_tok=fields.int("num_experts_per_tok"),
-                       moe_intermediate_size=fields.int("moe_intermediate_size"),
-                       norm_topk_prob=fields.bool("norm_topk_prob", False))
-        return fields.build(
-            cls,
-            arch=arch,
-            vocab_size=fields.int("vocab_size"),
-            **decoder_fields(fields, default_max_positions=4096, hybrid=hybrid,
-                             # no dense MLP: the Qwen family's dense width, 3 x hidden (a drafter's default)
-                             default_intermediate_size=(3 * fields.int("hidden_size") if arch == "qwen3_5_moe"
-                                                        else REQUIRED)),
-            **linear,
-            **moe,
-            tie_word_embeddings=fields.bool("tie_word_embeddings", False),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"),
-            attention_bias=fields.bool("attention_bias", False),
-            mlp_bias=fields.bool("mlp_bias", False),
-            bos_token_id=fields.int("bos_token_id", None),
-            eos_token_ids=fields.int_or_int_list("eos_token_id"),
-            pad_token_id=fields.int("pad_token_id", None),
-        )
-
-
-def _gpt_oss_defaults(fields: ConfigFields) -> dict:
-    """A gpt-oss config dict with transformers' GptOssConfig defaults where it is silent (`GPT_OSS_DEFAULTS`;
-    layer_types: sliding and full layers alternating, the first sliding). Its MXFP4 `quantization_config`
-    is the only one read (the experts are dequantised on load, `loading.mxfp4`)."""
-    hf = fields.hf
-    quant = fields.section("quantization_config").hf.get("quant_method")
-    if quant not in (None, "mxfp4"):
-        raise fields.error(f"quantization_config.quant_method {quant!r} is not supported for gpt-oss (mxfp4 is)")
-    out = {k: v for k, v in GPT_OSS_DEFAULTS.items() if k not in ("rope_scaling", "rope_theta")}
-    if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
-        out["rope_scaling"] = GPT_OSS_DEFAULTS["rope_scaling"]
-    if hf.get("rope_theta") is None and (hf.get("rope_parameters") or {}).get("rope_theta") is None:
-        out["rope_theta"] = GPT_OSS_DEFAULTS["rope_theta"]
-    layers = hf.get("num_hidden_layers")
-    if hf.get("layer_types") is None and isinstance(layers, int):
-        out["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    return {**out, **{k: v for k, v in hf.items() if v is not None}}
+        family = families.for_hf_config(fields)
+        return family.read_config(fields)

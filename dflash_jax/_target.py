@@ -23,10 +23,9 @@ import jax.numpy as jnp
 
 from dflash_jax import backends, _masks as masks
 from dflash_jax._attention import attention, cache_attention
-from dflash_jax._cache import KVCache, resolve_kv_cache_dtype
-from dflash_jax._cache import HybridCache
-from dflash_jax._hybrid import HybridTargetModel
-from dflash_jax._config import ModelConfig
+from dflash_jax._cache import HybridCache, KVCache, resolve_kv_cache_dtype
+from dflash_jax._config import LINEAR, ModelConfig
+from dflash_jax._stack import is_direct, stack_segments
 from dflash_jax._layers import (MLP, AttentionProjections, Capture, RMSNorm, Rotary, capture_into, run_layers,
                                token_positions)
 from dflash_jax._model_spec import on_spec
@@ -52,6 +51,8 @@ class TargetLayer(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"  # whose products and cache read (`dflash_jax.backends`)
+    mixer: str = "attention"  # `ModelConfig.layer_kinds` (full or sliding: the window comes in layer_xs)
+    mlp: str = "auto"  # "dense" | "moe"; "auto": the first layer's (a stack of identical layers)
 
     @nn.compact
     def __call__(self, carry, layer_xs, positions, cos, sin, cache: KVCache | None):
@@ -65,7 +66,7 @@ class TargetLayer(nn.Module):
                                     self.backend, ops.fuses(q_width, kv_width, kv_width), cfg.attention_sinks,
                                     name="self_attn")
         sinks = attn.sinks if cfg.attention_sinks else None
-        norm_f32 = cfg.arch == "gpt_oss"  # GptOssRMSNorm scales before it casts
+        norm_f32 = cfg.family.norm_scale_in_float32  # GptOssRMSNorm scales before it casts
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_f32, name="input_layernorm")(hidden)
         q, k, v = attn.queries_keys_values(x, cos, sin)
         ranges = masks.causal(positions, window)  # over cache slots (== positions)
@@ -79,11 +80,12 @@ class TargetLayer(nn.Module):
                                        backend=self.backend, sinks=sinks)
         hidden = hidden + attn.output(attended)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_f32, name="post_attention_layernorm")(hidden)
-        if cfg.num_experts:
-            hidden = hidden + MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                                  cfg.norm_topk_prob, self.dtype, routing=cfg.moe_router, router_bias=cfg.router_bias,
-                                  expert_bias=cfg.expert_bias, swiglu_limit=cfg.swiglu_limit,
-                                  swiglu_alpha=cfg.swiglu_alpha, name="mlp")(x)
+        if (cfg.mlp_kinds[0] if self.mlp == "auto" else self.mlp) == "moe":
+            moe = cfg.moe
+            hidden = hidden + MoE(moe.num_experts, moe.num_experts_per_tok, moe.intermediate_size, moe.norm_topk_prob,
+                                  self.dtype, moe.shared_expert_intermediate_size, routing=moe.router,
+                                  router_bias=moe.router_bias, expert_bias=moe.expert_bias,
+                                  swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha, name="mlp")(x)
         else:
             fused_mlp = ops.fuses(cfg.intermediate_size, cfg.intermediate_size)
             hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.backend, fused_mlp,
@@ -92,9 +94,56 @@ class TargetLayer(nn.Module):
         return (hidden, features), (None if cache is None else (k, v))
 
 
+class StackGroup(nn.Module):
+    """One repeat of a segment's layer pattern (`dflash_jax._stack`); the scan body of a segment.
+    carry: (hidden, features | None); xs: (the KV-cache index of the repeat's first attention layer,
+    capture slots [P], attention windows [P], conv tails [Pl, B, K-1, C] | None, states [Pl, B, Hv, Dk, Dv] | None);
+    broadcast: positions, cos, sin, the KV cache | None. ys: the attention layers' (k, v) and the
+    linear layers' pending inputs, each stacked over the repeat's layers of that kind (None where
+    it has none, or without a cache)."""
+
+    config: ModelConfig
+    pattern: tuple  # (mixer, mlp) per position
+    dtype: Any = jnp.float32
+    attn_impl: str = "auto"
+    backend: str = "xla"
+
+    @nn.compact
+    def __call__(self, carry, xs, positions, cos, sin, kv_cache):
+        cfg = self.config
+        kv_base, slots, windows, tails, states = xs
+        b = carry[0].shape[0]
+        kv, pending = [], []
+        for p, (mixer, mlp) in enumerate(self.pattern):
+            layer = cfg.family.layer_module(mixer)(cfg, self.dtype, self.attn_impl, self.backend, mixer=mixer, mlp=mlp,
+                                                   name=f"layer_{p}")
+            if mixer == LINEAR:
+                i, linear = len(pending), cfg.linear
+                tail = tails[i] if tails is not None else jnp.zeros(
+                    (b, linear.conv_kernel_dim - 1, linear.conv_dim), self.dtype)
+                state = states[i] if states is not None else jnp.zeros(
+                    (b, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim), jnp.float32)
+                carry, out = layer(carry, (0, 0, slots[p]), positions, cos, sin, (tail, state))
+                pending.append(out)
+            else:
+                carry, out = layer(carry, (kv_base + len(kv), windows[p], slots[p]), positions, cos, sin, kv_cache)
+                kv.append(out)
+        stack = lambda items: (jax.tree_util.tree_map(lambda *x: jnp.stack(x), *items)  # noqa: E731
+                               if items and items[0] is not None else None)
+        return carry, (stack(kv), stack(pending))
+
+
 class TargetModel(nn.Module):
-    """The target over params in `backend`'s layout (stacked for XLA, what `init` makes; a
-    backend's own decode layout otherwise, `backends.base.Backend.target_params`)."""
+    """A target of any family, over params in `backend`'s layout (stacked for XLA, what `init` makes;
+    a backend's own decode layout otherwise, `backends.base.Backend.target_params`).
+
+    The layers are the family's (`Family.layer_module`), grouped into segments (`dflash_jax._stack`):
+    a stack of identical attention layers is one `nn.scan` over the layer (params [L, ...] under
+    "layers"; a backend may run its own loop over them); any other stack, one scan per segment over
+    `StackGroup`s of its pattern. Its cache: a `KVCache`, or for a hybrid (Gated DeltaNet layers) a
+    `HybridCache`; with a cache and write_cache=False the third output is what the cache needs to take
+    the new tokens: (k, v) [L, B, T, Hkv, Dh] each for a KVCache (`KVCache.append`), (k, v, linear) for
+    a HybridCache (`HybridCache.commit`)."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -105,22 +154,33 @@ class TargetModel(nn.Module):
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
-        self._make_layers()
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.arch == "gpt_oss")
+        self.segments = stack_segments(cfg.layer_kinds)
+        self.direct = is_direct(cfg)
+        if self.direct:
+            self._make_layers()
+        else:
+            scan = lambda segment, name: nn.scan(  # noqa: E731
+                StackGroup, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=segment.repeats,
+                check_constancy_invariants=False,  # as `_make_layers` (see there)
+            )(cfg, segment.pattern, self.dtype, self.attn_impl, self.backend, name=name)
+            names = ["layers"] if len(self.segments) == 1 else [f"layers_{s}" for s in range(len(self.segments))]
+            self.stack = [scan(segment, name) for segment, name in zip(self.segments, names)]
+        self.norm = cfg.family.final_norm(cfg, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
                                     param_dtype=self.dtype)
         self.rotary = Rotary(cfg)
 
-    def __call__(self, tokens, cache: KVCache | None = None, *, positions=None,
+    def __call__(self, tokens, cache=None, *, positions=None,
                  capture: Sequence[int] = (), num_new=None, write_cache: bool = True):
         """tokens [B, T] -> (hidden [B, T, D], features [B, T, len(capture) * D] | None, cache).
 
         With a cache, row b's tokens go to positions lengths[b] .. lengths[b] + T - 1, and the
         returned cache has lengths + num_new (default T: pass fewer for right-padded rows).
-        write_cache=False returns the tokens' keys and values (k, v), each [L, B, T, Hkv, Dh], in
-        place of the cache, which is only read (for `KVCache.append` later: a `lax.cond` that
-        returned the whole cache would copy it).
+        write_cache=False returns what the cache needs in place of the cache, which is only read
+        (class docstring; for `append` / `commit` later: a `lax.cond` that returned the whole cache
+        would copy it).
         Without a cache, `positions` defaults to 0..T-1 and attention is causal over the T tokens.
         """
         cfg = self.config
@@ -130,21 +190,62 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(positions)
         plan = Capture(capture, cfg.num_layers)
         buffer = plan.buffer(b, t, cfg.hidden_size, self.dtype)
-        layer_xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32),
-                    jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(plan.slots))
-        (hidden, buffer), new_kv = self._run_layers((hidden, buffer), layer_xs, positions, cos, sin, cache)
+        if self.direct:
+            layer_xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32),
+                        jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(plan.slots))
+            (hidden, buffer), pending = self._run_layers((hidden, buffer), layer_xs, positions, cos, sin, cache)
+        else:
+            (hidden, buffer), pending = self._run_segments((hidden, buffer), plan, positions, cos, sin, cache)
         hidden = self.norm(hidden)
         features = plan.features(hidden, buffer)
-        if cache is not None and not write_cache:
-            return hidden, features, new_kv
-        if cache is not None:
-            cache = cache.append(*new_kv, t if num_new is None else num_new)
-        return hidden, features, cache
+        if cache is None:
+            return hidden, features, None
+        if not write_cache:
+            return hidden, features, pending
+        num_new = t if num_new is None else num_new
+        if isinstance(cache, HybridCache):
+            return hidden, features, cache.commit(pending, num_new)
+        return hidden, features, cache.append(*pending, num_new)
+
+    def _run_segments(self, carry, plan: Capture, positions, cos, sin, cache):
+        """Each segment's scan in turn -> (carry, pending): (k, v) [La, B, T, ...] of the attention layers
+        in order, plus, for a HybridCache, the linear layers' pending inputs [Ll, B, T, ...]."""
+        cfg = self.config
+        hybrid = isinstance(cache, HybridCache)
+        kv_cache = cache.kv if hybrid else cache
+        kinds = [mixer for mixer, _ in cfg.layer_kinds]
+        kv, linear = [], []
+        for segment, scan in zip(self.segments, self.stack):
+            mixers = [mixer for mixer, _ in segment.pattern]
+            per_kv, per_linear = len(mixers) - mixers.count(LINEAR), mixers.count(LINEAR)
+            kv_start = sum(k != LINEAR for k in kinds[:segment.start])
+            linear_start = sum(k == LINEAR for k in kinds[:segment.start])
+            kv_base = kv_start + per_kv * jnp.arange(segment.repeats, dtype=jnp.int32)
+            slots = jnp.asarray(plan.slots[segment.start:segment.stop].reshape(segment.repeats, -1))
+            windows = jnp.asarray(cfg.layer_windows[segment.start:segment.stop], jnp.int32).reshape(segment.repeats, -1)
+            per_repeat = lambda x: None if not hybrid or not per_linear else x[  # noqa: E731
+                linear_start:linear_start + segment.repeats * per_linear].reshape(segment.repeats, per_linear,
+                                                                                    *x.shape[1:])
+            xs = (kv_base, slots, windows, per_repeat(cache.conv) if hybrid else None,
+                  per_repeat(cache.state) if hybrid else None)
+            carry, (seg_kv, seg_linear) = scan(carry, xs, positions, cos, sin, kv_cache)
+            flat = lambda tree: jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), tree)  # noqa: E731
+            if seg_kv is not None:
+                kv.append(flat(seg_kv))
+            if seg_linear is not None:
+                linear.append(flat(seg_linear))
+        join = lambda parts: (None if not parts else parts[0] if len(parts) == 1  # noqa: E731
+                              else jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *parts))
+        k, v = join(kv) if kv else (None, None)
+        if hybrid:
+            return carry, (k, v, join(linear))
+        return carry, (k, v)
 
     def _make_layers(self):
         """All layers as one scanned module: params stacked [L, ...] under "layers"."""
+        cfg = self.config
         self.layers = nn.scan(
-            TargetLayer,
+            cfg.family.layer_module(cfg.layer_kinds[0][0]),
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
@@ -192,7 +293,7 @@ class TargetSpec:
 
     @property
     def module(self) -> nn.Module:
-        return model_class(self.config)(self.config, self.dtype, self.attn_impl)
+        return TargetModel(self.config, self.dtype, self.attn_impl)
 
     def module_for(self, params) -> nn.Module:
         """The module that reads `params`, on the backend whose layout they are in
@@ -337,12 +438,7 @@ def init_target_params(config: ModelConfig, rng, dtype=jnp.float32):
         return module.logits(hidden)
 
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return model_class(config)(config, dtype).init(rng, tokens, method=forward_and_logits)["params"]
-
-
-def model_class(config: ModelConfig) -> type:
-    """The Flax module of a target family: `TargetModel`, or `HybridTargetModel` (Qwen3.5)."""
-    return HybridTargetModel if config.is_hybrid_arch else TargetModel
+    return TargetModel(config, dtype).init(rng, tokens, method=forward_and_logits)["params"]
 
 
 def target_param_shapes(config: ModelConfig, dtype=jnp.float32):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import _moe as moe
-from dflash_jax._config import ModelConfig
+from dflash_jax._config import ModelConfig, MoEConfig
 from dflash_jax._errors import CheckpointError, ConfigError
 from dflash_jax._speculative import generate
 from dflash_jax._target import Target, target_param_shapes
@@ -285,14 +285,16 @@ def test_config_fields_and_refusals():
                                  "original_max_position_embeddings": 4096, "truncate": False},
                 "quantization_config": {"quant_method": "mxfp4"}}
     cfg = ModelConfig.from_hf_config(released)
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (32, 4, 2880)
+    assert (cfg.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.intermediate_size) == (32, 4, 2880)
     assert cfg.layer_windows[:4] == (128, 0, 128, 0) and cfg.attention_bias and cfg.rms_norm_eps == 1e-5
-    assert (cfg.moe_router, cfg.router_bias, cfg.expert_bias, cfg.swiglu_limit) == ("topk_softmax", True, True, 7.0)
+    assert (cfg.moe.router, cfg.moe.router_bias, cfg.moe.expert_bias, cfg.moe.swiglu_limit) == ("topk_softmax", True,
+                                                                                                  True, 7.0)
     with pytest.raises(ConfigError, match="quant_method"):
         ModelConfig.from_hf_config({**released, "quantization_config": {"quant_method": "gptq"}})
-    with pytest.raises(ValueError, match="num_experts is 0"):
+    with pytest.raises(ValueError, match="a llama target has a dense MLP"):  # MoE settings on a dense family
         ModelConfig(arch="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
-                    num_kv_heads=1, head_dim=8, swiglu_limit=7.0)
+                    num_kv_heads=1, head_dim=8, moe=MoEConfig(num_experts=2, num_experts_per_tok=1, intermediate_size=8,
+                                                              swiglu_limit=7.0))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import _decode_loop as decode_loop, _gated_delta as gd
-from dflash_jax._config import ModelConfig
+from dflash_jax._config import LinearAttentionConfig, ModelConfig
 from dflash_jax._drafter import Drafter, init_drafter_params
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._errors import CheckpointError
@@ -193,8 +193,9 @@ def test_masked_positions_leave_the_state_exactly_unchanged(form):
 def tiny_hybrid(seed=0, vocab=48, scale=4.0, layer_types=("linear_attention",) * 3 + ("full_attention",)):
     cfg = ModelConfig(arch="qwen3_5", vocab_size=vocab, hidden_size=32, intermediate_size=64,
                       num_layers=len(layer_types), num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
-                      partial_rotary_factor=0.25, layer_types=layer_types, linear_conv_kernel_dim=4,
-                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+                      partial_rotary_factor=0.25, layer_types=layer_types,
+                      linear=LinearAttentionConfig(conv_kernel_dim=4, num_key_heads=2, num_value_heads=4,
+                                                   key_head_dim=8, value_head_dim=8))
     params = init_target_params(cfg, jax.random.PRNGKey(seed))
     params = jax.tree_util.tree_map(lambda x: x * scale if x.ndim >= 2 else x, params)  # sharper logits
     return Target(cfg, params)

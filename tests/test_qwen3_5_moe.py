@@ -3,12 +3,14 @@ sigmoid-gated shared expert): parity with transformers' Qwen3_5MoeForCausalLM an
 Qwen3_5MoeForConditionalGeneration, loading (per-expert tensors as save_pretrained writes them, fused
 ones as released, and the name table's export), lossless speculative decoding with rejections at every
 block position, and sampling. Only the parity and loading tests need torch."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax._config import ModelConfig
+from dflash_jax._config import LinearAttentionConfig, ModelConfig, MoEConfig
 from dflash_jax._errors import ConfigError
 from dflash_jax._speculative import generate
 from dflash_jax._target import Target, init_target_params
@@ -186,16 +188,18 @@ def test_config_reads_the_text_config_and_refuses_a_bad_one():
                           "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                               "mrope_section": [11, 11, 10]}}}
     cfg = ModelConfig.from_hf_config(hf)
-    assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_5_moe", 8, 2, 12)
-    assert cfg.shared_expert_intermediate_size == 20 and cfg.norm_topk_prob and cfg.is_hybrid_arch
+    assert (cfg.arch, cfg.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.intermediate_size) == ("qwen3_5_moe", 8,
+                                                                                                     2, 12)
+    assert cfg.moe.shared_expert_intermediate_size == 20 and cfg.moe.norm_topk_prob and cfg.is_hybrid_arch
     assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) and cfg.rotary_dim == 4
     bad = {**hf, "text_config": {**hf["text_config"], "num_experts_per_tok": 9}}
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
         ModelConfig.from_hf_config(bad)
+    fields = _tiny_config_fields()
     with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
-        ModelConfig(**{**_tiny_config_fields(), "arch": "qwen3_5", "num_experts": 0})
+        ModelConfig(**{**fields, "moe": dataclasses.replace(fields["moe"], shared_expert_intermediate_size=0)})
     with pytest.raises(ValueError, match="norm_topk_prob"):
-        ModelConfig(**{**_tiny_config_fields(), "norm_topk_prob": False})
+        ModelConfig(**{**fields, "moe": dataclasses.replace(fields["moe"], norm_topk_prob=False)})
 
 
 def test_random_benchmark_target_has_the_released_shapes():
@@ -204,10 +208,10 @@ def test_random_benchmark_target_has_the_released_shapes():
     config, drafter = random_configs("qwen3.5-35b-a3b", None, None)
     assert (config.arch, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.vocab_size, config.rotary_dim) == ("qwen3_5_moe", 40, 2048, 16, 2, 256, 248320, 64)
-    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-            config.shared_expert_intermediate_size) == (256, 8, 512, 512)
-    assert (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
-            config.linear_value_head_dim) == (16, 32, 128, 128)
+    assert (config.num_experts, config.moe.num_experts_per_tok, config.moe.intermediate_size,
+            config.moe.shared_expert_intermediate_size) == (256, 8, 512, 512)
+    assert (config.linear.num_key_heads, config.linear.num_value_heads, config.linear.key_head_dim,
+            config.linear.value_head_dim) == (16, 32, 128, 128)
     assert config.layer_types == ("linear_attention",) * 3 + ("full_attention",) + config.layer_types[4:]
     assert config.attention_layer_ids == tuple(range(3, 40, 4))
     assert drafter.intermediate_size == 6144 and drafter.target_layer_ids == (1, 10, 19, 28, 37)
@@ -220,9 +224,11 @@ def test_random_benchmark_target_has_the_released_shapes():
 def _tiny_config_fields(vocab=48, layer_types=("linear_attention", "full_attention") * 2):
     return dict(arch="qwen3_5_moe", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=len(layer_types),
                 num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, partial_rotary_factor=0.25,
-                layer_types=layer_types, linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
-                linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2,
-                moe_intermediate_size=16, shared_expert_intermediate_size=24, norm_topk_prob=True)
+                layer_types=layer_types,
+                linear=LinearAttentionConfig(conv_kernel_dim=4, num_key_heads=2, num_value_heads=4, key_head_dim=8,
+                                             value_head_dim=8),
+                moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=16,
+                              shared_expert_intermediate_size=24, norm_topk_prob=True))
 
 
 @pytest.fixture(scope="module")

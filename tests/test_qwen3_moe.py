@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from dflash_jax import _moe as moe
-from dflash_jax._config import ModelConfig
+from dflash_jax._config import ModelConfig, MoEConfig
 from dflash_jax._errors import ConfigError
 from dflash_jax._speculative import generate
 from dflash_jax._target import Target, init_target_params
@@ -87,8 +87,8 @@ def test_logits_captured_layers_and_cached_rows_equal_transformers(hf_pair):
 
 def tiny_moe(seed=0, vocab=48, scale=3.0):
     cfg = ModelConfig(arch="qwen3_moe", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=16, norm_topk_prob=True)
+                      num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                      moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=16, norm_topk_prob=True))
     params = init_target_params(cfg, jax.random.PRNGKey(seed))
     return Target(cfg, jax.tree_util.tree_map(lambda x: x * scale if x.ndim >= 2 else x, params))
 
@@ -113,10 +113,3 @@ def test_speculative_sampling_keeps_the_moe_targets_distribution():
 
     target = tiny_moe(seed=3, vocab=V + 1, scale=1.0)
     check_sampling_lossless(target, tiny_drafter(target, block_size=4, seed=5))
-
-
-def test_dense_layers_among_moe_layers_are_refused():
-    hf = {"architectures": ["Qwen3MoeForCausalLM"], **{k: v for k, v in HF.items() if k != "num_hidden_layers"},
-          "num_hidden_layers": 3, "mlp_only_layers": [1]}
-    with pytest.raises(ConfigError, match="mlp_only_layers"):
-        ModelConfig.from_hf_config(hf)

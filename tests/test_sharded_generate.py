@@ -38,7 +38,7 @@ MAX_NEW = 12
 
 
 def _configs():
-    from dflash_jax._config import ModelConfig
+    from dflash_jax._config import LinearAttentionConfig, ModelConfig
     from dflash_jax._drafter_config import DrafterConfig
 
     vocab = 64
@@ -52,9 +52,9 @@ def _configs():
     # gated attention layer (heads split over tensor)
     qwen3_5 = ModelConfig(arch="qwen3_5", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
                           num_heads=8, num_kv_heads=8, head_dim=8, qk_norm=True, partial_rotary_factor=0.25,
-                          layer_types=("linear_attention", "full_attention"), linear_conv_kernel_dim=4,
-                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                          linear_value_head_dim=8, max_position_embeddings=256)
+                          layer_types=("linear_attention", "full_attention"),
+                          linear=LinearAttentionConfig(conv_kernel_dim=4, num_key_heads=2, num_value_heads=4,
+                                                       key_head_dim=8, value_head_dim=8), max_position_embeddings=256)
     # a Qwen3.5-MoE hybrid: the same layers, every MLP 4 routed experts (over `expert`) and a
     # shared one (over `tensor`)
     qwen3_5_moe = dataclasses.replace(qwen3_5, arch="qwen3_5_moe", num_experts=4, num_experts_per_tok=2,

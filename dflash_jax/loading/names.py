@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from dflash_jax import _host_arrays as host_arrays
-from dflash_jax._config import LINEAR, ModelConfig, layer_pattern
+from dflash_jax._config import ModelConfig
 from dflash_jax._errors import CheckpointError
 
 
@@ -96,24 +96,6 @@ def moe_layer_rules(hf_layer: str, experts: int, path: tuple[str, ...] = ("layer
     return rules
 
 
-def gpt_oss_layer_rules(hf_layer: str) -> list[Rule]:
-    """What a gpt-oss layer has beside a Llama layer with attention biases: the attention sinks, and
-    its MoE block: the router Linear (weight [E, D], bias [E]) and the experts stacked in one tensor
-    each, gate_up_proj [E, D, 2I] with gate and up columns interleaved (gate ::2, up 1::2; split
-    into our gate_proj / up_proj [E, D, I]), its bias [E, 2I] alike, down_proj [E, I, D] and its
-    bias [E, D]. The released checkpoints' MXFP4 experts are dequantised first (`loading.mxfp4`)."""
-    experts, path = f"{hf_layer}.mlp.experts", ("layers", "mlp")
-    return [Rule(f"{hf_layer}.self_attn.sinks", ("layers", "self_attn", "sinks")),
-            Rule(f"{hf_layer}.mlp.router.weight", (*path, "router", "kernel"), transpose=True),
-            Rule(f"{hf_layer}.mlp.router.bias", (*path, "router", "bias")),
-            Rule(f"{experts}.gate_up_proj", (*path, "gate_proj"), columns=(0, 2)),
-            Rule(f"{experts}.gate_up_proj", (*path, "up_proj"), columns=(1, 2)),
-            Rule(f"{experts}.gate_up_proj_bias", (*path, "gate_bias"), columns=(0, 2)),
-            Rule(f"{experts}.gate_up_proj_bias", (*path, "up_bias"), columns=(1, 2)),
-            Rule(f"{experts}.down_proj", (*path, "down_proj")),
-            Rule(f"{experts}.down_proj_bias", (*path, "down_bias"))]
-
-
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -169,60 +151,9 @@ def unfuse_experts(tensors: Mapping[str, np.ndarray], source: str = "checkpoint"
 
 
 def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
-    """The name table of a target of `cfg`'s family (prefix: a hybrid checkpoint's text-model
-    prefix, `hybrid_target_rules`)."""
-    if cfg.is_hybrid_arch:
-        return hybrid_target_rules(cfg, prefix)
-    rules = [Rule("model.embed_tokens.weight", ("embed_tokens", "embedding")),
-             Rule("model.norm.weight", ("norm", "scale"))]
-    layer = decoder_layer_rules("model.layers.{i}", cfg.qk_norm, cfg.attention_bias, cfg.mlp_bias)
-    if cfg.arch == "gpt_oss":
-        layer = [r for r in layer if ".mlp." not in r.hf] + gpt_oss_layer_rules("model.layers.{i}")
-    elif cfg.num_experts:  # every layer's MLP is the MoE block
-        layer = [r for r in layer if ".mlp." not in r.hf] + moe_layer_rules("model.layers.{i}", cfg.num_experts)
-    rules += layer
-    if not cfg.tie_word_embeddings:
-        rules.append(Rule("lm_head.weight", ("lm_head", "kernel"), transpose=True))
-    return rules
-
-
-def hybrid_target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
-    """Rules of a Qwen3.5 hybrid target (`dflash_jax._hybrid`): HF layer i is position i % P of its
-    layer pattern (P positions), stacked under layers/layer_{i % P}. prefix: "model." for a
-    `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` checkpoint, "model.language_model." for a
-    `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`."""
-    pattern = layer_pattern(cfg.layer_types)
-    rules = [Rule(f"{prefix}embed_tokens.weight", ("embed_tokens", "embedding")),
-             Rule(f"{prefix}norm.weight", ("norm", "scale"))]
-    for p, kind in enumerate(pattern):
-        ids = tuple(range(p, cfg.num_layers, len(pattern)))
-        hf, path = f"{prefix}layers.{{i}}", ("layers", f"layer_{p}")
-        layer = [Rule(f"{hf}.{n}.weight", (*path, n, "scale"), layer_ids=ids)
-                 for n in ("input_layernorm", "post_attention_layernorm")]
-        if cfg.num_experts:  # Qwen3.5-MoE: every layer's MLP is the MoE block with a shared expert
-            layer += moe_layer_rules(hf, cfg.num_experts, (*path, "mlp"), ids,
-                                     shared_expert=cfg.shared_expert_intermediate_size > 0)
-        else:
-            layer += _linear_rules(f"{hf}.mlp", (*path, "mlp"), ("gate_proj", "up_proj", "down_proj"), cfg.mlp_bias,
-                                   ids)
-        if kind == LINEAR:
-            mixer = (*path, "linear_attn")
-            layer += _linear_rules(f"{hf}.linear_attn", mixer,
-                                   ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"), False, ids)
-            layer += [Rule(f"{hf}.linear_attn.conv1d.weight", (*mixer, "conv1d"), transpose=True, layer_ids=ids),
-                      Rule(f"{hf}.linear_attn.A_log", (*mixer, "A_log"), layer_ids=ids),
-                      Rule(f"{hf}.linear_attn.dt_bias", (*mixer, "dt_bias"), layer_ids=ids),
-                      Rule(f"{hf}.linear_attn.norm.weight", (*mixer, "norm", "scale"), layer_ids=ids)]
-        else:
-            mixer = (*path, "self_attn")
-            layer += _linear_rules(f"{hf}.self_attn", mixer, ("q_proj", "k_proj", "v_proj", "o_proj"),
-                                   cfg.attention_bias, ids)
-            layer += [Rule(f"{hf}.self_attn.{n}.weight", (*mixer, n, "scale"), layer_ids=ids)
-                      for n in ("q_norm", "k_norm")]
-        rules += layer
-    if not cfg.tie_word_embeddings:
-        rules.append(Rule("lm_head.weight", ("lm_head", "kernel"), transpose=True))
-    return rules
+    """The name table of a target: its family's (`dflash_jax.families.base.Family.target_rules`; prefix:
+    the text model's prefix in the checkpoint, e.g. "model.language_model." for a multimodal one)."""
+    return cfg.family.target_rules(cfg, prefix)
 
 
 def _linear_rules(hf_prefix: str, path: tuple[str, ...], names, bias: bool, ids) -> list[Rule]:

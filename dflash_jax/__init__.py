@@ -12,7 +12,8 @@
 `drafter=None` decodes plainly (autoregressively) through the same loop. `TargetSpec` / `DrafterSpec`
 are the static (hashable) halves of a model that jitted code takes apart from the params, and
 `init_target_params` / `init_drafter_params` make random params of a config. `Generator(target, drafter)`
-holds the decode params and compiled programs of one pair (what `generate` uses underneath).
+holds the decode params and compiled programs of one pair (what `generate` uses underneath; `generate`
+keeps the Generators of its last two pairs, and `release_generators()` frees them).
 Bad files and mismatched pairs raise one exception naming the file: FileNotFoundError, ConfigError,
 CheckpointError, TorchRequiredError (a .bin checkpoint without torch) or DrafterMismatchError, all
 ValueErrors except the first.
@@ -39,6 +40,7 @@ _EXPORTS = {
     "Generator": "dflash_jax._speculative",
     "generate": "dflash_jax._speculative",
     "generate_stream": "dflash_jax._speculative",
+    "release_generators": "dflash_jax._speculative",
     "ConfigError": "dflash_jax._errors",
     "CheckpointError": "dflash_jax._errors",
     "TorchRequiredError": "dflash_jax._errors",
@@ -79,5 +81,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from dflash_jax.loading.drafter_io import load_drafter, save_drafter
     from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
     from dflash_jax.loading.target_loader import load_target
-    from dflash_jax._speculative import GenerationResult, Generator, generate, generate_stream
+    from dflash_jax._speculative import GenerationResult, Generator, generate, generate_stream, release_generators
     from dflash_jax._target import Target, TargetSpec, init_target_params

@@ -61,8 +61,9 @@ def _log_once(level: int, reason: str) -> None:
 
 
 def _platform() -> str:
-    """The platform "auto" dispatches for: JAX's default backend ("cpu", "gpu", "tpu")."""
-    return jax.default_backend()
+    """The platform "auto" dispatches for ("cpu", "gpu", "tpu"): the backends' answer
+    (`backends.platform`, JAX's default backend)."""
+    return backends.platform()
 
 
 def merge_with_lse(first, second, *, return_lse: bool = False):

@@ -395,12 +395,6 @@ class ModelConfig(LayerLayout):
         return self.linear is not None
 
     @property
-    def stacked_only(self) -> bool:
-        """Decoded from the stacked (XLA) layout on every backend: the CPU backend's packed layout
-        holds layers of one kind, attention and a dense MLP, only."""
-        return self.is_hybrid_arch or self.num_experts > 0
-
-    @property
     def rotary_dim(self) -> int:
         """The dims of each attention head that RoPE rotates (the first ones)."""
         return int(self.head_dim * self.partial_rotary_factor)

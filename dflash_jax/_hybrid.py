@@ -156,7 +156,7 @@ class HybridLayer(nn.Module):
         if self.mlp == "moe":
             moe = cfg.moe
             mlp = MoE(moe.num_experts, moe.num_experts_per_tok, moe.intermediate_size, moe.norm_topk_prob,
-                      self.dtype, moe.shared_expert_intermediate_size, name="mlp")
+                      self.dtype, moe.shared_expert_intermediate_size, backend=self.backend, name="mlp")
         else:
             mlp = MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, name="mlp")
         hidden = hidden + mlp(x)

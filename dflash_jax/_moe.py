@@ -1,7 +1,9 @@
 """Mixture-of-experts MLPs (Qwen3-MoE, Qwen3.5-MoE, gpt-oss): a router, top-k experts per token, and
 the chosen experts run as grouped matmuls over the tokens sorted by expert (`jax.lax.ragged_dot`), not
 a loop over experts and not a one-hot product with all of them; Qwen3.5-MoE adds a shared expert,
-gpt-oss its own router order, expert biases and a clamped SwiGLU."""
+gpt-oss its own router order, expert biases and a clamped SwiGLU. Which grouped form multiplies the
+pairs is the backend's static choice (`backends.base.Backend.expert_form`), made from the shapes at
+trace time."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import backends
 from dflash_jax._layers import MLP
 
 
@@ -44,39 +47,29 @@ def clamped_swiglu(gate, up, *, limit: float, alpha: float):
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
-CPU_GATHER_BYTES = 4 << 30  # on a CPU, the most expert weights gathered at once (bytes)
-
-
 def grouped_experts(x, experts, weights, gate, up, down, *, biases=None, activation: Callable = swiglu,
-                    form: str = "auto"):
+                    form: str = "auto", backend: str = "xla"):
     """sum_j weights[n, j] * expert_{experts[n, j]}(x[n]) for x [N, D], with SwiGLU experts
     gate / up [E, D, I] and down [E, I, D]: down(activation(x gate, x up)). biases: None or
     (gate [E, I], up [E, I], down [E, D]), added after each product (gpt-oss).
 
-    The chosen experts' weights are read by the form that suits the platform the program is
-    compiled for (`jax.lax.platform_dependent`):
-    - fewer (token, expert) pairs than experts (a decode step: k pairs), everywhere: each pair's
-      expert weights are gathered and multiplied (`_gathered_pairs`): only the chosen experts'
-      weights are read;
-    - more, on a GPU or TPU: the N * k pairs are sorted by expert and each expert's run multiplies
-      its own weights (`_sorted_groups`: `ragged_dot`, one group per expert, each expert's weights
-      read once);
-    - more, on a CPU: gathered too, while the gathered weights stay under `CPU_GATHER_BYTES` (a
-      verify of 16 tokens), because XLA's CPU backend lowers `ragged_dot` to a dense product with
-      every expert (docs/architecture.md, "Mixture-of-experts targets"); `ragged_dot` beyond.
-    form: "auto" (the above), or one of `FORMS` on every platform (tests).
+    Two forms (`FORMS`) read the chosen experts' weights:
+    - "gathered": each (token, expert) pair's expert weights are gathered and multiplied
+      (`_gathered_pairs`): only the chosen experts' weights are read;
+    - "sorted": the N * k pairs are sorted by expert and each expert's run multiplies its own
+      weights (`_sorted_groups`: `ragged_dot`, one group per expert, each expert's weights read once).
+    form: "auto" asks `backend` (`Backend.expert_form`: a static choice from the shapes; XLA's
+    gathers fewer pairs than experts everywhere, and on a CPU while the gathered weights stay under
+    `backends.base.CPU_GATHER_BYTES`, since XLA's CPU backend lowers `ragged_dot` to a dense product
+    with every expert), or one of `FORMS` (tests).
     """
     n, k = experts.shape
-    args = (x, experts, weights, gate, up, down, biases, activation)
-    if form != "auto":
-        if form not in FORMS:
-            raise ValueError(f"form must be 'auto' or one of {sorted(FORMS)}, got {form!r}")
-        return FORMS[form](*args)
-    if n * k < gate.shape[0]:
-        return _gathered_pairs(*args)
-    expert_bytes = sum(w[0].size * jnp.dtype(x.dtype).itemsize for w in (gate, up, down))
-    on_cpu = _gathered_pairs if n * k * expert_bytes <= CPU_GATHER_BYTES else _sorted_groups
-    return jax.lax.platform_dependent(cpu=lambda: on_cpu(*args), default=lambda: _sorted_groups(*args))
+    if form == "auto":
+        expert_bytes = sum(w[0].size * jnp.dtype(x.dtype).itemsize for w in (gate, up, down))
+        form = backends.get(backend).expert_form(n * k, gate.shape[0], expert_bytes)
+    if form not in FORMS:
+        raise ValueError(f"form must be 'auto' or one of {sorted(FORMS)}, got {form!r}")
+    return FORMS[form](x, experts, weights, gate, up, down, biases, activation)
 
 
 def _plus(biases):
@@ -126,7 +119,8 @@ class MoE(nn.Module):
     token, scaled by sigmoid(shared_expert_gate(x)) (a kernel [D, 1]), and is added to the experts'
     sum. gpt-oss's sets the other fields: routing "topk_softmax" (`route_top_k_softmax`) with a
     router bias, expert biases gate_bias / up_bias [E, I] and down_bias [E, D], and swiglu_limit > 0:
-    the clamped SwiGLU (`clamped_swiglu`; 0: plain SwiGLU)."""
+    the clamped SwiGLU (`clamped_swiglu`; 0: plain SwiGLU). backend: the backend whose expert form
+    the products take (`grouped_experts`)."""
 
     num_experts: int
     top_k: int
@@ -139,6 +133,7 @@ class MoE(nn.Module):
     expert_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    backend: str = "xla"
 
     @nn.compact
     def __call__(self, x):
@@ -159,8 +154,8 @@ class MoE(nn.Module):
         logits = router(flat)
         weights, experts = route_top_k_softmax(logits, self.top_k) if self.routing == "topk_softmax" else \
             route(logits, self.top_k, self.normalize)
-        out = grouped_experts(flat, experts, weights, gate, up, down, biases=biases,
-                              activation=activation).reshape(x.shape)
+        out = grouped_experts(flat, experts, weights, gate, up, down, biases=biases, activation=activation,
+                              backend=self.backend).reshape(x.shape)
         if self.shared_intermediate_size:
             shared = MLP(self.shared_intermediate_size, False, self.dtype, name="shared_expert")(x)
             shared_gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,

@@ -9,7 +9,12 @@ A `Generator` holds a target and a drafter with the params its backend decodes w
 on a CPU the packed layout, `backends.cpu`) and the executables it compiled, the most recent
 `max_compiled` of them. `generate` and `generate_stream` use one Generator per pair of specs
 (`generator_for`): a model with the same spec and other weights reuses its executables, since
-weights enter them as arguments.
+weights enter them as arguments. That registry keeps the two most recently used, with their decode
+params (on a CPU a packed copy of the weights) and executables; `release_generators()` drops them.
+
+The options of one call (every keyword of `generate` but the mesh) travel as one frozen value,
+`SamplingOptions`, from the public functions through the checks (`_prepare`) to the compiled
+`GenerationConfig` and the `SamplingParams` arrays.
 
 Prompt buckets: prompts are right-padded to the next power of two from 16 up to 1024 tokens, and
 beyond that to the next multiple of 1024 (`prompt_bucket`). A chat that grows to n tokens compiles
@@ -112,6 +117,39 @@ class GenerationResult:
 # Arguments: every check names the argument at fault.
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """What one `generate` / `generate_stream` call (or `Generator.generate` / `stream`) asks for,
+    besides its prompts and mesh: the public functions' keywords, with the same defaults (a test
+    holds them equal), as one frozen value. Checked against the models by `_prepare`, which turns
+    it into the compiled `GenerationConfig` and the `SamplingParams` arrays."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    stop_token_ids: int | Sequence[int] | None = None  # None: the target's EOS ids; (): never stop
+    block_size: int | None = None  # None: the drafter's
+    seed: int = 0
+    acceptance: str = "exact"  # or "match"
+    lookup: int = 0  # 0 = off; n >= 2: look-up drafts of up to n matched tokens
+    min_draft_probability: float = 0.0  # 0 = verify every draft
+
+    @classmethod
+    def of_call(cls, arguments: dict) -> "SamplingOptions":
+        """The options among a public function's arguments (its `locals()`), each by its name."""
+        return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)})
+
+
+def _as_options(options: SamplingOptions | None, keywords: dict) -> SamplingOptions:
+    """`options`, or the options of these keywords (what the tests that drive `_prepare` pass)."""
+    if options is None:
+        return SamplingOptions(**keywords)
+    if keywords:
+        raise TypeError(f"pass options or keywords, not both: {sorted(keywords)}")
+    return options
+
+
 def prompt_bucket(n: int) -> int:
     """Padded prompt length for a longest prompt of n tokens: the next power of two (at least 16)
     up to 1024, then the next multiple of 1024."""
@@ -204,53 +242,53 @@ def _block_size(drafter, block_size) -> int:
     return block_size
 
 
-def _prepare(target, drafter, prompts, *, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
-             block_size, seed, acceptance, lookup=0, min_draft_probability=0.0):
-    """Check every argument but the pair itself (`Generator.bind` checks it) -> (GenerationConfig,
-    the executables' inputs after the params: prompt tokens, prompt lengths, rng, sampling params;
-    stop ids)."""
+def _prepare(target, drafter, prompts, options: SamplingOptions | None = None, **keywords):
+    """Check the prompts and every option (a `SamplingOptions`, or its fields as keywords) but the
+    pair itself (`Generator.bind` checks it) -> (GenerationConfig, the executables' inputs after the
+    params: prompt tokens, prompt lengths, rng, sampling params; stop ids)."""
+    o = _as_options(options, keywords)
     vocab = target.config.vocab_size
-    _check_int("max_new_tokens", max_new_tokens, 1)
-    _check_number("temperature", temperature, "a finite number >= 0 (0 = greedy)", lambda t: t >= 0)
-    _check_int("top_k", top_k, 0)
-    if top_k > vocab:
-        raise ValueError(f"top_k ({top_k}) is larger than the target vocabulary ({vocab} tokens); "
+    _check_int("max_new_tokens", o.max_new_tokens, 1)
+    _check_number("temperature", o.temperature, "a finite number >= 0 (0 = greedy)", lambda t: t >= 0)
+    _check_int("top_k", o.top_k, 0)
+    if o.top_k > vocab:
+        raise ValueError(f"top_k ({o.top_k}) is larger than the target vocabulary ({vocab} tokens); "
                          f"use 0 to turn top-k off")
-    _check_number("top_p", top_p, "in (0, 1]", lambda p: 0 < p <= 1)
-    _check_int("seed", seed)
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-    _check_int("lookup", lookup, 0)
-    if lookup == 1:
+    _check_number("top_p", o.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
+    _check_int("seed", o.seed)
+    if o.acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {o.acceptance!r}")
+    _check_int("lookup", o.lookup, 0)
+    if o.lookup == 1:
         raise ValueError("lookup must be 0 (off) or >= 2 (the longest run of tokens to match), got 1")
-    if lookup and drafter is None:
+    if o.lookup and drafter is None:
         raise ValueError("lookup fills a drafter's slots; it needs a drafter (got drafter=None)")
-    _check_number("min_draft_probability", min_draft_probability, "in [0, 1] (0 = verify every draft)",
+    _check_number("min_draft_probability", o.min_draft_probability, "in [0, 1] (0 = verify every draft)",
                   lambda p: 0 <= p <= 1)
-    if min_draft_probability and drafter is None:
+    if o.min_draft_probability and drafter is None:
         raise ValueError("min_draft_probability gates a drafter's drafts; it needs a drafter (got drafter=None)")
-    block_size = _block_size(drafter, block_size)
-    stops = _stop_ids(target, stop_token_ids)
+    block_size = _block_size(drafter, o.block_size)
+    stops = _stop_ids(target, o.stop_token_ids)
     rows = _prompt_rows(prompts, vocab)
     longest = max(len(r) for r in rows)
     limit = target.config.max_position_embeddings
-    if longest + max_new_tokens > limit:
-        raise ValueError(f"prompt too long: {longest} prompt tokens + max_new_tokens {max_new_tokens} "
+    if longest + o.max_new_tokens > limit:
+        raise ValueError(f"prompt too long: {longest} prompt tokens + max_new_tokens {o.max_new_tokens} "
                          f"exceed the target's max_position_embeddings ({limit})")
-    sampled = temperature > 0
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size, sampling=sampled,
-                           top_k=top_k if sampled else 0, use_top_p=sampled and top_p < 1.0,
-                           acceptance=acceptance, lookup=lookup, gate_drafts=min_draft_probability > 0)
+    sampled = o.temperature > 0
+    cfg = GenerationConfig(max_new_tokens=o.max_new_tokens, block_size=block_size, sampling=sampled,
+                           top_k=o.top_k if sampled else 0, use_top_p=sampled and o.top_p < 1.0,
+                           acceptance=o.acceptance, lookup=o.lookup, gate_drafts=o.min_draft_probability > 0)
     tokens = np.zeros((len(rows), prompt_bucket(longest)), np.int32)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
     lengths = np.asarray([len(r) for r in rows], np.int32)
     padded_stops = np.full(max(_STOP_ID_SLOTS, round_up(len(stops), _STOP_ID_SLOTS)), -1, np.int32)
     padded_stops[: len(stops)] = stops
-    params = SamplingParams(temperature=jnp.float32(max(temperature, 1e-6)), top_p=jnp.float32(top_p),
+    params = SamplingParams(temperature=jnp.float32(max(o.temperature, 1e-6)), top_p=jnp.float32(o.top_p),
                             stop_token_ids=jnp.asarray(padded_stops),
-                            min_draft_probability=jnp.float32(min_draft_probability))
-    inputs = (jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed), params)
+                            min_draft_probability=jnp.float32(o.min_draft_probability))
+    inputs = (jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(o.seed), params)
     return cfg, inputs, stops
 
 
@@ -428,10 +466,10 @@ class Generator:
                  block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
                  min_draft_probability: float = 0.0) -> GenerationResult:
         """Generate for `prompts` (see `generate` for every argument)."""
-        cfg, args, stops = self._prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                         top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
-                                         block_size=block_size, seed=seed, acceptance=acceptance,
-                                         lookup=lookup, min_draft_probability=min_draft_probability)
+        return self._generate(prompts, SamplingOptions.of_call(locals()))
+
+    def _generate(self, prompts, options: SamplingOptions) -> GenerationResult:
+        cfg, args, stops = self._prepare(prompts, options)
         prefill_fn, decode_fn, compile_seconds = self._executables(cfg, args, "decode")
         start = time.perf_counter()
         state = jax.block_until_ready(prefill_fn(*args))
@@ -452,20 +490,22 @@ class Generator:
                block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
                min_draft_probability: float = 0.0) -> "GenerationStream":
         """Like `generate`, streaming (see `generate_stream`)."""
-        cfg, args, stops = self._prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                         top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
-                                         block_size=block_size, seed=seed, acceptance=acceptance,
-                                         lookup=lookup, min_draft_probability=min_draft_probability)
+        return self._stream(prompts, SamplingOptions.of_call(locals()))
+
+    def _stream(self, prompts, options: SamplingOptions) -> "GenerationStream":
+        cfg, args, stops = self._prepare(prompts, options)
         prefill_fn, cycle_fn, compile_seconds = self._executables(cfg, args, "cycle")
         return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, cfg, args, stops), compile_seconds)
 
-    def _prepare(self, prompts, **options):
-        """Check every argument -> (GenerationConfig, executable args, stop ids); args =
-        (target params, drafter params, prompt tokens, prompt lengths, rng, sampling params).
-        On a mesh over several processes, process 0's prompts are the batch (`_from_process_zero`)."""
+    def _prepare(self, prompts, options: SamplingOptions | None = None, **keywords):
+        """Check every argument (`options`, or its fields as keywords) -> (GenerationConfig,
+        executable args, stop ids); args = (target params, drafter params, prompt tokens, prompt
+        lengths, rng, sampling params). On a mesh over several processes, process 0's prompts are
+        the batch (`_from_process_zero`)."""
+        options = _as_options(options, keywords)
         if self.mesh is not None and jax.process_count() > 1:
             prompts = _from_process_zero(prompts, self.target.config.vocab_size)
-        cfg, inputs, stops = _prepare(self.target, self.drafter, prompts, **options)
+        cfg, inputs, stops = _prepare(self.target, self.drafter, prompts, options)
         if self.mesh is not None:  # the prompts scattered over `data`, the rest replicated
             inputs = jax.device_put(inputs, self._input_shardings(inputs))
         return cfg, (self._target_params, self._drafter_params, *inputs), stops
@@ -536,7 +576,7 @@ _GENERATORS: collections.OrderedDict = collections.OrderedDict()  # (specs, back
 def generator_for(target, drafter=None, mesh=None) -> Generator:
     """The Generator `generate` and `generate_stream` use for these models: one per pair of specs
     on this process's backend and a mesh (None: the target's; the `_DEFAULT_GENERATORS` most
-    recently used kept), bound to them."""
+    recently used kept, until `release_generators`), bound to them."""
     mesh = target.mesh if mesh is None else mesh
     key = (target.spec, _spec(drafter), backends.resolve() if mesh is None else "xla", mesh)
     if key in _GENERATORS:
@@ -547,6 +587,16 @@ def generator_for(target, drafter=None, mesh=None) -> Generator:
     while len(_GENERATORS) > _DEFAULT_GENERATORS:
         _GENERATORS.popitem(last=False)
     return generator
+
+
+def release_generators() -> int:
+    """Drop the Generators `generate` and `generate_stream` keep (`generator_for`): their decode
+    params (on a CPU a packed copy of the target's weights) and compiled executables are freed once
+    nothing else holds them. The next call builds and compiles again. -> how many were dropped.
+    A `Generator` you made yourself is yours: drop your reference to free it."""
+    count = len(_GENERATORS)
+    _GENERATORS.clear()
+    return count
 
 
 def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
@@ -569,12 +619,10 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     (1 for a looked-up one), else it runs the anchor alone, an autoregressive step (still lossless:
     the choice never looks at the target). mesh: a `jax.sharding.Mesh` to generate on (None: the
     target's, `Target.mesh`; see `Generator`). Bad arguments raise TypeError/ValueError naming the
-    argument.
+    argument. The Generator it uses is kept for the next call with models of the same specs (the two
+    most recent pairs); `release_generators()` frees what they hold.
     """
-    return generator_for(target, drafter, mesh).generate(
-        prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        stop_token_ids=stop_token_ids, block_size=block_size, seed=seed, acceptance=acceptance, lookup=lookup,
-        min_draft_probability=min_draft_probability)
+    return generator_for(target, drafter, mesh)._generate(prompts, SamplingOptions.of_call(locals()))
 
 
 def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
@@ -586,7 +634,4 @@ def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temp
     cycle (a host loop over the same cycle, compiled ahead of time). Tokens past a stop token are
     never yielded. Arguments are checked and the executables compiled at the call, not at the first
     `next()`; the returned stream carries `compile_seconds`."""
-    return generator_for(target, drafter, mesh).stream(
-        prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        stop_token_ids=stop_token_ids, block_size=block_size, seed=seed, acceptance=acceptance, lookup=lookup,
-        min_draft_probability=min_draft_probability)
+    return generator_for(target, drafter, mesh)._stream(prompts, SamplingOptions.of_call(locals()))

@@ -85,7 +85,8 @@ class TargetLayer(nn.Module):
             hidden = hidden + MoE(moe.num_experts, moe.num_experts_per_tok, moe.intermediate_size, moe.norm_topk_prob,
                                   self.dtype, moe.shared_expert_intermediate_size, routing=moe.router,
                                   router_bias=moe.router_bias, expert_bias=moe.expert_bias,
-                                  swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha, name="mlp")(x)
+                                  swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha, backend=self.backend,
+                                  name="mlp")(x)
         else:
             fused_mlp = ops.fuses(cfg.intermediate_size, cfg.intermediate_size)
             hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.backend, fused_mlp,
@@ -297,19 +298,15 @@ class TargetSpec:
 
     def module_for(self, params) -> nn.Module:
         """The module that reads `params`, on the backend whose layout they are in
-        (`backends.of_target_params`; a hybrid or MoE target's are always XLA's)."""
-        if self.config.stacked_only:
-            return self.module
+        (`backends.of_target_params`: their tag; stacked params are XLA's)."""
         return TargetModel(self.config, self.dtype, self.attn_impl, backends.of_target_params(params))
 
     def decode_params(self, params, backend: str = "auto", *, release: bool = False):
         """Stacked `params` in the layout `backend` decodes with ("auto": this process's,
         `backends.resolve`); params already in it are returned as they are. Run it outside jit.
-        A hybrid or MoE target decodes from its stacked params on every backend."""
-        if self.config.stacked_only:
-            backends.resolve(backend)  # validates
-            return params
-        return backends.get(backends.resolve(backend)).target_params(params, release=release)
+        A target the backend's layout does not hold (`Backend.supports`: the CPU backend's holds
+        no hybrid or MoE target) decodes from its stacked params (`backends.decode_backend`)."""
+        return backends.get(backends.decode_backend(self.config, backend)).target_params(params, release=release)
 
     def forward(self, params, tokens, cache=None, *, positions=None, capture: Sequence[int] = (),
                 num_new=None, write_cache: bool = True):

@@ -275,7 +275,7 @@ def main(argv=None):
         total = cfg.num_layers * cfg.num_experts * per_layer
         print(f"# experts: {cfg.num_experts} x {per_layer / 2**20:.1f} MiB per layer ({total / 2**30:.2f} GiB in all); "
               f"a step of B rows gathers its B x {cfg.moe.num_experts_per_tok} (token, expert) pairs' weights while "
-              f"they are fewer than the experts (on a CPU: while they fit _moe.CPU_GATHER_BYTES), else runs "
+              f"they are fewer than the experts (on a CPU: while they fit backends.base.CPU_GATHER_BYTES), else runs "
               f"ragged_dot over the pairs")
     for batch in [] if args.prefill_only else args.batch:
         for capacity in args.capacity:

@@ -160,3 +160,44 @@ def test_models_with_one_spec_share_executables_and_weights_are_arguments(pair):
 
     assert greedy_under(other, again.tokens[0]) == again.tokens[0]
     assert greedy_under(target, first.tokens[0]) == first.tokens[0]
+
+
+def test_sampling_options_hold_the_public_keywords_and_their_defaults():
+    """generate, generate_stream, Generator.generate and Generator.stream keep their keywords for
+    users; inside, one `SamplingOptions` flows. Its fields are those keywords (the mesh aside),
+    in order, with the same defaults."""
+    import inspect
+
+    fields = [(f.name, f.default) for f in dataclasses.fields(speculative.SamplingOptions)]
+    for fn in (generate, generate_stream, speculative.Generator.generate, speculative.Generator.stream):
+        keywords = [(p.name, p.default) for p in inspect.signature(fn).parameters.values()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "mesh"]
+        assert keywords == fields, fn.__qualname__
+    options = speculative.SamplingOptions(temperature=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.temperature = 1.0
+    with pytest.raises(TypeError, match="not both"):
+        speculative._as_options(options, {"top_k": 2})
+
+
+def test_a_warning_points_at_the_callers_line(pair):
+    target, drafter = pair
+    for call in (lambda: generate(target, drafter, [[1, 2]], max_new_tokens=2, block_size=6),
+                 lambda: speculative.Generator(target, drafter).generate([[1, 2]], max_new_tokens=2, block_size=6),
+                 lambda: generate_stream(target, drafter, [[1, 2]], max_new_tokens=2, block_size=6)):
+        with pytest.warns(UserWarning, match="block_size 6") as caught:
+            call()
+        assert caught[0].filename == __file__, caught[0].filename
+
+
+def test_release_generators_drops_what_generate_keeps(pair):
+    import dflash_jax
+
+    target, _ = pair
+    generate(target, None, [[1, 2, 3]], max_new_tokens=3, stop_token_ids=())
+    kept = speculative.generator_for(target)
+    assert kept in speculative._GENERATORS.values()
+    assert dflash_jax.release_generators() >= 1 and not speculative._GENERATORS
+    assert dflash_jax.release_generators() == 0
+    again = generate(target, None, [[1, 2, 3]], max_new_tokens=3, stop_token_ids=())
+    assert again.compile_seconds > 0.0 and speculative.generator_for(target) is not kept

@@ -1,7 +1,8 @@
 """Imports point down: the `dflash_jax` modules import each other without a cycle, no library
 module imports a CLI or training entry point (the `infer` and `train` packages), nothing outside the
-CPU backend imports it, the models never ask which JAX backend runs them, and `import dflash_jax`
-loads no heavy package before a name is used.
+CPU backend imports it, no module but the backends and the CLI asks which platform runs it
+(`jax.default_backend`, `jax.lax.platform_dependent`), and `import dflash_jax` loads no heavy package
+before a name is used.
 
 Every `import` / `from ... import` statement counts, at module level or inside a function (a lazy
 import hides a cycle from Python, not from this test). ``from package import name`` is an edge to
@@ -125,13 +126,26 @@ def test_library_imports_no_entry_point():
 
 CPU_BACKEND = "dflash_jax.backends.cpu"
 REGISTRY = "dflash_jax.backends"  # the one module outside the CPU backend that may import it (lazily, by name)
-# Modules written once for every backend: they reach a backend's operations through the registry only.
-BACKEND_FREE = ("dflash_jax._target", "dflash_jax._drafter", "dflash_jax._layers", "dflash_jax._decode_loop",
-                "dflash_jax._speculative", "dflash_jax._cache", "dflash_jax._masks", "dflash_jax._objective")
+# The packages that may ask which platform runs them: the backends (the one place that answers for the
+# models: `backends.platform`, `resolve`, `Backend.expert_form`) and the command-line programs (they
+# report the device and pick what to measure). Every other module of the package is written once for
+# every platform.
+PLATFORM_ASKERS = ("dflash_jax.backends", "dflash_jax.cli")
+PLATFORM_QUESTIONS = ("default_backend", "platform_dependent")  # jax.default_backend, jax.lax.platform_dependent
+
+
+def _in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def _in_cpu_backend(module: str) -> bool:
-    return module == CPU_BACKEND or module.startswith(CPU_BACKEND + ".")
+    return _in_package(module, CPU_BACKEND)
+
+
+def model_modules(modules: dict[str, Path]) -> list[str]:
+    """The modules written once for every platform: all of `dflash_jax` but `PLATFORM_ASKERS`
+    (the models, the attention seam, the kernels, the decode loop, the loaders, sharding, ...)."""
+    return sorted(m for m in modules if not any(_in_package(m, p) for p in PLATFORM_ASKERS))
 
 
 def test_nothing_outside_the_cpu_backend_imports_it():
@@ -145,27 +159,48 @@ def test_nothing_outside_the_cpu_backend_imports_it():
     assert not offenders, "modules outside the CPU backend import it:\n" + "\n".join(offenders)
 
 
-def _calls_default_backend(source: str) -> list[int]:
-    """Lines that name `default_backend` (jax.default_backend(), or the name imported)."""
+def _asks_the_platform(source: str) -> list[int]:
+    """Lines that name `default_backend` or `platform_dependent` (jax.default_backend(),
+    jax.lax.platform_dependent(...), or either name imported)."""
     return sorted({node.lineno for node in ast.walk(ast.parse(source))
-                   if (isinstance(node, ast.Attribute) and node.attr == "default_backend")
-                   or (isinstance(node, ast.Name) and node.id == "default_backend")
-                   or (isinstance(node, ast.alias) and node.name.endswith("default_backend"))})
+                   if (isinstance(node, ast.Attribute) and node.attr in PLATFORM_QUESTIONS)
+                   or (isinstance(node, ast.Name) and node.id in PLATFORM_QUESTIONS)
+                   or (isinstance(node, ast.alias) and node.name.rpartition(".")[2] in PLATFORM_QUESTIONS)})
 
 
 def test_default_backend_check_sees_calls():
-    assert _calls_default_backend("import jax\nif jax.default_backend() == 'cpu':\n    pass\n") == [2]
-    assert _calls_default_backend("import jax\nx = jax.devices()\n") == []
-    assert _calls_default_backend("from jax import default_backend\n") == [1]
+    assert _asks_the_platform("import jax\nif jax.default_backend() == 'cpu':\n    pass\n") == [2]
+    assert _asks_the_platform("import jax\nx = jax.devices()\n") == []
+    assert _asks_the_platform("from jax import default_backend\n") == [1]
+    assert _asks_the_platform("import jax\ny = jax.lax.platform_dependent(x, cpu=f, default=g)\n") == [2]
+    assert _asks_the_platform("from jax import lax\ny = lax.platform_dependent(x, cpu=f, default=g)\n") == [2]
+    assert _asks_the_platform("from jax.lax import platform_dependent as pd\n") == [1]
+    assert _asks_the_platform("platform = 'cpu'\nlax.cond(p, f, g)\n") == []
+
+
+def test_the_check_covers_every_model_module():
+    """Every module of the package but the backends and the CLI is checked: the models (and a family
+    package, when there is one), the attention seam and kernels, the decode loop, the loaders."""
+    modules = _modules()
+    covered = model_modules(modules)
+    for name in ("dflash_jax._target", "dflash_jax._hybrid", "dflash_jax._moe", "dflash_jax._drafter",
+                 "dflash_jax._layers", "dflash_jax._attention", "dflash_jax._decode_loop", "dflash_jax._speculative",
+                 "dflash_jax._cache", "dflash_jax._gated_delta", "dflash_jax.kernels.block_attention",
+                 "dflash_jax.loading.target_loader", "dflash_jax.sharding"):
+        assert name in covered, name
+    assert not [m for m in covered if _in_package(m, "dflash_jax.backends") or _in_package(m, "dflash_jax.cli")]
+    assert len(covered) + sum(any(_in_package(m, p) for p in PLATFORM_ASKERS) for m in modules) == len(modules)
 
 
 def test_the_models_do_not_branch_on_the_jax_backend():
     """The models and the decode loop are written once: which backend runs them is the registry's
-    choice (`backends.resolve`), never a `jax.default_backend()` test of their own."""
+    choice (`backends.resolve`), and a choice that depends on the platform is a backend's
+    (`backends.platform`, `Backend.expert_form`), never a `jax.default_backend()` test or a
+    `jax.lax.platform_dependent` of their own."""
     modules = _modules()
-    found = {name: _calls_default_backend(modules[name].read_text()) for name in BACKEND_FREE}
+    found = {name: _asks_the_platform(modules[name].read_text()) for name in model_modules(modules)}
     offenders = {name: lines for name, lines in found.items() if lines}
-    assert not offenders, f"jax.default_backend() in backend-free modules (module: lines): {offenders}"
+    assert not offenders, f"the platform asked outside the backends (module: lines): {offenders}"
 
 
 def test_import_loads_no_heavy_package_until_a_name_is_used():

@@ -8,7 +8,6 @@ import pytest
 
 from dflash_jax import _moe as moe
 from dflash_jax._config import ModelConfig, MoEConfig
-from dflash_jax._errors import ConfigError
 from dflash_jax._speculative import generate
 from dflash_jax._target import Target, init_target_params
 from support.tolerance import assert_model_close

@@ -12,11 +12,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from dflash_jax._errors import CheckpointError  # a run directory with no checkpoint, or one that cannot be restored
 from train.step import TrainState
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that cannot be restored (missing, corrupt, or another config)."""
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:

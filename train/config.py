@@ -3,7 +3,8 @@
     cfg = load_config("configs/tiny_cpu.yaml", ["optim.learning_rate=1e-3", "run.steps=50"])
 
 Sections: `model` (target and drafter shape), `data` (train.data.DataConfig), `optim`, `run`.
-Unknown keys and values of the wrong type raise ConfigError naming the file and the key.
+Unknown keys and values of the wrong type raise ConfigError (`dflash_jax.ConfigError`, a
+ValueError) naming the file and the key.
 
 A file may name a base (or a list of them, applied in order) at its top level:
 
@@ -25,16 +26,13 @@ from typing import Any
 
 import yaml
 
+from dflash_jax._errors import ConfigError
 from train.data import DataConfig
 
 FEATURE_MODES = ("online", "offline")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 LABELS = ("tokens", "target", "distribution")  # run.labels: see train.step
 FC_INITS = ("random", "last_feature")
-
-
-class ConfigError(ValueError):
-    """A training config that cannot run; the message names the file and key."""
 
 
 def _check(ok: bool, message: str) -> None:

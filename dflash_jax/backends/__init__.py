@@ -8,20 +8,23 @@ Two backends:
   the layers read in place inside their stacks. What a CPU decodes with; imported on first use.
 
 `resolve("auto")` names the backend a decode uses on this process's default JAX device ("cpu" on a
-CPU, "xla" elsewhere). Params carry their layout: `of_target_params` / `of_drafter_params` name the
-backend that reads them. Layouts by their user-facing names (`load_target(..., layout=...)`):
-"stacked" is the XLA backend's, "packed" the CPU backend's, "auto" the one `resolve` picks.
+CPU, "xla" elsewhere), and `decode_backend(config)` the one a target of that config decodes with
+(XLA's where the resolved backend's layout does not hold it: `Backend.supports`). Params carry
+their layout: a backend's own is a `BackendLayout` tagged with its name, and `of_target_params` /
+`of_drafter_params` read the tag ("xla" for untagged, stacked params). Layouts by their
+user-facing names (`load_target(..., layout=...)`): "stacked" is the XLA backend's, "packed" the
+CPU backend's, "auto" the one `resolve` picks. `platform()` is the platform programs compile for:
+the models never ask it themselves.
 """
 from __future__ import annotations
 
 import functools
 
-import jax
+from dflash_jax.backends.base import ACTIVATIONS, EXPERT_FORMS, Backend, BackendLayout, platform
 
-from dflash_jax.backends.base import ACTIVATIONS, Backend
-
-__all__ = ["ACTIVATIONS", "Backend", "NAMES", "LAYOUTS", "get", "resolve", "of_target_params",
-           "of_drafter_params", "check_layout", "layout_backend", "params_in_layout"]
+__all__ = ["ACTIVATIONS", "EXPERT_FORMS", "Backend", "BackendLayout", "NAMES", "LAYOUTS", "get", "resolve",
+           "platform", "decode_backend", "of_target_params", "of_drafter_params", "check_layout",
+           "layout_backend", "params_in_layout"]
 
 NAMES = ("xla", "cpu")
 LAYOUTS = {"stacked": "xla", "packed": "cpu"}  # user-facing layout name -> backend
@@ -42,19 +45,33 @@ def get(name: str) -> Backend:
 def resolve(name: str = "auto") -> str:
     """A backend name, "auto" resolved: "cpu" where JAX's default backend is the CPU, else "xla"."""
     if name == "auto":
-        return "cpu" if jax.default_backend() == "cpu" else "xla"
+        return "cpu" if platform() == "cpu" else "xla"
     get(name)  # validates
     return name
 
 
+def decode_backend(config, name: str = "auto") -> str:
+    """The backend a target of `config` (a `ModelConfig`) decodes with when `name` is asked for:
+    `resolve(name)`, or "xla" (the stacked layout) where that backend's layout does not hold this
+    target (`Backend.supports`: the CPU backend's packed layout holds Qwen3 / Llama layers only)."""
+    name = resolve(name)
+    return name if get(name).supports(config) else "xla"
+
+
+def _layout_of(params) -> str:
+    return params.backend if isinstance(params, BackendLayout) else "xla"
+
+
 def of_target_params(params) -> str:
-    """The backend whose decode layout target `params` are in ("xla" for stacked params)."""
-    return "cpu" if get("cpu").owns_target(params) else "xla"
+    """The backend whose decode layout target `params` are in: their `BackendLayout` tag, "xla"
+    for stacked params (untagged)."""
+    return _layout_of(params)
 
 
 def of_drafter_params(module_params) -> str:
-    """The backend whose decode layout drafter module params are in ("xla" for stacked params)."""
-    return "cpu" if get("cpu").owns_drafter(module_params) else "xla"
+    """The backend whose decode layout drafter module params are in: their `BackendLayout` tag,
+    "xla" for stacked params (untagged)."""
+    return _layout_of(module_params)
 
 
 def check_layout(layout: str) -> None:

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import importlib
 
-from dflash_jax.families.base import Family
+# The values are `dflash_jax.families.base.Family`s; this module imports none of the family modules
+# by name (they import the config module, which looks families up here): `_load` imports them.
 
 # The family modules, imported on the first lookup (each registers its families).
 MODULES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss")
 
-_FAMILIES: dict[str, Family] = {}
+_FAMILIES: dict[str, object] = {}
 _loaded = False
 
 
-def register(family: Family) -> Family:
+def register(family):
     """Add a family to the registry (called by its module at import)."""
     if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
         raise ValueError(f"family {family.name!r} is registered twice")
@@ -44,7 +45,7 @@ def names() -> tuple[str, ...]:
     return tuple(sorted(_FAMILIES))
 
 
-def get(name: str) -> Family:
+def get(name: str):
     """The family registered as `name`; ValueError naming the known ones."""
     _load()
     try:
@@ -59,7 +60,7 @@ def hf_classes() -> dict[str, str]:
     return {cls: f.name for f in _FAMILIES.values() for cls in f.hf_classes}
 
 
-def for_hf_config(fields) -> Family:
+def for_hf_config(fields):
     """The family that reads a config (`_config.ConfigFields`): by its `architectures`, else (when it
     lists none) by its `model_type`; ConfigError naming what is supported."""
     classes = hf_classes()

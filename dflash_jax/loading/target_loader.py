@@ -138,7 +138,7 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_config_json(path), source=str(config_file))
     config = with_generation_eos(config, path)
-    if config.stacked_only:  # decoded from the stacked layout on every backend
+    if not backends.get(backends.layout_backend(layout)).supports(config):  # the stacked layout, then
         if layout == "packed":
             raise ValueError(f"{config_file}: a {config.arch} target has no packed layout; "
                              "use layout='stacked' or 'auto'")

@@ -6,8 +6,8 @@
 - `ffi`: builds both from `cpu_rows_matmul.cc` and `cpu_cache_attention.cc` (and the helper threads
   of `cpu_pool.h`) with the machine's C++ compiler on first use; where that cannot happen every
   operation falls back to XLA's, with the same layouts;
-- `layout`: the packed decode layout of a target and a drafter, its dense module and the loop over
-  stacked layers that reads each kernel in place;
+- `layout`: the packed decode layout of a target and a drafter (a `BackendLayout` tagged "cpu"),
+  its dense module and the loop over stacked layers that reads each kernel in place;
 - `gguf_panels`: a GGUF target's quantized blocks kept as the file stores them.
 
 Nothing outside this package imports it but the registry (`dflash_jax.backends.get("cpu")`).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax
 
-from dflash_jax.backends.base import Backend
+from dflash_jax.backends.base import Backend, gathers_experts
 from dflash_jax.backends.cpu import attention, layout
 from dflash_jax.backends.cpu.matmul import is_packed, packs_side_by_side, rows_matmul, uses_int8_activations
 
@@ -42,23 +42,25 @@ class CpuBackend(Backend):
     def matmul(self, x, kernel, features):
         return rows_matmul(x, kernel if is_packed(kernel) else kernel.astype(x.dtype), features)
 
+    def expert_form(self, pairs, num_experts, expert_bytes):
+        return "gathered" if gathers_experts(pairs, num_experts, expert_bytes, on_cpu=True) else "sorted"
+
     def cache_attention(self, q, cache_k, cache_v, layer, cache_ranges, k, v, ranges, *, scale):
         if not attention.applies(q, cache_k, k):  # float32 queries, a built library: else the seam's choice
             return None
         return attention.cache_attention(q, cache_k, cache_v, layer, cache_ranges, k, v, ranges,
                                          scale=scale).astype(q.dtype)
 
+    def supports(self, config):
+        """The packed layout holds Qwen3 / Llama layers (attention and a dense SwiGLU MLP): not a
+        hybrid's Gated DeltaNet layers, nor a mixture-of-experts MLP."""
+        return not (config.is_hybrid_arch or config.num_experts or config.attention_sinks)
+
     def target_params(self, params, *, release=False):
         return layout.pack_layers(params, release=release)
 
     def drafter_params(self, spec, loop_params):
         return layout.pack_drafter(spec, loop_params)
-
-    def owns_target(self, params):
-        return layout.is_packed_layout(params)
-
-    def owns_drafter(self, module_params):
-        return layout.has_packed_kernels(module_params["layers"])
 
     def activations(self, params):
         return "int8" if any(uses_int8_activations(w) for w in jax.tree_util.tree_leaves(params)) else "float32"

@@ -19,9 +19,9 @@ import flax
 import jax
 import numpy as np
 
+from dflash_jax.backends.cpu import layout
 from dflash_jax.backends.cpu.ffi import available
 from dflash_jax.backends.cpu.matmul import pack_quantized, packs_side_by_side
-from dflash_jax.backends.cpu.layout import FUSED_PROJECTIONS
 from dflash_jax.loading.names import target_rules
 
 
@@ -35,13 +35,14 @@ class StoredPanels:
     head: jax.Array | None = None
     skip: frozenset = frozenset()
 
-    def place(self, packed: dict) -> dict:
-        """`pack_layers` params of the other weights, with these panels in their places."""
+    def place(self, params: dict) -> dict:
+        """`pack_layers` params of the other weights, with these panels in their places (tagged as
+        the CPU backend's, `layout.packed`)."""
         if not self.layers and self.head is None:
-            return packed
-        layers = flax.traverse_util.flatten_dict(packed["layers"])
+            return params
+        layers = flax.traverse_util.flatten_dict(params["layers"])
         layers.update(self.layers)
-        out = {**packed, "layers": flax.traverse_util.unflatten_dict(layers)}
+        out = layout.packed({**params, "layers": flax.traverse_util.unflatten_dict(layers)})
         if self.head is not None:
             out["head"] = self.head
         return out
@@ -78,7 +79,7 @@ def stored_panels(tensors, config, activations: str = "float32") -> StoredPanels
     kernel reads (`tensors`: the checkpoint's `GGUFTensors`; none where the kernel cannot run).
     Each packed kernel's tensors are found through the loader's name table (`names.target_rules`);
     q/k/v and gate/up make one product, their blocks side by side, where `pack_layers` fuses them
-    (`layers.FUSED_PROJECTIONS`, `packs_side_by_side`, no bias), as separate products elsewhere.
+    (`layout.FUSED_PROJECTIONS`, `packs_side_by_side`, no bias), as separate products elsewhere.
     activations="int8": Q4_1 blocks are packed for int8 activations (`pack_quantized`), the
     others as before."""
     if not available():
@@ -88,7 +89,7 @@ def stored_panels(tensors, config, activations: str = "float32") -> StoredPanels
     out = StoredPanels()
     skip = set()
     grouped = set()
-    for fused, parent, parts in FUSED_PROJECTIONS:
+    for fused, parent, parts in layout.FUSED_PROJECTIONS:
         paths = [("layers", parent, part, "kernel") for part in parts]
         if not all(p in rules for p in paths) or any(("layers", parent, part, "bias") in rules for part in parts):
             continue

@@ -6,7 +6,9 @@ Target params (`pack_layers`): the stacked layers with every kernel packed ([L, 
 16]), q/k/v and gate/up each fused into one product where their widths allow, and the LM head
 packed as "head" (a tied embedding moves there too: the token rows are read out of it). Drafter
 params (`pack_drafter`): the layers' and the context projection's kernels packed (optionally
-quantized to Q8_0), a reduced draft vocabulary's head too.
+quantized to Q8_0), a reduced draft vocabulary's head too. Both are `BackendLayout`s tagged "cpu"
+(`packed`), which is how `backends.of_target_params` / `of_drafter_params` tell them from stacked
+params.
 
 Why: XLA:CPU's GEMM reads the weights several times over for the 1-16 rows of a decode step or a
 verify, and a scan over stacked params slices every layer's weights out of the stack with a copy in
@@ -24,11 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.backends.base import BackendLayout
 from dflash_jax.backends.cpu.matmul import (PANEL, dequantize_panels, is_narrow, is_packed, pack_kernel,
                                             packs_side_by_side, rows_matmul)
 
 Dtype = Any
 
+NAME = "cpu"  # the tag of this backend's params (`BackendLayout.backend`)
 STACKED = "stacked"  # the variable collection of stacked layers' kernels in a loop (see DensePacked)
 
 # The products a packed target layer fuses: (fused name, parent, the parts whose columns it holds in order).
@@ -133,9 +137,15 @@ def fuse_stacked_projections(stack: dict, *, release: bool = False) -> dict:
     return out
 
 
+def packed(params) -> BackendLayout:
+    """A params dict in this backend's layout, tagged as such."""
+    return BackendLayout(NAME, params)
+
+
 def is_packed_layout(params) -> bool:
-    """Whether target `params` are laid out for a CPU decode (`pack_layers`)."""
-    return "head" in params
+    """Whether target (or drafter module) `params` are laid out for a CPU decode (`pack_layers`,
+    `pack_drafter`): tagged by `packed`."""
+    return isinstance(params, BackendLayout) and params.backend == NAME
 
 
 def pack_layers(params, *, release: bool = False) -> dict:
@@ -144,7 +154,8 @@ def pack_layers(params, *, release: bool = False) -> dict:
     allow (`fuse_stacked_projections`; `CpuBackend.fuses` tells the layer by the same rule), and the
     LM head packed as "head" (an untied lm_head moves there; a tied embedding moves there too, and
     `target_embed` reads it from there; params without either leave "head" to their caller, as
-    `load_target` does with a GGUF's own blocks). Packed params are returned as they are. release:
+    `load_target` does with a GGUF's own blocks), tagged (`packed`). Packed params are returned as
+    they are. release:
     the caller gives `params` up: each stacked weight leaves the dict once it is packed, so that the
     copy never holds all the weights twice."""
     if is_packed_layout(params):
@@ -155,10 +166,10 @@ def pack_layers(params, *, release: bool = False) -> dict:
     out = {k: v for k, v in params.items() if k not in ("layers", head_entry)}
     head = params.pop(head_entry, None) if release else params.get(head_entry)
     if head is None:  # a loader that has the head's panels already (`gguf_panels`) adds them
-        return {**out, "layers": layers}
+        return packed({**out, "layers": layers})
     kernel = head["kernel"] if head_entry == "lm_head" else np.asarray(head["embedding"]).T
     del head
-    return {**out, "layers": layers, "head": pack_kernel(kernel)}
+    return packed({**out, "layers": layers, "head": pack_kernel(kernel)})
 
 
 def target_embed(model, tokens):
@@ -187,16 +198,20 @@ def target_logits(model, hidden):
 def pack_drafter(spec, loop_params):
     """A drafter's loop params with the layers' and the context projection's kernels packed, and a
     reduced draft vocabulary's head too, quantized as `spec.decode_weights` says ("stored": as
-    loaded; "q8_0": 8 bits and a scale per 32 weights). Packed params are returned as they are.
-    Run it outside jit."""
+    loaded; "q8_0": 8 bits and a scale per 32 weights). The module params are tagged (`packed`)
+    where the kernels were packed; where `pack_kernel` leaves them as they are (no rows kernel here,
+    weights not float32) they stay untagged and the XLA backend drafts with them. Packed params are
+    returned as they are. Run it outside jit."""
     module_params = spec.module_params(loop_params)
-    if has_packed_kernels(module_params["layers"]):
+    if is_packed_layout(module_params):
         return loop_params
     quantize = None if spec.decode_weights == "stored" else spec.decode_weights
     pack = functools.partial(pack_kernel, quantize=quantize)
-    packed = {**module_params, "fc": {"kernel": pack(module_params["fc"]["kernel"])},
-              "layers": pack_stacked_kernels(module_params["layers"], quantize=quantize)}
+    drafter = {**module_params, "fc": {"kernel": pack(module_params["fc"]["kernel"])},
+               "layers": pack_stacked_kernels(module_params["layers"], quantize=quantize)}
+    if has_packed_kernels(drafter["layers"]):  # this function packed them: its own output, not a guess
+        drafter = packed(drafter)
     if spec.config.draft_vocab_size is None:
-        return packed
+        return drafter
     head = loop_params["draft_head"]
-    return {**loop_params, "drafter": packed, "draft_head": {**head, "kernel": pack(head["kernel"])}}
+    return {**loop_params, "drafter": drafter, "draft_head": {**head, "kernel": pack(head["kernel"])}}

@@ -52,6 +52,7 @@ class TargetLayer(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"  # whose products and cache read (`dflash_jax.backends`)
+    kv_replicas: int = 1  # sharding: copies of each kv head (`TargetSpec.kv_replicas`)
 
     @nn.compact
     def __call__(self, carry, layer_xs, positions, cos, sin, cache: KVCache | None):
@@ -63,7 +64,7 @@ class TargetLayer(nn.Module):
         attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype,
                                     self.backend, ops.fuses(q_width, kv_width, kv_width), cfg.attention_sinks,
-                                    name="self_attn")
+                                    self.kv_replicas, name="self_attn")
         sinks = attn.sinks if cfg.attention_sinks else None
         norm_f32 = cfg.arch == "gpt_oss"  # GptOssRMSNorm scales before it casts
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_f32, name="input_layernorm")(hidden)
@@ -100,6 +101,7 @@ class TargetModel(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"
+    kv_replicas: int = 1  # sharding: copies of each kv head (`TargetSpec.kv_replicas`)
 
     def setup(self):
         cfg = self.config
@@ -157,7 +159,7 @@ class TargetModel(nn.Module):
             # Without it the scanned layers' random initialisation from a seed differs from the
             # checked scan's.
             check_constancy_invariants=False,
-        )(self.config, self.dtype, self.attn_impl, self.backend)
+        )(self.config, self.dtype, self.attn_impl, self.backend, self.kv_replicas)
 
     def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
         """The layers in turn: the scanned module, or the backend's own loop over the stacked params
@@ -179,12 +181,17 @@ class TargetSpec:
     implementation and the dtype its KV cache stores (None: the compute dtype; float16 under a
     float32 model halves the bytes a decode step reads from the cache, at float16's precision for
     keys and values). Static and hashable (a jit static argument and a compile-cache key); every
-    function takes the params explicitly."""
+    function takes the params explicitly. kv_replicas, linear_groups: the tensor-parallel layout
+    (`dflash_jax.sharding.spec_for_mesh` sets them for a mesh; 1, 1: one device's): each kv head
+    repeated kv_replicas times in the attention and its cache, a hybrid's Gated DeltaNet q | k | v
+    channels in linear_groups groups (its params regrouped to match: `sharding.place_params`)."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     kv_cache_dtype: Any = None
+    kv_replicas: int = 1
+    linear_groups: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))  # float32, np.float32, "float32": one key
@@ -192,14 +199,18 @@ class TargetSpec:
 
     @property
     def module(self) -> nn.Module:
-        return model_class(self.config)(self.config, self.dtype, self.attn_impl)
+        layout = {"kv_replicas": self.kv_replicas}  # sharding (class docstring)
+        if self.config.is_hybrid_arch:
+            layout["linear_groups"] = self.linear_groups
+        return model_class(self.config)(self.config, self.dtype, self.attn_impl, **layout)
 
     def module_for(self, params) -> nn.Module:
         """The module that reads `params`, on the backend whose layout they are in
         (`backends.of_target_params`; a hybrid or MoE target's are always XLA's)."""
         if self.config.stacked_only:
             return self.module
-        return TargetModel(self.config, self.dtype, self.attn_impl, backends.of_target_params(params))
+        return TargetModel(self.config, self.dtype, self.attn_impl, backends.of_target_params(params),
+                           self.kv_replicas)
 
     def decode_params(self, params, backend: str = "auto", *, release: bool = False):
         """Stacked `params` in the layout `backend` decodes with ("auto": this process's,
@@ -271,8 +282,9 @@ class TargetSpec:
         """An empty cache: a KVCache, or a hybrid target's HybridCache (keys and values of its
         attention layers, conv tails and delta-rule states of its linear ones)."""
         if self.config.is_hybrid_arch:
-            return HybridCache.for_model(self.config, batch, capacity, self.kv_cache_dtype)
-        return KVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype)
+            return HybridCache.for_model(self.config, batch, capacity, self.kv_cache_dtype,
+                                         kv_replicas=self.kv_replicas, groups=self.linear_groups)
+        return KVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype, kv_replicas=self.kv_replicas)
 
 
 @dataclasses.dataclass

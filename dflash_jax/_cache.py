@@ -45,9 +45,12 @@ class KVCache:
                    lengths=jnp.zeros((batch,), jnp.int32))
 
     @classmethod
-    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
-        """An empty cache for a model config (fields num_layers, num_kv_heads, head_dim)."""
-        return cls.zeros(config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim, dtype)
+    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32, kv_replicas: int = 1) -> "KVCache":
+        """An empty cache for a model config (fields num_layers, num_kv_heads, head_dim), of
+        num_kv_heads x kv_replicas heads (`dflash_jax.sharding`: each kv head repeated for a tensor
+        axis larger than the kv heads)."""
+        return cls.zeros(config.num_layers, batch, capacity, config.num_kv_heads * kv_replicas, config.head_dim,
+                         dtype)
 
     @property
     def capacity(self) -> int:
@@ -76,23 +79,26 @@ class HybridCache:
     """A hybrid target's decode state: `kv` (a KVCache over the attention layers only, in their
     order), `conv` [Nl, B, K-1, C] (each linear layer's last K-1 conv inputs) and `state`
     [Nl, B, Hv, Dk, Dv] float32 (its delta-rule state). `lengths` are the KV cache's: the state
-    holds exactly the first lengths[b] positions of row b."""
+    holds exactly the first lengths[b] positions of row b. `groups` (static): the layout of conv's
+    channels, the model's `linear_groups` (`groups` groups of [q | k | v] heads, one per tensor
+    shard; 1: the checkpoint's [q | k | v]), which `sharding.cache_shardings` splits by."""
 
     kv: KVCache
     conv: jax.Array
     state: jax.Array
+    groups: int = struct.field(pytree_node=False, default=1)
 
     @classmethod
     def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32,
-                  conv_dtype=jnp.float32) -> "HybridCache":
-        kv = KVCache.zeros(len(config.attention_layer_ids), batch, capacity, config.num_kv_heads,
+                  conv_dtype=jnp.float32, kv_replicas: int = 1, groups: int = 1) -> "HybridCache":
+        kv = KVCache.zeros(len(config.attention_layer_ids), batch, capacity, config.num_kv_heads * kv_replicas,
                            config.head_dim, dtype)
         n = len(config.linear_layer_ids)
         linear = config.linear
         conv = jnp.zeros((n, batch, linear.conv_kernel_dim - 1, linear.conv_dim), conv_dtype)
         state = jnp.zeros((n, batch, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim),
                           jnp.float32)
-        return cls(kv, conv, state)
+        return cls(kv, conv, state, groups)
 
     lengths = property(lambda self: self.kv.lengths)
     capacity = property(lambda self: self.kv.capacity)
@@ -111,7 +117,7 @@ class HybridCache:
         conv = jax.vmap(lambda tail, x: gd.conv_tail(tail, x, valid))(self.conv, linear["conv_in"])
         state = jax.vmap(lambda s, q, k_, v_, g, beta: gd.delta_rule(q, k_, v_, g, beta, s, valid)[1])(
             self.state, linear["q"], linear["k"], linear["v"], linear["g"], linear["beta"])
-        return HybridCache(kv, conv, state)
+        return self.replace(kv=kv, conv=conv, state=state)
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array, *, axis: int = 0) -> jax.Array:

@@ -48,12 +48,13 @@ class DrafterLayer(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"  # whose products and cache read (`dflash_jax.backends`)
+    kv_replicas: int = 1  # sharding: copies of each kv head (`DrafterSpec.kv_replicas`)
 
     def setup(self):
         cfg = self.config
         self.self_attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                                               cfg.head_dim, True, cfg.attention_bias, cfg.rms_norm_eps,
-                                              self.dtype, self.backend)
+                                              self.dtype, self.backend, kv_replicas=self.kv_replicas)
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.backend)
@@ -106,6 +107,7 @@ class DrafterModel(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"
+    kv_replicas: int = 1  # sharding: copies of each kv head (`DrafterSpec.kv_replicas`)
 
     def setup(self):
         cfg = self.config
@@ -125,7 +127,7 @@ class DrafterModel(nn.Module):
             length=self.config.num_layers,
             check_constancy_invariants=False,  # as TargetModel's scan (why: there)
             methods=["context_kv", "__call__", "decode"],
-        )(self.config, self.dtype, self.attn_impl, self.backend)
+        )(self.config, self.dtype, self.attn_impl, self.backend, self.kv_replicas)
 
     def _windowed_layers(self):
         return jnp.asarray([w > 0 for w in self.config.layer_windows])
@@ -186,6 +188,7 @@ class DrafterSpec:
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     decode_weights: str = "stored"
+    kv_replicas: int = 1  # sharding: each kv head repeated for a mesh (`dflash_jax.sharding.spec_for_mesh`)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -198,7 +201,7 @@ class DrafterSpec:
 
     @property
     def module(self) -> DrafterModel:
-        return DrafterModel(self.config, self.dtype, self.attn_impl)
+        return DrafterModel(self.config, self.dtype, self.attn_impl, kv_replicas=self.kv_replicas)
 
     def module_for(self, loop_params) -> DrafterModel:
         """The module that reads `loop_params`, on the backend whose layout they are in
@@ -206,7 +209,8 @@ class DrafterSpec:
         return self._module_reading(self.module_params(loop_params))
 
     def _module_reading(self, module_params) -> DrafterModel:
-        return DrafterModel(self.config, self.dtype, self.attn_impl, backends.of_drafter_params(module_params))
+        return DrafterModel(self.config, self.dtype, self.attn_impl, backends.of_drafter_params(module_params),
+                            self.kv_replicas)
 
     def decode_params(self, loop_params, backend: str = "auto"):
         """`loop_params` in the layout `backend` drafts with ("auto": this process's,
@@ -227,7 +231,7 @@ class DrafterSpec:
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty context cache of `capacity` positions (the block never goes into it)."""
-        return KVCache.for_model(self.config, batch, capacity, self.dtype)
+        return KVCache.for_model(self.config, batch, capacity, self.dtype, kv_replicas=self.kv_replicas)
 
     def append_context(self, params, cache: KVCache, features, num_new=None) -> KVCache:
         """Append the features [B, T, n*D] of newly committed tokens (positions lengths .. +T-1).

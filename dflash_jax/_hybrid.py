@@ -63,6 +63,7 @@ class GatedDeltaNet(nn.Module):
 
     config: ModelConfig
     dtype: Any = jnp.float32
+    linear_groups: int = 1  # sharding: the q | k | v channels' layout (`split_qkv`, `TargetSpec.linear_groups`)
 
     @nn.compact
     def __call__(self, x, tail, state):
@@ -79,7 +80,7 @@ class GatedDeltaNet(nn.Module):
         a_log = self.param("A_log", nn.initializers.zeros, (hv,), self.dtype)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (hv,), self.dtype)
         conv = gd.causal_conv(mixed, tail, kernel)
-        q, k, v = jnp.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
+        q, k, v = split_qkv(conv, self.linear_groups, hk * dk)
         q = gd.l2_normalize(q.reshape(b, t, hk, dk))
         k = gd.l2_normalize(k.reshape(b, t, hk, dk))
         v = v.reshape(b, t, hv, dv)
@@ -92,6 +93,16 @@ class GatedDeltaNet(nn.Module):
         return out, {"conv_in": mixed, "q": q, "k": k, "v": v.astype(jnp.float32), "g": g, "beta": beta}
 
 
+def split_qkv(channels, groups: int, qk_width: int):
+    """q, k [..., qk_width] and v of conv channels [..., C] laid out in `groups` groups [q heads of
+    group s | k heads of s | v heads of s] (1 group: the checkpoint's [q | k | v]; more: the params
+    regrouped for a tensor axis, `dflash_jax.sharding.linear_channel_order`), heads in order."""
+    *lead, c = channels.shape
+    grouped = channels.reshape(*lead, groups, c // groups)
+    parts = jnp.split(grouped, [qk_width // groups, 2 * qk_width // groups], axis=-1)
+    return tuple(part.reshape(*lead, -1) for part in parts)
+
+
 class GatedAttention(nn.Module):
     """Qwen3.5's full attention: q_proj emits each head's query and a gate side by side, q/k
     (centred) RMSNorm, RoPE on the first `rotary_dim` dims, sigmoid(gate) on the attended values."""
@@ -99,6 +110,7 @@ class GatedAttention(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
+    kv_replicas: int = 1  # sharding: copies of each kv head (`TargetSpec.kv_replicas`)
 
     @nn.compact
     def __call__(self, x, positions, cos, sin, cache: KVCache | None, layer):
@@ -112,6 +124,8 @@ class GatedAttention(nn.Module):
         k = dense(hkv * d, "k_proj")(x).reshape(b, t, hkv, d)
         k = apply_rotary(CenteredRMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k), cos, sin)
         v = dense(hkv * d, "v_proj")(x).reshape(b, t, hkv, d)
+        if self.kv_replicas > 1:  # sharding: kv-head replication
+            k, v = jnp.repeat(k, self.kv_replicas, axis=2), jnp.repeat(v, self.kv_replicas, axis=2)
         ranges = masks.causal(positions, 0)
         if cache is None:
             attended = attention(q, k, v, ranges, impl=self.attn_impl)
@@ -136,6 +150,8 @@ class HybridLayer(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"  # the XLA backend's products: hybrids have no other layout
+    kv_replicas: int = 1  # sharding (`TargetSpec`)
+    linear_groups: int = 1
     mixer: str = "attention"  # or "linear_attention" (`ModelConfig.layer_kinds`)
     mlp: str = "dense"
 
@@ -146,9 +162,9 @@ class HybridLayer(nn.Module):
         layer, _, slot = layer_xs
         x = CenteredRMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
         if self.mixer == LINEAR:
-            mixed, out = GatedDeltaNet(cfg, self.dtype, name="linear_attn")(x, *cache)
+            mixed, out = GatedDeltaNet(cfg, self.dtype, self.linear_groups, name="linear_attn")(x, *cache)
         else:
-            mixed, out = GatedAttention(cfg, self.dtype, self.attn_impl, name="self_attn")(
+            mixed, out = GatedAttention(cfg, self.dtype, self.attn_impl, self.kv_replicas, name="self_attn")(
                 x, positions, cos, sin, cache, layer)
             out = None if cache is None else out
         hidden = hidden + mixed

@@ -62,7 +62,7 @@ def run_layers(model: nn.Module, layer_cls: type, method: str, carry, xs, *share
         raise TypeError(f"the {model.backend} backend's params are made from stacked ones "
                         f"(Backend.target_params / drafter_params); initialise {type(model).__name__} "
                         "with backend='xla'")
-    layer = layer_cls(model.config, model.dtype, model.attn_impl, model.backend, parent=None)
+    layer = layer_cls(model.config, model.dtype, model.attn_impl, model.backend, model.kv_replicas, parent=None)
     return loop(layer, model.variables["params"]["layers"], carry, xs, *shared, method=method)
 
 
@@ -238,6 +238,9 @@ class AttentionProjections(nn.Module):
     backend: str = "xla"  # whose products (`make_dense`)
     fused: bool = False  # q, k, v as one product ("qkv_proj": a backend's decode layout, `Backend.fuses`)
     attention_sinks: bool = False  # a learned logit per query head, "sinks" [num_heads] (gpt-oss)
+    # sharding: each projected kv head repeated this many times (consecutive copies), for a tensor
+    # axis larger than the kv heads (`dflash_jax.sharding`, kv-head replication)
+    kv_replicas: int = 1
 
     def setup(self):
         dense = lambda n: make_dense(n, self.use_bias, self.dtype, self.backend)
@@ -269,8 +272,12 @@ class AttentionProjections(nn.Module):
     def queries(self, x, cos, sin):
         return self._rotated_queries(self.q_proj(x), cos, sin)
 
+    def _replicated(self, kv):
+        return kv if self.kv_replicas == 1 else jnp.repeat(kv, self.kv_replicas, axis=2)  # sharding
+
     def keys_values(self, x, cos, sin):
-        return self._rotated_keys(self.k_proj(x), cos, sin), self._heads(self.v_proj(x), self.num_kv_heads)
+        return (self._replicated(self._rotated_keys(self.k_proj(x), cos, sin)),
+                self._replicated(self._heads(self.v_proj(x), self.num_kv_heads)))
 
     def queries_keys_values(self, x, cos, sin):
         """(queries, keys, values) of the same x: `queries` and `keys_values`, or, fused, one
@@ -280,8 +287,8 @@ class AttentionProjections(nn.Module):
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
         q, k, v = qkv[..., :q_width], qkv[..., q_width:q_width + kv_width], qkv[..., q_width + kv_width:]
-        return (self._rotated_queries(q, cos, sin), self._rotated_keys(k, cos, sin),
-                self._heads(v, self.num_kv_heads))
+        return (self._rotated_queries(q, cos, sin), self._replicated(self._rotated_keys(k, cos, sin)),
+                self._replicated(self._heads(v, self.num_kv_heads)))
 
     def output(self, attended):
         """attended [B, T, H, D] -> [B, T, hidden]."""

@@ -389,7 +389,9 @@ class Generator:
     mesh: a `jax.sharding.Mesh` (`dflash_jax.sharding.make_mesh`) to generate on; None: the
     target's (`Target.mesh`; None there too: one device). On a mesh the backend is "xla" (the CPU
     backend's packed kernels are custom calls XLA's partitioner cannot split), the params are
-    placed by `sharding.param_shardings` (a no-op for models loaded with that mesh) and the
+    placed by the rules (`sharding.place_params`: a no-op for models loaded with that mesh but for a
+    hybrid's Gated DeltaNet channels, regrouped per tensor shard), the specs take the mesh's layout
+    (`sharding.spec_for_mesh`: kv heads repeated where fewer than the tensor axis) and the
     executables are compiled with in/out shardings from the rules (`sharding`,
     `decode_loop.state_shardings`). Its `fsdp` axis must be 1: that axis shards training.
     """
@@ -418,7 +420,7 @@ class Generator:
         anything); decode params are derived for params objects it does not hold already."""
         if drafter is not None:
             validate_pair(drafter.config, target)
-        if self.target is not None and (target.spec, _spec(drafter)) != self.specs:
+        if self.target is not None and (target.spec, _spec(drafter)) != (self.target.spec, _spec(self.drafter)):
             raise ValueError("bind: these models' specs differ from the Generator's; make a new Generator")
         if self.target is None or target.params is not self.target.params:
             if self.mesh is not None and backends.of_target_params(target.params) != "xla":
@@ -440,8 +442,7 @@ class Generator:
         a mesh."""
         if self.mesh is None:
             return params, None
-        shardings = sharding.param_shardings(self.mesh, params, config)
-        return jax.device_put(params, shardings), shardings
+        return sharding.place_params(self.mesh, params, config)
 
     def _input_shardings(self, inputs):
         """Shardings of (prompt tokens [B, P], prompt lengths [B], rng, sampling params) on the
@@ -453,8 +454,10 @@ class Generator:
 
     @property
     def specs(self):
-        """(target spec, drafter spec or None): what the executables are compiled for."""
-        return self.target.spec, _spec(self.drafter)
+        """(target spec, drafter spec or None): what the executables are compiled for (on a mesh,
+        with the layout its tensor axis needs: `sharding.spec_for_mesh`)."""
+        return sharding.spec_for_mesh(self.target.spec, self.mesh), sharding.spec_for_mesh(_spec(self.drafter),
+                                                                                            self.mesh)
 
     @property
     def compile_cache_size(self) -> int:

@@ -51,6 +51,7 @@ class TargetLayer(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"  # whose products and cache read (`dflash_jax.backends`)
+    kv_replicas: int = 1  # sharding: copies of each kv head (`TargetSpec.kv_replicas`)
     mixer: str = "attention"  # `ModelConfig.layer_kinds` (full or sliding: the window comes in layer_xs)
     mlp: str = "auto"  # "dense" | "moe"; "auto": the first layer's (a stack of identical layers)
 
@@ -64,7 +65,7 @@ class TargetLayer(nn.Module):
         attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype,
                                     self.backend, ops.fuses(q_width, kv_width, kv_width), cfg.attention_sinks,
-                                    name="self_attn")
+                                    self.kv_replicas, name="self_attn")
         sinks = attn.sinks if cfg.attention_sinks else None
         norm_f32 = cfg.family.norm_scale_in_float32  # GptOssRMSNorm scales before it casts
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_f32, name="input_layernorm")(hidden)
@@ -108,6 +109,8 @@ class StackGroup(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"
+    kv_replicas: int = 1  # sharding (`TargetSpec`)
+    linear_groups: int = 1
 
     @nn.compact
     def __call__(self, carry, xs, positions, cos, sin, kv_cache):
@@ -116,8 +119,9 @@ class StackGroup(nn.Module):
         b = carry[0].shape[0]
         kv, pending = [], []
         for p, (mixer, mlp) in enumerate(self.pattern):
-            layer = cfg.family.layer_module(mixer)(cfg, self.dtype, self.attn_impl, self.backend, mixer=mixer, mlp=mlp,
-                                                   name=f"layer_{p}")
+            layout = {"linear_groups": self.linear_groups} if cfg.is_hybrid_arch else {}  # sharding
+            layer = cfg.family.layer_module(mixer)(cfg, self.dtype, self.attn_impl, self.backend, self.kv_replicas,
+                                                   mixer=mixer, mlp=mlp, name=f"layer_{p}", **layout)
             if mixer == LINEAR:
                 i, linear = len(pending), cfg.linear
                 tail = tails[i] if tails is not None else jnp.zeros(
@@ -150,6 +154,8 @@ class TargetModel(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"
+    kv_replicas: int = 1  # sharding: copies of each kv head (`TargetSpec.kv_replicas`)
+    linear_groups: int = 1  # sharding: a hybrid's Gated DeltaNet q | k | v channel groups (`TargetSpec`)
 
     def setup(self):
         cfg = self.config
@@ -164,7 +170,8 @@ class TargetModel(nn.Module):
                 StackGroup, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=segment.repeats,
                 check_constancy_invariants=False,  # as `_make_layers` (see there)
-            )(cfg, segment.pattern, self.dtype, self.attn_impl, self.backend, name=name)
+            )(cfg, segment.pattern, self.dtype, self.attn_impl, self.backend, self.kv_replicas, self.linear_groups,
+              name=name)
             names = ["layers"] if len(self.segments) == 1 else [f"layers_{s}" for s in range(len(self.segments))]
             self.stack = [scan(segment, name) for segment, name in zip(self.segments, names)]
         self.norm = cfg.family.final_norm(cfg, self.dtype)
@@ -259,7 +266,7 @@ class TargetModel(nn.Module):
             # Without it the scanned layers' random initialisation from a seed differs from the
             # checked scan's.
             check_constancy_invariants=False,
-        )(self.config, self.dtype, self.attn_impl, self.backend)
+        )(self.config, self.dtype, self.attn_impl, self.backend, self.kv_replicas)
 
     def _run_layers(self, carry, layer_xs, positions, cos, sin, cache):
         """The layers in turn: the scanned module, or the backend's own loop over the stacked params
@@ -281,12 +288,17 @@ class TargetSpec:
     implementation and the dtype its KV cache stores (None: the compute dtype; float16 under a
     float32 model halves the bytes a decode step reads from the cache, at float16's precision for
     keys and values). Static and hashable (a jit static argument and a compile-cache key); every
-    function takes the params explicitly."""
+    function takes the params explicitly. kv_replicas, linear_groups: the tensor-parallel layout
+    (`dflash_jax.sharding.spec_for_mesh` sets them for a mesh; 1, 1: one device's): each kv head
+    repeated kv_replicas times in the attention and its cache, a hybrid's Gated DeltaNet q | k | v
+    channels in linear_groups groups (its params regrouped to match: `sharding.place_params`)."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     kv_cache_dtype: Any = None
+    kv_replicas: int = 1
+    linear_groups: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))  # float32, np.float32, "float32": one key
@@ -294,12 +306,14 @@ class TargetSpec:
 
     @property
     def module(self) -> nn.Module:
-        return TargetModel(self.config, self.dtype, self.attn_impl)
+        return TargetModel(self.config, self.dtype, self.attn_impl, kv_replicas=self.kv_replicas,
+                           linear_groups=self.linear_groups)
 
     def module_for(self, params) -> nn.Module:
         """The module that reads `params`, on the backend whose layout they are in
         (`backends.of_target_params`: their tag; stacked params are XLA's)."""
-        return TargetModel(self.config, self.dtype, self.attn_impl, backends.of_target_params(params))
+        return TargetModel(self.config, self.dtype, self.attn_impl, backends.of_target_params(params),
+                           self.kv_replicas, self.linear_groups)
 
     def decode_params(self, params, backend: str = "auto", *, release: bool = False):
         """Stacked `params` in the layout `backend` decodes with ("auto": this process's,
@@ -369,8 +383,9 @@ class TargetSpec:
         """An empty cache: a KVCache, or a hybrid target's HybridCache (keys and values of its
         attention layers, conv tails and delta-rule states of its linear ones)."""
         if self.config.is_hybrid_arch:
-            return HybridCache.for_model(self.config, batch, capacity, self.kv_cache_dtype)
-        return KVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype)
+            return HybridCache.for_model(self.config, batch, capacity, self.kv_cache_dtype,
+                                         kv_replicas=self.kv_replicas, groups=self.linear_groups)
+        return KVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype, kv_replicas=self.kv_replicas)
 
 
 @dataclasses.dataclass

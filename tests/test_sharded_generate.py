@@ -7,7 +7,11 @@ Qwen3.5-MoE hybrid (Gated DeltaNet layers, routed and shared experts) on expert 
 2 x 2 x 2, with ragged prompts. The compiled programs' parameter shardings are the rules' and no
 weight the rules split is replicated (the decode state's, the state rules'); the sharded decode
 loop copies no cache (`make test-all`); models loaded with a mesh are placed by the rules as they are read, shard by
-shard; a kv-head count the tensor axis does not divide is refused with an error naming the weight;
+shard; kv heads fewer than the tensor axis are replicated over the shards that need them, the KV caches too (a
+2-kv-head Qwen3 on tensor x data = 4 x 2, a 1-kv-head Llama on 2 x 4 and 4 x 2, a 1-kv-head Qwen3.5 hybrid on
+2 x 4 whose Gated DeltaNet weights, conv tails and states the compiled programs split over `tensor`: speculative
+and plain, one device's tokens); a kv-head count the tensor axis neither divides nor is a multiple of is refused
+with an error naming the weight;
 speculative sampling on a mesh keeps the target's exact distribution (tests/test_sampling.py's
 chi-square); and two processes joined by jax.distributed, the prompts given to one, generate as
 one device does.
@@ -38,7 +42,7 @@ MAX_NEW = 12
 
 
 def _configs():
-    from dflash_jax._config import LinearAttentionConfig, ModelConfig
+    from dflash_jax._config import LinearAttentionConfig, ModelConfig, MoEConfig
     from dflash_jax._drafter_config import DrafterConfig
 
     vocab = 64
@@ -48,8 +52,9 @@ def _configs():
     llama = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_layers=2,
                         num_heads=16, num_kv_heads=8, head_dim=4, qk_norm=False, tie_word_embeddings=True,
                         max_position_embeddings=256)
-    # a Qwen3.5 hybrid: a Gated DeltaNet layer (weights replicated, its state split over data) and a
-    # gated attention layer (heads split over tensor)
+    # a Qwen3.5 hybrid: a Gated DeltaNet layer (2 key heads, 4 value heads: on tensor=2 its weights and
+    # its conv tail and state split over `tensor`, each device its own heads) and a gated attention
+    # layer (heads split over tensor)
     qwen3_5 = ModelConfig(arch="qwen3_5", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
                           num_heads=8, num_kv_heads=8, head_dim=8, qk_norm=True, partial_rotary_factor=0.25,
                           layer_types=("linear_attention", "full_attention"),
@@ -57,16 +62,21 @@ def _configs():
                                                        key_head_dim=8, value_head_dim=8), max_position_embeddings=256)
     # a Qwen3.5-MoE hybrid: the same layers, every MLP 4 routed experts (over `expert`) and a
     # shared one (over `tensor`)
-    qwen3_5_moe = dataclasses.replace(qwen3_5, arch="qwen3_5_moe", num_experts=4, num_experts_per_tok=2,
-                                      moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                                      norm_topk_prob=True)
+    qwen3_5_moe = dataclasses.replace(qwen3_5, arch="qwen3_5_moe",
+                                      moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                                    shared_expert_intermediate_size=32, norm_topk_prob=True))
     # a Qwen3-MoE target: 8 experts, 2 per token, split over `expert` (and `tensor` within each)
-    qwen3_moe = dataclasses.replace(qwen3, arch="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                                    moe_intermediate_size=32, norm_topk_prob=True)
+    qwen3_moe = dataclasses.replace(qwen3, arch="qwen3_moe", moe=MoEConfig(num_experts=8, num_experts_per_tok=2,
+                                                                           intermediate_size=32, norm_topk_prob=True))
     drafter = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=8,
                             head_dim=8, vocab_size=vocab, num_target_layers=2, target_layer_ids=(0, 1),
                             block_size=4, mask_token_id=vocab - 1, max_position_embeddings=256)
-    return {"qwen3": qwen3, "llama": llama, "qwen3_5_moe": qwen3_5_moe, "qwen3_moe": qwen3_moe}, drafter
+    return {"qwen3": qwen3, "llama": llama, "qwen3_5_moe": qwen3_5_moe, "qwen3_moe": qwen3_moe,
+            # fewer kv heads than the tensor axis: each kv head replicated over the shards that need it
+            "qwen3_kv2": dataclasses.replace(qwen3, num_kv_heads=2),
+            "llama_kv1": dataclasses.replace(llama, num_kv_heads=1),
+            # the hybrid with one kv head: Gated DeltaNet split and gated attention's kv head replicated
+            "qwen3_5_kv1": dataclasses.replace(qwen3_5, num_kv_heads=1)}, drafter
 
 
 def _models(name: str):
@@ -99,7 +109,7 @@ def _sharding_problems(generator, expected_of) -> list[str]:
             if not g.is_equivalent_to(w, len(jax.tree_util.tree_leaves(executable.out_info)[i].shape)):
                 problems.append(f"{kind} output leaf {i}: compiled {g}, the state rules {w.spec}")
         args = executable.input_shardings[0]
-        for model, got_tree in (("target", args[0]), ("drafter", args[1])):
+        for model, got_tree in (("target", args[0]), ("drafter", args[1]))[: 1 if generator.drafter is None else 2]:
             got = jax.tree_util.tree_leaves_with_path(got_tree, is_leaf=lambda x: x is None)
             want = jax.tree_util.tree_leaves(expected_of(model))
             params = jax.tree_util.tree_leaves(generator._target_params if model == "target"
@@ -136,8 +146,8 @@ def save_target_dir(target, directory: Path) -> None:
           "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_theta,
           "tie_word_embeddings": c.tie_word_embeddings, "torch_dtype": "float32"}
     if c.num_experts:
-        hf.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-                  moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob)
+        hf.update(num_experts=c.num_experts, num_experts_per_tok=c.moe.num_experts_per_tok,
+                  moe_intermediate_size=c.moe.intermediate_size, norm_topk_prob=c.moe.norm_topk_prob)
     (directory / "config.json").write_text(json.dumps(hf))
     save_safetensors(params_to_hf(target_rules(c), target.params, c.num_layers), directory / "model.safetensors")
 
@@ -183,6 +193,60 @@ def _mesh_cases(meshes, mesh_names_of, found, generators):
         found[name] = case
 
 
+# Fewer kv heads than the tensor axis (each replicated over the shards that need it, the KV caches
+# too) and a Qwen3.5 hybrid whose Gated DeltaNet is split over `tensor`: greedy tokens, speculative
+# and plain, against one device. The default suite runs LAYOUT_MESHES (in `sharded_run`),
+# `make test-all` EXTRA_LAYOUT_MESHES: 4 copies of each kv head, and a hybrid whose 2 linear key
+# heads the tensor axis (4) does not divide (its linear layers replicated).
+LAYOUT_MESHES = {"qwen3_kv2": ["tensor4_data2"], "llama_kv1": ["tensor2_data4", "tensor4_data2"],
+                 "qwen3_5_kv1": ["tensor2_data4"]}
+EXTRA_LAYOUT_MESHES = {"qwen3_kv2": ["tensor8_data1"], "qwen3_5_kv1": ["tensor4_data2"]}
+
+
+def _compiled_layout(generator) -> dict:
+    """From the compiled decode loop: each cache array's global shape and its shard's on one device
+    (out shardings), and each Gated DeltaNet weight's (its parameter input shardings)."""
+    import jax
+
+    loop = next(executable for (kind, _), executable in generator._compiled.items() if kind != "prefill")
+    shapes = jax.tree_util.tree_leaves_with_path(loop.out_info)
+    found = {}
+    for (path, info), placed in zip(shapes, jax.tree_util.tree_leaves(loop.output_shardings)):
+        name = jax.tree_util.keystr(path)
+        if "cache" in name and info.ndim >= 4:
+            found[name] = [list(info.shape), list(placed.shard_shape(info.shape))]
+    params = jax.tree_util.tree_leaves_with_path(generator._target_params)
+    for (path, param), placed in zip(params, jax.tree_util.tree_leaves(loop.input_shardings[0][0])):
+        name = jax.tree_util.keystr(path)
+        if "linear_attn" in name:
+            found[name] = [list(param.shape), list(placed.shard_shape(param.shape))]
+    return found
+
+
+def _layout_cases(meshes, mesh_names_of, found) -> None:
+    """LAYOUT_MESHES' cases into `found`: per model, one device's plain greedy tokens (the target's
+    own continuation, which greedy speculative decoding equals), and per mesh and kind
+    ("speculative", "plain") the tokens, the compiled shardings' problems and `_compiled_layout`."""
+    from dflash_jax import sharding
+    from dflash_jax._speculative import Generator
+
+    for name, mesh_names in mesh_names_of.items():
+        target, drafter = _models(name)
+        case = found[name] = {"meshes": {}, "problems": {}, "layout": {}}
+        case["reference"] = Generator(target, None, backend="xla").generate(
+            PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
+        for kind, pair_drafter in (("speculative", drafter), ("plain", None)):
+            for mesh_name in mesh_names:
+                mesh, key = meshes[mesh_name], f"{mesh_name}/{kind}"
+                generator = Generator(target, pair_drafter, mesh=mesh)
+                case["meshes"][key] = generator.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
+                expected = {"target": sharding.param_shardings(mesh, generator._target_params, target.config)}
+                if pair_drafter is not None:
+                    expected["drafter"] = sharding.param_shardings(mesh, generator._drafter_params, drafter.config)
+                case["problems"][key] = _sharding_problems(generator, expected.__getitem__)
+                case["layout"][key] = _compiled_layout(generator)
+
+
 def _whole_buffer_ops(generator) -> list[str]:
     """test_decode_hlo's check on the partitioned decode loop: every instruction carrying the
     capacity (1024) is an alias or an in-place row update, so no cache is copied."""
@@ -210,6 +274,7 @@ def extra_run(out: str) -> None:
     generators: dict = {}
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     _mesh_cases(meshes, EXTRA_MESHES, found, generators)
+    _layout_cases(meshes, EXTRA_LAYOUT_MESHES, found.setdefault("layouts", {}))
     found["whole_buffer_ops"] = {"qwen3": _whole_buffer_ops(generators["qwen3", "tensor4_data2"]),
                                  "qwen3_moe": _whole_buffer_ops(generators["qwen3_moe", "expert8"])}
     Path(out).write_text(json.dumps(found))
@@ -229,6 +294,7 @@ def sharded_run(out: str, workdir: str) -> None:
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     generators = {}
     _mesh_cases(meshes, DEFAULT_MESHES, found, generators)
+    _layout_cases(meshes, LAYOUT_MESHES, found.setdefault("layouts", {}))
 
     # Loaded with a mesh: every weight on the rules' shards as read; generating from them agrees.
     target, drafter = _models("qwen3")
@@ -277,10 +343,11 @@ def sharded_run(out: str, workdir: str) -> None:
                            "tokens": generators["qwen3_moe", "expert4_tensor2"].bind(moe_loaded, moe_drafter).generate(
                                PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens}
 
-    # A kv-head count (2) the tensor axis (4) does not divide: refused, naming the weight.
+    # A kv-head count (6) the tensor axis (4) neither divides nor is a multiple of (12 query heads,
+    # which it divides): refused, naming the weight. (2 kv heads on 4 are replicated: LAYOUT_MESHES.)
     mesh = meshes["tensor4_data2"]
     errors = {}
-    narrow = dataclasses.replace(target.config, num_kv_heads=2)
+    narrow = dataclasses.replace(target.config, num_heads=12, num_kv_heads=6)
     from dflash_jax._target import Target, init_target_params
 
     narrow_target = Target(narrow, init_target_params(narrow, jax.random.PRNGKey(0)))
@@ -403,9 +470,66 @@ def test_an_moe_target_loads_shard_by_shard(findings):
 @pytest.mark.parametrize("what", ["generator", "load_target"])
 def test_kv_heads_the_tensor_axis_does_not_divide_are_refused(findings, what):
     message = findings["errors"][what]
-    assert message is not None, f"{what} accepted 2 kv-heads on a tensor axis of 4"
-    for word in ("k_proj", "kv-heads", "tensor axis of size 4", "[2, 64, 16]"):
+    assert message is not None, f"{what} accepted 6 kv-heads on a tensor axis of 4"
+    for word in ("k_proj", "6 kv-heads", "tensor axis of size 4", "[2, 64, 48]"):
         assert word in message, (word, message)
+
+
+LAYOUT_CASES = [(model, mesh, kind) for model, meshes in LAYOUT_MESHES.items() for mesh in meshes
+                for kind in ("speculative", "plain")]
+EXTRA_LAYOUT_CASES = [(model, mesh, kind) for model, meshes in EXTRA_LAYOUT_MESHES.items() for mesh in meshes
+                      for kind in ("speculative", "plain")]
+
+
+def _check_layout_case(case, model: str, mesh: str, kind: str) -> None:
+    """The tokens of one device, the rules' compiled shardings, and KV caches of `tensor` heads (each
+    kv head's copies), one per device."""
+    key, tensor = f"{mesh}/{kind}", MESHES[mesh]["tensor"]
+    assert case["meshes"][key] == case["reference"]
+    assert all(len(row) == MAX_NEW for row in case["reference"])
+    assert case["problems"][key] == []
+    kv = {name: shapes for name, shapes in case["layout"][key].items() if name.endswith((".k", ".v"))}
+    assert len(kv) == (4 if kind == "speculative" else 2), kv  # the target's (and the drafter's) k and v
+    for name, (shape, shard) in kv.items():
+        assert (shape[3], shard[3]) == (tensor, 1), (name, shape, shard)
+
+
+@pytest.mark.parametrize("model, mesh, kind", LAYOUT_CASES)
+def test_kv_heads_fewer_than_the_tensor_axis_are_replicated_and_agree(findings, model, mesh, kind):
+    """A 2-kv-head Qwen3 on tensor=4 x data=2, a 1-kv-head Llama on tensor=2 x data=4 and 4 x 2 and a
+    1-kv-head Qwen3.5 hybrid on tensor=2 x data=4 (its drafters' kv heads alike), speculative and
+    plain: one device's tokens; every KV cache holds `tensor` heads, one per device."""
+    _check_layout_case(findings["layouts"][model], model, mesh, kind)
+
+
+@pytest.mark.slow  # make test-all
+@pytest.mark.parametrize("model, mesh, kind", EXTRA_LAYOUT_CASES)
+def test_more_kv_replicated_layouts_agree(extra_findings, model, mesh, kind):
+    _check_layout_case(extra_findings["layouts"][model], model, mesh, kind)
+    if model == "qwen3_5_kv1":  # tensor=4 does not divide the 2 linear key heads: replicated
+        layout = extra_findings["layouts"][model]["layout"][f"{mesh}/{kind}"]
+        linear = {n: s for n, s in layout.items() if "linear_attn" in n or n.endswith((".conv", ".state"))}
+        assert linear and all(shape == shard for shape, shard in linear.values()), linear
+
+
+@pytest.mark.parametrize("kind", ["speculative", "plain"])
+def test_gated_deltanet_is_split_over_tensor_in_the_compiled_programs(findings, kind):
+    """The Qwen3.5 hybrid on tensor=2 x data=4: the compiled loop's Gated DeltaNet weights are each
+    split in 2 over `tensor` (in_proj_qkv's columns and conv1d's channels grouped per shard, so each
+    device holds its own heads), but for the norm's scale (per head dim, replicated); the conv tail
+    and the delta-rule state too (each also over `data` on the batch); the output is one device's
+    (`test_kv_heads_fewer_than_the_tensor_axis_are_replicated_and_agree`)."""
+    import math
+
+    layout = findings["layouts"]["qwen3_5_kv1"]["layout"][f"tensor2_data4/{kind}"]
+    linear = {n: s for n, s in layout.items() if "linear_attn" in n}
+    assert len(linear) == 9, linear  # in_proj_qkv/z/b/a, conv1d, A_log, dt_bias, norm, out_proj
+    for name, (shape, shard) in linear.items():
+        assert math.prod(shape) // math.prod(shard) == (1 if "'norm'" in name else 2), (name, shape, shard)
+    conv = next(s for n, s in layout.items() if n.endswith(".conv"))
+    state = next(s for n, s in layout.items() if n.endswith(".state"))
+    assert conv[1] == [conv[0][0], conv[0][1] // 4, conv[0][2], conv[0][3] // 2], conv
+    assert state[1] == [state[0][0], state[0][1] // 4, state[0][2] // 2, *state[0][3:]], state
 
 
 def test_rules_on_one_device():

@@ -90,8 +90,9 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
     mesh: a `jax.sharding.Mesh` (`dflash_jax.sharding.make_mesh`) to place the weights on: the
       stacked layout, each weight put on its shards by `dflash_jax.sharding`'s rules as it is read
       (the host holds one weight at a time, never the whole model twice); `Target.mesh` keeps it
-      and `generate` compiles for it. A split the mesh's tensor axis does not divide (the kv-head
-      count, say) raises a ValueError naming the weight before anything is read.
+      and `generate` compiles for it. A split the mesh's tensor axis does not take (query heads it
+      does not divide, kv heads it neither divides nor is a multiple of) raises a ValueError naming
+      the weight before anything is read.
 
     Bad input raises one exception naming the file: FileNotFoundError, ConfigError (config.json),
     CheckpointError (damaged or mismatched weights), TorchRequiredError (.bin without torch).

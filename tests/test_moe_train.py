@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import fitted_models
+from dflash_jax._config import MoEConfig
 from test_sharded_generate import save_target_dir
 from dflash_jax import generate, load_target
 from dflash_jax._drafter import Drafter
@@ -21,8 +22,9 @@ from train.config import config_from_dict
 from train.train import drafter_config_for, train
 
 PROMPT, NEW = 4, 20
-CONFIG = dataclasses.replace(fitted_models.TARGET_CONFIG, arch="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                             moe_intermediate_size=32, norm_topk_prob=True)
+CONFIG = dataclasses.replace(fitted_models.TARGET_CONFIG, arch="qwen3_moe",
+                             moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                           norm_topk_prob=True))
 
 
 @pytest.fixture(scope="module")

@@ -205,7 +205,11 @@ EXTRA_LAYOUT_MESHES = {"qwen3_kv2": ["tensor8_data1"], "qwen3_5_kv1": ["tensor4_
 
 def _compiled_layout(generator) -> dict:
     """From the compiled decode loop: each cache array's global shape and its shard's on one device
-    (out shardings), and each Gated DeltaNet weight's (its parameter input shardings)."""
+    (out shardings), each Gated DeltaNet weight's (its parameter input shardings), and under
+    "gathers" the result type and op name of each of its float all-gathers and all-to-alls (what
+    moving a weight would take)."""
+    import re
+
     import jax
 
     loop = next(executable for (kind, _), executable in generator._compiled.items() if kind != "prefill")
@@ -220,6 +224,10 @@ def _compiled_layout(generator) -> dict:
         name = jax.tree_util.keystr(path)
         if "linear_attn" in name:
             found[name] = [list(param.shape), list(placed.shard_shape(param.shape))]
+    gathers = [(line, re.findall(r"= ((?:f|bf)\d+\[[^\]]*\])\S* (?:all-gather|all-to-all)\(", line))
+               for line in loop.as_text().splitlines()]
+    found["gathers"] = [[kinds[0], (re.findall(r'op_name="([^"]*)"', line) or [""])[0]]
+                        for line, kinds in gathers if kinds]
     return found
 
 
@@ -489,6 +497,7 @@ def _check_layout_case(case, model: str, mesh: str, kind: str) -> None:
     assert all(len(row) == MAX_NEW for row in case["reference"])
     assert case["problems"][key] == []
     kv = {name: shapes for name, shapes in case["layout"][key].items() if name.endswith((".k", ".v"))}
+    assert kv
     assert len(kv) == (4 if kind == "speculative" else 2), kv  # the target's (and the drafter's) k and v
     for name, (shape, shard) in kv.items():
         assert (shape[3], shard[3]) == (tensor, 1), (name, shape, shard)
@@ -508,8 +517,11 @@ def test_more_kv_replicated_layouts_agree(extra_findings, model, mesh, kind):
     _check_layout_case(extra_findings["layouts"][model], model, mesh, kind)
     if model == "qwen3_5_kv1":  # tensor=4 does not divide the 2 linear key heads: replicated
         layout = extra_findings["layouts"][model]["layout"][f"{mesh}/{kind}"]
-        linear = {n: s for n, s in layout.items() if "linear_attn" in n or n.endswith((".conv", ".state"))}
-        assert linear and all(shape == shard for shape, shard in linear.values()), linear
+        linear = {n: s for n, s in layout.items() if "linear_attn" in n}
+        assert len(linear) == 9 and all(shape == shard for shape, shard in linear.values()), linear
+        conv = next(s for n, s in layout.items() if n.endswith(".conv"))
+        state = next(s for n, s in layout.items() if n.endswith(".state"))
+        assert (conv[1][3], state[1][2]) == (conv[0][3], state[0][2]), (conv, state)  # split over data only
 
 
 @pytest.mark.parametrize("kind", ["speculative", "plain"])
@@ -517,7 +529,8 @@ def test_gated_deltanet_is_split_over_tensor_in_the_compiled_programs(findings, 
     """The Qwen3.5 hybrid on tensor=2 x data=4: the compiled loop's Gated DeltaNet weights are each
     split in 2 over `tensor` (in_proj_qkv's columns and conv1d's channels grouped per shard, so each
     device holds its own heads), but for the norm's scale (per head dim, replicated); the conv tail
-    and the delta-rule state too (each also over `data` on the batch); the output is one device's
+    and the delta-rule state too (each also over `data` on the batch); the loop all-gathers no float
+    array (no weight moves); the output is one device's
     (`test_kv_heads_fewer_than_the_tensor_axis_are_replicated_and_agree`)."""
     import math
 
@@ -526,6 +539,12 @@ def test_gated_deltanet_is_split_over_tensor_in_the_compiled_programs(findings, 
     assert len(linear) == 9, linear  # in_proj_qkv/z/b/a, conv1d, A_log, dt_bias, norm, out_proj
     for name, (shape, shard) in linear.items():
         assert math.prod(shape) // math.prod(shard) == (1 if "'norm'" in name else 2), (name, shape, shard)
+    # no weight, conv tail or state moves between devices (in the checkpoint's channel order they
+    # would: a tail and a state all-gathered per step). The speculative loop gathers only the [B, T, D]
+    # hidden states the drafter's block and the LM head read (from the vocabulary-split embedding).
+    gathers = layout["gathers"]
+    assert all("DrafterModel" in name or "logits" in name for _, name in gathers) and (kind == "speculative"
+                                                                                       or not gathers), gathers
     conv = next(s for n, s in layout.items() if n.endswith(".conv"))
     state = next(s for n, s in layout.items() if n.endswith(".state"))
     assert conv[1] == [conv[0][0], conv[0][1] // 4, conv[0][2], conv[0][3] // 2], conv

@@ -2,9 +2,12 @@
 target's KV cache beside its linear layers' conv tails and delta-rule states). Rolling back is setting lengths."""
 from __future__ import annotations
 
+from typing import Any, Protocol, runtime_checkable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dflash_jax import _gated_delta as gd
 
@@ -24,6 +27,34 @@ def resolve_kv_cache_dtype(dtype, compute_dtype) -> jnp.dtype:
     if resolved is None or resolved.name not in KV_CACHE_DTYPE_NAMES:
         raise ValueError(f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)} or auto, got {dtype!r}")
     return resolved
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """What a target's decode cache offers the model, the decode loop and the sharding rules: per-row
+    `lengths` [B] (the positions it holds; rolling back is setting them), its `capacity`, `with_lengths`,
+    `commit(pending, num_new)` (the cache after the first num_new[b] of a forward's per-position outputs,
+    `TargetModel`'s write_cache=False result) and `shardings(mesh)` (the cache of NamedShardings that
+    places it on a mesh). `KVCache` and `HybridCache` implement it."""
+
+    lengths: Any
+    capacity: int
+
+    def with_lengths(self, lengths) -> "Cache": ...
+
+    def commit(self, pending, num_new) -> "Cache": ...
+
+    def shardings(self, mesh) -> "Cache": ...
+
+
+def _mesh_size(mesh, axis: str) -> int:
+    return int(mesh.shape[axis]) if axis in mesh.shape else 1
+
+
+def _rows(mesh, batch: int):
+    """The mesh axis a cache's batch rows split over: `data` where it divides them, else none."""
+    data = _mesh_size(mesh, "data")
+    return "data" if data > 1 and batch % data == 0 else None
 
 
 @struct.dataclass
@@ -72,6 +103,19 @@ class KVCache:
         target's `HybridCache.commit` also rolls its recurrent state)."""
         return self.append(*pending, num_new)
 
+    def shardings(self, mesh) -> "KVCache":
+        """k / v [L, B, S, H, D] over `data` on B (where it divides) and `tensor` on H, lengths over
+        `data`. ValueError when the tensor axis does not divide the heads."""
+        _, batch, _, heads, _ = self.k.shape
+        tensor = _mesh_size(mesh, "tensor")
+        if heads % tensor:
+            raise ValueError(f"KV cache of shape {list(self.k.shape)}: its {heads} kv-heads are not a multiple of the "
+                             f"mesh's tensor axis of size {tensor} (a cache for this mesh holds kv_heads x "
+                             "kv_replicas heads: sharding.spec_for_mesh)")
+        rows = _rows(mesh, batch)
+        kv = NamedSharding(mesh, P(None, rows, None, "tensor" if tensor > 1 else None, None))
+        return self.replace(k=kv, v=kv, lengths=NamedSharding(mesh, P(rows)))
+
 
 
 @struct.dataclass
@@ -118,6 +162,15 @@ class HybridCache:
         state = jax.vmap(lambda s, q, k_, v_, g, beta: gd.delta_rule(q, k_, v_, g, beta, s, valid)[1])(
             self.state, linear["q"], linear["k"], linear["v"], linear["g"], linear["beta"])
         return self.replace(kv=kv, conv=conv, state=state)
+
+    def shardings(self, mesh) -> "HybridCache":
+        """Its KV cache as `KVCache.shardings`; conv tails and states over `data` on B, and over `tensor`
+        where the channel groups (`groups`, the model's `linear_groups`) are a multiple of it."""
+        rows = _rows(mesh, self.conv.shape[1])
+        tensor = _mesh_size(mesh, "tensor")
+        heads = "tensor" if tensor > 1 and self.groups % tensor == 0 else None  # whole channel groups
+        return self.replace(kv=self.kv.shardings(mesh), conv=NamedSharding(mesh, P(None, rows, None, heads)),
+                            state=NamedSharding(mesh, P(None, rows, heads, None, None)))
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array, *, axis: int = 0) -> jax.Array:

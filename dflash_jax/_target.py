@@ -210,10 +210,7 @@ class TargetModel(nn.Module):
             return hidden, features, None
         if not write_cache:
             return hidden, features, pending
-        num_new = t if num_new is None else num_new
-        if isinstance(cache, HybridCache):
-            return hidden, features, cache.commit(pending, num_new)
-        return hidden, features, cache.append(*pending, num_new)
+        return hidden, features, cache.commit(pending, t if num_new is None else num_new)
 
     def _run_segments(self, carry, plan: Capture, positions, cos, sin, cache):
         """Each segment's scan in turn -> (carry, pending): (k, v) [La, B, T, ...] of the attention layers

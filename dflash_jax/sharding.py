@@ -83,7 +83,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax._cache import HybridCache
 
 AXES = ("data", "fsdp", "expert", "tensor")  # the mesh's axes, outermost first
 TRAIN_BATCH_AXES = ("data", "fsdp")  # a training batch is split over both
@@ -434,24 +433,10 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
 
 
 def cache_shardings(mesh: Mesh, cache):
-    """A `KVCache` or `HybridCache` (of arrays or ShapeDtypeStructs) of NamedShardings (module
-    docstring). ValueError when the tensor axis does not divide a KV cache's heads."""
-    if isinstance(cache, HybridCache):
-        rows = batch_spec(mesh, cache.conv.shape[1], 1)[0]
-        tensor = axis_size(mesh, "tensor")
-        heads = "tensor" if tensor > 1 and cache.groups % tensor == 0 else None  # whole channel groups
-        return cache.replace(kv=cache_shardings(mesh, cache.kv),
-                             conv=NamedSharding(mesh, P(None, rows, None, heads)),
-                             state=NamedSharding(mesh, P(None, rows, heads, None, None)))
-    layers, batch, _, heads, _ = cache.k.shape
-    tensor = axis_size(mesh, "tensor")
-    if heads % tensor:
-        raise ValueError(f"KV cache of shape {list(cache.k.shape)}: its {heads} kv-heads are not a multiple of the "
-                         f"mesh's tensor axis of size {tensor} (a cache for this mesh holds kv_heads x kv_replicas "
-                         "heads: sharding.spec_for_mesh)")
-    rows = batch_spec(mesh, batch, 1)[0]
-    kv = NamedSharding(mesh, P(None, rows, None, "tensor" if tensor > 1 else None, None))
-    return cache.replace(k=kv, v=kv, lengths=NamedSharding(mesh, P(rows)))
+    """A decode cache (`dflash_jax._cache.Cache`: a `KVCache` or `HybridCache`, of arrays or
+    ShapeDtypeStructs) of NamedShardings: the cache's own `shardings` (module docstring). ValueError
+    when the tensor axis does not divide a KV cache's heads."""
+    return cache.shardings(mesh)
 
 
 def put(tree, shardings):

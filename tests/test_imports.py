@@ -183,7 +183,7 @@ def test_the_check_covers_every_model_module():
     package, when there is one), the attention seam and kernels, the decode loop, the loaders."""
     modules = _modules()
     covered = model_modules(modules)
-    for name in ("dflash_jax._target", "dflash_jax._hybrid", "dflash_jax._moe", "dflash_jax._drafter",
+    for name in ("dflash_jax._target", "dflash_jax.families.qwen3_5", "dflash_jax._moe", "dflash_jax._drafter",
                  "dflash_jax._layers", "dflash_jax._attention", "dflash_jax._decode_loop", "dflash_jax._speculative",
                  "dflash_jax._cache", "dflash_jax._gated_delta", "dflash_jax.kernels.block_attention",
                  "dflash_jax.loading.target_loader", "dflash_jax.sharding"):

@@ -104,7 +104,7 @@ def test_logits_and_captured_layers_of_padded_cached_rows_equal_transformers(hf_
     token per row: the gathered-experts form) continues them."""
     model, target, _ = hf_pair
     cfg = target.config
-    assert cfg.arch == "qwen3_5_moe" and cfg.num_experts == 8 and cfg.shared_expert_intermediate_size == 20
+    assert cfg.arch == "qwen3_5_moe" and cfg.num_experts == 8 and cfg.moe.shared_expert_intermediate_size == 20
     rng = np.random.default_rng(1)
     lengths = [100, 41, 5]
     ids = rng.integers(0, cfg.vocab_size, size=(3, 101))

@@ -153,7 +153,7 @@ def test_gated_deltanet_is_replicated_where_the_tensor_axis_does_not_divide_its_
 def test_grouped_channels_give_each_shard_its_own_heads():
     """The order regrouping in_proj_qkv's columns and conv1d's channels for 2 shards: each half holds
     its q, k and v heads, and the model's split of the grouped channels gives the checkpoint's q, k, v."""
-    from dflash_jax._hybrid import split_qkv
+    from dflash_jax.families.qwen3_5 import split_qkv
 
     order = sharding.linear_channel_order(QWEN3_5, 2)  # q, k: 2 heads x 8; v: 4 heads x 8
     assert sorted(order) == list(range(64))

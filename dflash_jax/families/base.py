@@ -71,7 +71,7 @@ class Family:
         """The Flax module class of a layer whose token mixer is `mixer` ("attention" or "linear_attention",
         `ModelConfig.layer_kinds`), built
         as cls(config, dtype, attn_impl, backend, mlp=<"dense" | "moe">, name=...), called as
-        `dflash_jax._target.TargetLayer` is (or, for a linear mixer, as `dflash_jax._hybrid.HybridLayer`)."""
+        `dflash_jax._target.TargetLayer` is (or, for a linear mixer, as `families.qwen3_5.HybridLayer`)."""
         from dflash_jax._target import TargetLayer
 
         return TargetLayer

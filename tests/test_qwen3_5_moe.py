@@ -175,7 +175,7 @@ def test_fused_experts_and_the_exported_names_load_the_same(hf_pair, tmp_path, c
     if target.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
-    with caplog.at_level(logging.INFO, logger="dflash_jax.loading.target_loader"):
+    with caplog.at_level(logging.INFO, logger="dflash_jax"):
         loaded = load_target(fused, tokenizer=False)
     assert ("vision tower" in caplog.text) == (prefix == "model.language_model.")
     jax.tree_util.tree_map(np.testing.assert_array_equal, loaded.params, target.params)

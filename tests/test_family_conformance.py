@@ -99,12 +99,17 @@ def hf_generate(model, prompts, max_new_tokens):
 
 @pytest.mark.parametrize("key", families.params("parity", variants=True))
 def test_logits_and_captured_layers_equal_transformers(hf_pairs, key):
-    """Two rows of the row's `parity_tokens` positions; captured layers in any order, a repeat,
-    the middle layer and the last (transformers' last hidden state is after the final norm, and
-    so is ours)."""
+    """The loaded config has transformers' layers, layer kinds and experts; two rows of the row's
+    `parity_tokens` positions give its logits and captured layers (in any order, a repeat, the
+    middle layer and the last: transformers' last hidden state is after the final norm, and so is
+    ours)."""
     row, model, target, _ = hf_pairs(key)
-    cfg = target.config
-    assert cfg.arch == row.name
+    cfg, text = target.config, model.config.get_text_config()
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size) == (row.name, text.num_hidden_layers, text.hidden_size)
+    if getattr(text, "layer_types", None):
+        assert list(cfg.layer_types) == list(text.layer_types)
+    assert cfg.num_experts == (getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    assert cfg.shared_expert_intermediate_size == (getattr(text, "shared_expert_intermediate_size", None) or 0)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, row.parity_tokens))
     logits, hidden_states, _ = hf_outputs(model, ids)
     capture = (1, 0, 1, cfg.num_layers // 2, cfg.num_layers - 1)

@@ -151,7 +151,8 @@ FAMILIES = {row.name: row for row in [
                # the text model of a multimodal checkpoint (its vision tower is not read)
                "conditional-generation": dict(num_hidden_layers=4, multimodal=True)},
            slow_variants=frozenset({"interval2-tied"}),  # its checks repeat the others' on another pattern
-           # the MoE hybrid's prefill, random drafter, rejections and decode loop stand for these by default
+           # the MoE hybrid's prefill, random drafter against transformers' generate, rejections and decode
+           # loop stand for these by default
            slow=frozenset({"prefill", "greedy", "speculative", "rejections", "decode_loop_hlo"}),
            parity_tokens=77,  # two chunks of the chunked delta rule
            # 300 tokens: a 256-token prefill chunk and a remainder, each row's recurrent state stopping
@@ -172,8 +173,9 @@ FAMILIES = {row.name: row for row in [
            # the speculative check against transformers' generate stands for the plain one; the
            # hybrid's sampling is the qwen3_5 row's
            slow=frozenset({"prefill[conditional-generation]", "greedy", "sampling"}),
-           # two attention layers: with one, XLA copies that layer's whole KV cache in a decode step
-           # (a scan of length one; see test_family_conformance's decode-HLO test)
+           # two attention layers in the decoding checks' target: with only one, the hybrid's compiled
+           # decode step copies that layer's whole KV cache (seen 2026-12-06, jax 0.10.2; released
+           # Qwen3.5 models have many attention layers)
            decode_overrides=dict(full_attention_interval=2)),
     Family("gpt_oss", "GptOssForCausalLM", "GptOssConfig", GPT_OSS, _gpt_oss_init, parity_tokens=12,
            # 6 tokens per chunk: windows across chunks

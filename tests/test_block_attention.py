@@ -27,6 +27,7 @@ from dflash_jax.kernels import (
     unsupported_reason,
 )
 from dflash_jax.kernels.tile_plan import key_tile_lists, row_bounds, row_tile_plan
+from support.pallas import abstract_gpu
 
 # interpret mode runs everywhere; "compiled" runs the Triton kernels (a GPU is needed).
 INTERPRET = os.environ.get("DFLASH_PALLAS_BACKEND", "interpret") != "compiled"
@@ -224,20 +225,6 @@ def test_larger_training_mask_bf16_default_tiles():
 # PTX compile itself needs a GPU).
 
 
-def _abstract_gpu():
-    """A context in which Pallas lowers for an abstract GPU (an H100: Triton needs a compute
-    capability) without one: newer jax (0.11+) asks the abstract mesh's device, where older jax
-    lowered for CUDA without any device; both accept it."""
-    import contextlib
-
-    sharding = jax.sharding
-    if not hasattr(sharding, "AbstractDevice") or not hasattr(sharding, "use_abstract_mesh"):
-        return contextlib.nullcontext()
-    device = sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
-    mesh = sharding.AbstractMesh((1,), ("x",), (sharding.AxisType.Auto,), abstract_device=device)
-    return sharding.use_abstract_mesh(mesh)
-
-
 @pytest.mark.parametrize(
     "dtype,d,tq,tk,blocks",
     [
@@ -259,7 +246,7 @@ def test_lowers_to_triton_for_cuda(dtype, d, tq, tk, blocks):
         return out, vjp(out)
 
     try:
-        with _abstract_gpu():
+        with abstract_gpu():
             traced = jax.jit(fwd_and_grad).trace(q, k, k, ranges.start, ranges.end)
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
     except (TypeError, AttributeError) as e:  # an API this jax version lacks

@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 
 from dflash_jax.convert import main  # noqa: E402
 from dflash_jax.loading.safetensors_io import SafetensorsFile  # noqa: E402
-from dflash_torch_reference import drafter_hf_config, write_official_checkpoint  # noqa: E402
+from support.dflash_torch_reference import drafter_hf_config, write_official_checkpoint  # noqa: E402
 
 
 def test_round_trip_through_orbax(tmp_path):

@@ -1,13 +1,8 @@
-"""Structural checks on the optimised HLO of decode steps: nothing but in-place row updates touches
-a whole cache buffer, so a step's cost does not grow with the cache capacity.
-
-The capacity is a number no other dimension has (1000); any instruction whose result carries that
-dimension must be a parameter, an alias (get-tuple-element, bitcast) or an in-place
-dynamic-update-slice (alone or as the root of a fusion). A copy, a scatter, an elementwise pass
-or a slice of a whole layer of the cache is reported.
-"""
+"""Structural checks on the optimised HLO of decode steps (`support.hlo.whole_buffer_ops`): nothing
+but in-place row updates touches a whole cache buffer, so a step's cost does not grow with the cache
+capacity. Here on a Qwen3 target with a sliding layer, both layouts, the drafter, the prefill and the
+whole decode loop in every mode; test_family_conformance runs the decode step of every family."""
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -19,48 +14,14 @@ from dflash_jax._drafter import Drafter, init_drafter_params
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._target import Target, init_target_params
 from dflash_jax.backends.cpu.layout import pack_layers
+from support.hlo import CAPACITY, compiled_text, whole_buffer_ops
 
-CAPACITY = 1000
 TARGET = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
                      layer_types=("full_attention", "sliding_attention", "full_attention"), sliding_window=4)
 DRAFTER = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_dim=8, vocab_size=97, num_target_layers=3, target_layer_ids=(0, 2),
                         block_size=4, mask_token_id=96)
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%(\S+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w-]+)\(")
-_ALIASES = {"parameter", "get-tuple-element", "bitcast", "dynamic-update-slice"}
-
-
-def whole_buffer_ops(hlo: str, capacity: int = CAPACITY) -> list[str]:
-    """Instructions of the HLO text whose array result has a `capacity` dimension and that are not
-    a parameter, an alias or an in-place dynamic-update-slice (or a fusion rooted in one)."""
-    roots, instructions, computation = {}, [], None
-    for line in hlo.splitlines():
-        if (match := _COMPUTATION.match(line)) is not None:
-            computation = match.group(1)
-            continue
-        if (match := _INSTRUCTION.match(line)) is None:
-            continue
-        root, name, dims, opcode = match.groups()
-        if root:
-            roots[computation] = opcode
-        if str(capacity) in dims.split(","):
-            instructions.append((name, opcode, line.strip()))
-    flagged = []
-    for name, opcode, line in instructions:
-        if opcode in _ALIASES:
-            continue
-        called = re.search(r"calls=%(\S+?)[,\s]", line + " ")
-        if opcode == "fusion" and called and roots.get(called.group(1)) == "dynamic-update-slice":
-            continue
-        flagged.append(f"{opcode} {name}: {line[:160]}")
-    return flagged
-
-
-def compiled_text(fn, *args, donate=()):
-    return jax.jit(fn, donate_argnums=donate).lower(*args).compile().as_text()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from dflash_jax.cli import common
 from dflash_jax._decode_loop import _first_draft_probability
 from dflash_jax._speculative import generate
-from test_generate import plain_greedy, prompts_mix
+from support.speculative import plain_greedy, prompts_mix
 
 
 def test_first_draft_probability_is_the_softmax_of_the_draft():

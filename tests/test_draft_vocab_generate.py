@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fitted_models
+from support import fitted_models
 from dflash_jax import _sampling as sampling
 from dflash_jax._decode_loop import GenerationConfig, SamplingParams, _propose, prefill
 from dflash_jax._draft_vocab import DraftVocab

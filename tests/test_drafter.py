@@ -10,14 +10,14 @@ torch = pytest.importorskip("torch")
 
 from dflash_jax.loading.drafter_io import DrafterMismatchError, load_drafter, save_drafter  # noqa: E402
 from dflash_jax.loading.target_loader import load_target  # noqa: E402
-from dflash_torch_reference import drafter_hf_config, write_official_checkpoint  # noqa: E402
-from tiny_models import make_hf_model  # noqa: E402
+from support.dflash_torch_reference import drafter_hf_config, write_official_checkpoint  # noqa: E402
+from support.families import make_hf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     d = tmp_path_factory.mktemp("target")
-    make_hf_model("qwen3", d)
+    make_hf("qwen3", d)
     return load_target(d, "float32")
 
 
@@ -169,7 +169,7 @@ def test_saved_drafter_loads_in_torch_reference(tmp_path, target):
     src.mkdir()
     hf, ref = official(src, layers=2)
     save_drafter(load_drafter(src, target), out)
-    from dflash_torch_reference import RefDrafter
+    from support.dflash_torch_reference import RefDrafter
     from safetensors.torch import load_file
     again = RefDrafter(json.loads((out / "config.json").read_text()))
     again.load_state_dict(load_file(out / "model.safetensors"), strict=False)

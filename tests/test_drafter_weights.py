@@ -16,7 +16,7 @@ from dflash_jax.backends.cpu.matmul import (PANEL_BLOCK_BYTES, QUANT_BLOCK, avai
                                            pack_kernel, quantize_q8_0, rows_matmul)
 from dflash_jax.loading.drafter_io import load_drafter
 from dflash_jax._speculative import generate
-from test_generate import plain_greedy, prompts_mix
+from support.speculative import plain_greedy, prompts_mix
 
 needs_kernel = pytest.mark.skipif(not available(), reason="the CPU kernels are not built here")
 

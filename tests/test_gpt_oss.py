@@ -1,8 +1,10 @@
-"""gpt-oss targets: the router (softmax of the top-k logits), the experts' biases and clamped SwiGLU in
-both grouped forms, parity with transformers' GptOssForCausalLM (attention sinks, biases, sliding
-windows shorter than the prompt, YaRN), MXFP4 experts dequantised as transformers does, loading
-and exporting, lossless speculative decoding with rejections at every block position, and (slow)
-speculative sampling's chi-square."""
+"""gpt-oss targets, what is theirs alone: the router (softmax of the top-k logits), the experts'
+biases and clamped SwiGLU in both grouped forms, the loaded config (attention sinks, biases, sliding
+windows, YaRN), the RMS norm's float32 scaling, MXFP4 experts dequantised as transformers does, and
+the config's fields and refusals. Parity with transformers (sinks, biases, windows shorter than the
+prompt, YaRN), cached ragged prefill, the export's round trip, speculative decoding with rejections
+and sampling, and the decode step's HLO are the conformance suite's (test_family_conformance.py, the
+gpt_oss row of support/families.py)."""
 import json
 
 import jax
@@ -13,33 +15,18 @@ import pytest
 from dflash_jax import _moe as moe
 from dflash_jax._config import ModelConfig, MoEConfig
 from dflash_jax._errors import CheckpointError, ConfigError
-from dflash_jax._speculative import generate
-from dflash_jax._target import Target, target_param_shapes
 from dflash_jax.loading import mxfp4
-from dflash_jax.loading.names import params_to_hf, target_rules
 from dflash_jax.loading.safetensors_io import save_safetensors
+from support import families
 from support.tolerance import assert_model_close
-from test_qwen3_5 import check_rejections_at_every_position, check_sampling_lossless, tiny_drafter
 
-# hidden and expert widths multiples of 32 (an MXFP4 block); a window of 4 under 12-token prompts;
-# a small swiglu_limit so that the clamps bite
-HF = dict(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
-          max_position_embeddings=256, swiglu_limit=0.5)
-# the same config for the tests without torch: plain decoding then compiles once for the module
-CONFIG = ModelConfig.from_hf_config({"architectures": ["GptOssForCausalLM"], **HF})
-PROMPTS = [list(map(int, np.random.default_rng(5).integers(0, 40, size=n))) for n in (2, 11, 19)]  # ragged
-MAX_NEW = 40
+HF = families.GPT_OSS
 
 
 def _hf():
-    """(torch, transformers) for the parity and MXFP4 tests, which skip without them (the
+    """(torch, transformers) for the tests against transformers, which skip without them (the
     jax-latest leg has no torch); the rest of this file needs neither."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "GptOssForCausalLM"):
-        pytest.skip("this transformers has no GptOss")
-    return torch, transformers
+    return families.hf_modules("gpt_oss")
 
 
 @pytest.mark.parametrize("form", ["auto", *moe.FORMS])
@@ -80,64 +67,23 @@ def test_router_and_clamped_experts_equal_a_loop_over_experts(form):
 
 
 # ---------------------------------------------------------------------------------------------
-# Parity with transformers
-
-def make_hf(seed=0):
-    torch, transformers = _hf()
-    torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**HF))
-    with torch.no_grad():  # every weight random: sinks and biases too (transformers starts some at zero)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("sinks"):
-                p.copy_(torch.randn_like(p))
-            elif "router" in name:  # far-apart logits: no near-tie in the top k
-                p.copy_(torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    model.eval()
-    return model
-
+# The loaded model
 
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
     from dflash_jax import load_target
 
-    model = make_hf()
     directory = tmp_path_factory.mktemp("gpt-oss")
-    model.save_pretrained(directory)  # the unquantised layout
+    model = families.make_hf("gpt_oss", directory)  # the unquantised layout
     return model, load_target(directory, tokenizer=False), directory
 
 
-def test_logits_captured_layers_padded_rows_and_greedy_equal_transformers(hf_pair):
-    torch, _ = _hf()
-    model, target, _ = hf_pair
+def test_loaded_config_has_windows_sinks_and_yarn(hf_pair):
+    _, target, _ = hf_pair
     cfg = target.config
-    assert cfg == CONFIG and (cfg.arch, cfg.num_experts, cfg.layer_windows) == ("gpt_oss", 8, (4, 0))
+    assert cfg == families.target_config("gpt_oss")
+    assert (cfg.arch, cfg.num_experts, cfg.layer_windows) == ("gpt_oss", 8, (4, 0))
     assert cfg.attention_sinks and cfg.rope["rope_type"] == "yarn"
-    ids = np.random.default_rng(1).integers(0, 96, size=(3, 12))
-    with torch.no_grad():
-        out = model(input_ids=torch.as_tensor(ids), output_hidden_states=True)
-    want = out.logits.numpy()
-    forward = jax.jit(lambda p, x: target.forward(p, x, capture=(0, 1)))
-    hidden, features, _ = forward(target.params, jnp.asarray(ids, jnp.int32))
-    assert_model_close(np.asarray(target.logits(target.params, hidden)), want, target.config, tokens=ids.shape[1])
-    for j in range(2):
-        assert_model_close(np.asarray(features[..., j * 32:(j + 1) * 32]), out.hidden_states[j + 1].numpy(),
-                           target.config, tokens=ids.shape[1])
-    # right-padded rows through the cache, 6 tokens per chunk (windows across chunks): each row as alone
-    lengths = [12, 7, 3]
-    prefill = jax.jit(lambda p, x, c: target.prefill(p, x, c, num_new=jnp.asarray(lengths), chunk_size=6)[0])
-    cached = prefill(target.params, jnp.asarray(ids, jnp.int32), target.init_cache(3, 32))
-    for row, n in enumerate(lengths):
-        assert_model_close(np.asarray(target.logits(target.params, cached[row, :n])), want[row, :n],
-                           target.config, tokens=ids.shape[1])
-    with torch.no_grad():
-        expect = [model.generate(torch.as_tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                                 pad_token_id=95)[0, len(p):].tolist() for p in PROMPTS]  # (0 is a prompt token)
-    assert generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens == expect
 
 
 def test_rms_norm_scales_in_float32_as_transformers_does():
@@ -161,24 +107,6 @@ def test_rms_norm_scales_in_float32_as_transformers_does():
     rounded_first = np.asarray(RMSNorm(1e-5, jnp.bfloat16).apply(params, xb).astype(jnp.float32))
     np.testing.assert_array_equal(ours, want)
     assert (rounded_first != want).mean() > 0.1
-
-
-def test_export_writes_back_transformers_tensors(hf_pair, tmp_path):
-    """params_to_hf re-interleaves gate and up: the exported tensors are transformers' own, bit for
-    bit, and they load back to the same params."""
-    from dflash_jax import load_target
-    from dflash_jax.loading.checkpoint_files import open_checkpoint
-
-    _, target, directory = hf_pair
-    exported = params_to_hf(target_rules(target.config), target.params, target.config.num_layers)
-    saved = open_checkpoint(directory)
-    assert sorted(exported) == sorted(saved)
-    for name, value in exported.items():
-        np.testing.assert_array_equal(value, np.asarray(saved[name]), err_msg=name)
-    save_safetensors(exported, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
-    again = load_target(tmp_path, tokenizer=False)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, again.params, target.params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,59 +223,3 @@ def test_config_fields_and_refusals():
         ModelConfig(arch="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
                     num_kv_heads=1, head_dim=8, moe=MoEConfig(num_experts=2, num_experts_per_tok=1, intermediate_size=8,
                                                               swiglu_limit=7.0))
-
-
-# ---------------------------------------------------------------------------------------------
-# Speculative decoding
-
-def tiny_gpt_oss(seed=0, scale=0.3, config=CONFIG):
-    """A random target of `config`: every weight, sink and bias drawn (numpy: no initialiser to
-    compile), norms near 1, weights large enough for peaked distributions."""
-    rng = np.random.default_rng(seed)
-    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"
-                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return Target(config, jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(draw(p, s)),
-                                                           target_param_shapes(config)))
-
-
-def test_speculative_greedy_equals_plain_decoding_with_rejections_at_every_position(monkeypatch):
-    """Ragged rows (prompts shorter and longer than the window of 4) decoded plainly, then speculatively
-    with a random drafter, then with drafts wrong at a moving position of the 8-token block
-    (`check_rejections_at_every_position`): all three the same tokens, every acceptance length 1..8."""
-    import test_qwen3_5
-
-    target = tiny_gpt_oss()
-    drafter = tiny_drafter(target)
-    plain = generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
-    assert generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens == plain
-    # the helper's reference is a token-by-token loop compiled per prompt; plain decoding's batch (equal
-    # to transformers' generate above, and compiled there) is the same reference at no compile
-    monkeypatch.setattr(test_qwen3_5, "plain_greedy", lambda t, prompt, n: plain[PROMPTS.index(prompt)][:n])
-    check_rejections_at_every_position(target, drafter, PROMPTS, MAX_NEW, monkeypatch)
-
-
-@pytest.mark.slow  # ~40 s on 2 cores: `make test-all`
-def test_speculative_sampling_keeps_the_targets_distribution():
-    import dataclasses
-
-    from test_sampling import V
-
-    target = tiny_gpt_oss(seed=3, scale=0.2, config=dataclasses.replace(CONFIG, vocab_size=V + 1))
-    check_sampling_lossless(target, tiny_drafter(target, block_size=4, seed=5))
-
-
-def test_decode_step_touches_only_new_cache_rows():
-    """test_decode_hlo's check on a gpt-oss decode step (sinks, windows, gathered experts): nothing of a
-    whole cache layer is copied or rewritten (a verify's cache work is the same; one compile is kept)."""
-    from test_decode_hlo import CAPACITY, compiled_text, whole_buffer_ops
-
-    target = tiny_gpt_oss(seed=3)
-    spec = target.spec
-
-    def step(params, tokens, cache):
-        hidden, features, cache = spec.forward(params, tokens, cache, capture=(0, 1))
-        return spec.logits(params, hidden), features, cache
-
-    tokens = jnp.zeros((2, 1), jnp.int32)
-    hlo = compiled_text(step, target.params, tokens, spec.init_cache(2, CAPACITY), donate=(2,))
-    assert whole_buffer_ops(hlo) == []

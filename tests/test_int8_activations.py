@@ -15,10 +15,9 @@ import pytest
 from dflash_jax.backends.cpu.matmul import (ACTIVATIONS, INT8_TARGET_NAME, PANEL, PANEL_BLOCK_BYTES, _xla_panels,
                                            available, dequantize_panels, pack_quantized, round_activations,
                                            uses_int8_activations)
-from test_cpu_matmul import (_ggml_blocks, check_rows_products, check_stacked_layers_are_their_own_products,
-                             needs_kernel)
-from test_gguf_reader import gguf_path  # noqa: F401  (a module-scoped fixture)
-from test_kv_cache_dtype import kwargs_given_to_load_target
+from support.cli import kwargs_given_to_load_target
+from support.cpu_kernels import (check_rows_products, check_stacked_layers_are_their_own_products, ggml_blocks,
+                                 needs_kernel)
 
 
 def test_rounded_activations_are_int8_steps_of_one_scale_per_block():
@@ -43,7 +42,7 @@ def test_int8_panels_multiply_their_weights_by_the_rounded_activations(n, k):
     product is that of the rounded x with them to float rounding (XLA's path computes exactly
     that), and a row's result is the same bit for bit whatever rows share the call (1-6 rows in a
     tile, groups of tiles)."""
-    blocks = _ggml_blocks("Q4_1", n, k, seed=n + k)
+    blocks = ggml_blocks("Q4_1", n, k, seed=n + k)
     panels, floats = pack_quantized(blocks, "Q4_1", activations="int8"), pack_quantized(blocks, "Q4_1")
     assert uses_int8_activations(panels) and not uses_int8_activations(floats)
     assert panels.shape == floats.shape == (-(-n // PANEL), k // 32, PANEL_BLOCK_BYTES["Q4_1"])
@@ -56,18 +55,18 @@ def test_int8_panels_multiply_their_weights_by_the_rounded_activations(n, k):
     reference = np.asarray(jax.jit(_xla_panels)(x, panels))[:, :n]  # where the kernel does not run
     np.testing.assert_allclose(alone, reference, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     check_stacked_layers_are_their_own_products(
-        pack_quantized(np.stack([blocks, _ggml_blocks("Q4_1", n, k, seed=1)]), "Q4_1", activations="int8"), k, n)
+        pack_quantized(np.stack([blocks, ggml_blocks("Q4_1", n, k, seed=1)]), "Q4_1", activations="int8"), k, n)
 
 
 def test_int8_activations_are_for_q4_1_blocks_only():
     with pytest.raises(ValueError, match="int8 activations multiply Q4_1 blocks, not Q8_0"):
-        pack_quantized(_ggml_blocks("Q8_0", 16, 64), "Q8_0", activations="int8")
+        pack_quantized(ggml_blocks("Q8_0", 16, 64), "Q8_0", activations="int8")
     with pytest.raises(ValueError, match="activations must be one of"):
-        pack_quantized(_ggml_blocks("Q4_1", 16, 64), "Q4_1", activations="int4")
+        pack_quantized(ggml_blocks("Q4_1", 16, 64), "Q4_1", activations="int4")
 
 
 @pytest.fixture(scope="module")
-def targets(gguf_path):  # noqa: F811
+def targets(gguf_path):
     from dflash_jax.loading.target_loader import load_target
 
     if not available():
@@ -143,7 +142,7 @@ def test_int8_activations_are_refused_where_they_do_not_apply(tmp_path):
         load_target(tmp_path, decode_activations="int8")  # a (Hugging Face) directory
 
 
-def test_int8_activations_need_a_float32_cpu_decode(gguf_path):  # noqa: F811
+def test_int8_activations_need_a_float32_cpu_decode(gguf_path):
     from dflash_jax.loading.target_loader import load_target
 
     with pytest.raises(ValueError, match="bfloat16"):

@@ -84,7 +84,7 @@ def test_cached_paths_lower_to_triton_inside_the_layer_scans():
     jax 0.11.2 / flax 0.12.10 with flax's scan constancy check on, this raised "broadcasted
     variable has a data dependency on the scan body", the failure first seen compiling on a GPU;
     the scans skip that check (`check_constancy_invariants=False`), so the kernel traces there."""
-    from test_block_attention import _abstract_gpu
+    from support.pallas import abstract_gpu
 
     target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)), attn_impl="pallas")
     drafter = Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)), attn_impl="pallas")
@@ -95,7 +95,7 @@ def test_cached_paths_lower_to_triton_inside_the_layer_scans():
     }
     for name, (f, args) in cases.items():
         try:
-            with _abstract_gpu():
+            with abstract_gpu():
                 text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         except (TypeError, AttributeError) as e:  # an API this jax version lacks
             pytest.skip(f"cross-platform lowering unavailable: {e}")
@@ -111,7 +111,7 @@ def test_sink_kernel_lowers_to_triton_for_cuda(num_splits):
     the sink enters the first split's softmax (a program-id test inside the kernel)."""
     from dflash_jax import _masks as masks
     from dflash_jax.kernels import BlockSizes, block_attention
-    from test_block_attention import _abstract_gpu
+    from support.pallas import abstract_gpu
     import re
 
     blocks = BlockSizes(block_q=32, block_k=32, num_splits=num_splits)
@@ -127,7 +127,7 @@ def test_sink_kernel_lowers_to_triton_for_cuda(num_splits):
             out, vjp = jax.vjp(f, q, k, v, sinks)
             return out, vjp(out)
 
-        with _abstract_gpu():
+        with abstract_gpu():
             traced = jax.jit(fwd_and_grad).trace(q, k, k, sinks, ranges.start, ranges.end)
             return traced.lower(lowering_platforms=("cuda",)).as_text()
 

@@ -16,8 +16,9 @@ from dflash_jax.loading.target_loader import load_target
 from dflash_jax._speculative import generate
 from dflash_jax._target import Target, TargetSpec, init_target_params
 from dflash_jax.backends.cpu.layout import pack_layers
-from fitted_models import TARGET_CONFIG
-from test_generate import plain_greedy, prompts_mix
+from support.cli import kwargs_given_to_load_target
+from support.fitted_models import TARGET_CONFIG
+from support.speculative import plain_greedy, prompts_mix
 
 
 def _prefill_and_steps(target, tokens, prefix: int):
@@ -86,8 +87,6 @@ def test_greedy_with_a_float16_cache_equals_plain_decoding_with_it(fitted, attn_
 
 
 def test_the_kv_cache_dtype_is_part_of_the_spec():
-    from fitted_models import TARGET_CONFIG
-
     assert TargetSpec(TARGET_CONFIG).kv_cache_dtype == jnp.float32
     assert TargetSpec(TARGET_CONFIG, kv_cache_dtype="auto") == TargetSpec(TARGET_CONFIG)
     half = TargetSpec(TARGET_CONFIG, kv_cache_dtype=np.float16)
@@ -119,21 +118,3 @@ def test_the_clis_take_kv_cache_dtype_and_pass_it_to_load_target(monkeypatch):
             parse("--kv-cache-dtype", "int8")
     assert kwargs_given_to_load_target(monkeypatch, Path("some-target"), kv_cache_dtype="float16") == {
         "kv_cache_dtype": "float16", "decode_activations": "float32", "mesh": None}  # one device: no mesh
-
-
-def kwargs_given_to_load_target(monkeypatch, target_path: Path, **load_models_kwargs) -> dict:
-    """The keyword arguments `cli.common.load_models(target_path, None, "float32", ...)` passes to
-    `load_target` (a stand-in that records them and stops there)."""
-    from dflash_jax.cli import common
-    from dflash_jax.loading import target_loader
-
-    seen = {}
-
-    def load_target(path, dtype, **kwargs):
-        seen.update(kwargs)
-        raise FileNotFoundError("stop here")
-
-    monkeypatch.setattr(target_loader, "load_target", load_target)
-    with pytest.raises(common.CLIError, match="stop here"):
-        common.load_models(target_path, None, "float32", **load_models_kwargs)
-    return seen

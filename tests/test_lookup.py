@@ -10,7 +10,7 @@ import pytest
 from dflash_jax.cli import common
 from dflash_jax._lookup import lookup_drafts, merge_lookup
 from dflash_jax._speculative import generate
-from test_generate import plain_greedy, prompts_mix
+from support.speculative import plain_greedy, prompts_mix
 
 
 def reference(seq, length, longest, count):

@@ -2,7 +2,6 @@
 what the online step computes, `train.train` runs online from the target's checkpoint directory
 (the target sharded by the training rules) and offline from a feature cache, and what it trains is
 a drafter the target verifies losslessly. No torch: the target is built and saved here."""
-import dataclasses
 import json
 
 import jax
@@ -10,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fitted_models
-from dflash_jax._config import MoEConfig
-from test_sharded_generate import save_target_dir
+from support import fitted_models
+from support.families import save_target_dir
 from dflash_jax import generate, load_target
 from dflash_jax._drafter import Drafter
 from dflash_jax._target import Target, init_target_params
@@ -22,9 +20,7 @@ from train.config import config_from_dict
 from train.train import drafter_config_for, train
 
 PROMPT, NEW = 4, 20
-CONFIG = dataclasses.replace(fitted_models.TARGET_CONFIG, arch="qwen3_moe",
-                             moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=32,
-                                           norm_topk_prob=True))
+CONFIG = fitted_models.MOE_TARGET_CONFIG
 
 
 @pytest.fixture(scope="module")

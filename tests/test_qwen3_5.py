@@ -1,7 +1,8 @@
-"""Qwen3.5 hybrid targets (Gated DeltaNet + gated attention): parity with transformers' own classes,
-the delta rule's forms, exact rollback of the recurrent state, lossless speculative decoding with
-rejections at every block position, sampling, loading and bad input."""
-import functools
+"""Qwen3.5 hybrid targets (Gated DeltaNet + gated attention), what is theirs alone: the delta rule's
+forms against transformers' reference, masked positions and rollback of the recurrent state, the
+vision tower of a multimodal checkpoint, and their loading errors. Parity with transformers,
+cached ragged prefill, speculative decoding with rejections and sampling are the conformance
+suite's (test_family_conformance.py, the qwen3_5 row of support/families.py)."""
 import json
 
 import jax
@@ -9,132 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import _decode_loop as decode_loop, _gated_delta as gd
+from dflash_jax import _gated_delta as gd
 from dflash_jax._config import LinearAttentionConfig, ModelConfig
 from dflash_jax._drafter import Drafter, init_drafter_params
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._errors import CheckpointError
-from dflash_jax._speculative import Generator, generate
+from dflash_jax._speculative import generate
 from dflash_jax._target import Target, init_target_params
-from support.tolerance import assert_model_close
+from support import families
 
+ROW = families.FAMILIES["qwen3_5"]
 
 
 def _hf():
-    """(torch, transformers) for the parity tests, which skip without them (the jax-latest leg has
-    no torch); the rest of this file needs neither."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
-        pytest.skip("this transformers has no Qwen3_5")
-    return torch, transformers
-
-TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=8, linear_value_head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=512)
-VARIANTS = {
-    # Qwen3.5's default pattern (3 linear, 1 full) twice; GQA 2:1 in both kinds of layer
-    "causal-lm": dict(kind="causal", text={}),
-    # every other layer full, GQA 4:1, one linear key head per 4 value heads, tied head
-    "interval2-tied": dict(kind="causal", text=dict(num_hidden_layers=6, num_key_value_heads=1,
-                                                    full_attention_interval=2, linear_num_key_heads=1,
-                                                    tie_word_embeddings=True)),
-    # the text model of a multimodal checkpoint (its vision tower is not read)
-    "conditional-generation": dict(kind="conditional", text=dict(num_hidden_layers=4)),
-}
-
-
-def make_hf(kind, text, out_dir, seed=0):
-    torch, transformers = _hf()
-    torch.manual_seed(seed)
-    text = {**TEXT, **text}
-    if kind == "conditional":
-        config = transformers.Qwen3_5Config(
-            text_config=text, tie_word_embeddings=text.get("tie_word_embeddings", False),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32))
-        model = transformers.Qwen3_5ForConditionalGeneration(config)
-    else:
-        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
-    with torch.no_grad():  # every weight random, the centred norms and the decay's A_log too
-        for name, p in model.named_parameters():
-            p.copy_((0.1 if "norm" in name else 0.08) * torch.randn_like(p))
-            if "A_log" in name:
-                p.uniform_(-2.0, 1.0)
-    model.eval()
-    model.save_pretrained(out_dir)
-    return model
-
-
-SLOW_VARIANTS = ("interval2-tied",)  # make test-all: its parity tests repeat the others' on another pattern
-
-
-@pytest.fixture(scope="module", params=[pytest.param(v, marks=pytest.mark.slow) if v in SLOW_VARIANTS else v
-                                        for v in sorted(VARIANTS)])
-def hf_pair(request, tmp_path_factory):
-    from dflash_jax import load_target
-
-    variant = VARIANTS[request.param]
-    directory = tmp_path_factory.mktemp(request.param)
-    model = make_hf(variant["kind"], variant["text"], directory)
-    return model, load_target(directory, tokenizer=False), directory
-
-
-def hf_outputs(model, ids, mask=None):
-    torch, _ = _hf()
-    with torch.no_grad():
-        out = model(input_ids=torch.as_tensor(ids), attention_mask=None if mask is None else torch.as_tensor(mask),
-                    output_hidden_states=True)
-    return out.logits.numpy(), [h.numpy() for h in out.hidden_states]
-
-
-def test_logits_and_captured_layers_equal_transformers(hf_pair):
-    model, target, _ = hf_pair
-    cfg = target.config
-    assert cfg.arch == "qwen3_5" and "linear_attention" in cfg.layer_types
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, cfg.vocab_size, size=(2, 77))  # two chunks of the chunked delta rule
-    logits, hidden_states = hf_outputs(model, ids)
-    capture = (0, 1, cfg.num_layers // 2, cfg.num_layers - 1)  # both kinds of layer, and the last
-    hidden, features, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32), capture=capture)
-    assert_model_close(np.asarray(target.logits(target.params, hidden)), logits, target.config, tokens=ids.shape[1])
-    d = cfg.hidden_size
-    for j, layer in enumerate(capture):
-        assert_model_close(np.asarray(features[..., j * d:(j + 1) * d]), hidden_states[layer + 1],
-                           target.config, tokens=ids.shape[1], err_msg=f"layer {layer}")
-
-
-def test_padded_batch_and_cached_prefill_equal_transformers(hf_pair):
-    """Right-padded rows through the cached, chunked prefill (300 tokens: a 256-token chunk and a
-    remainder, each row stopping its recurrent state at its own length) give each row's logits
-    alone; the next cached step continues them."""
-    model, target, _ = hf_pair
-    cfg = target.config
-    rng = np.random.default_rng(1)
-    lengths = [300, 131, 5]
-    ids = rng.integers(0, cfg.vocab_size, size=(3, 301))
-    cache = target.init_cache(3, 512)
-    hidden, _, cache = target.prefill(target.params, jnp.asarray(ids[:, :300], jnp.int32), cache,
-                                      num_new=jnp.asarray(lengths))
-    assert list(np.asarray(cache.lengths)) == lengths
-    nxt = ids[np.arange(3), lengths]
-    step, _, _ = target.forward(target.params, jnp.asarray(nxt[:, None], jnp.int32), cache)
-    for row, n in enumerate(lengths):
-        row_ids = np.concatenate([ids[row, :n], nxt[row:row + 1]])[None]
-        logits, _ = hf_outputs(model, row_ids)
-        assert_model_close(np.asarray(target.logits(target.params, hidden[row, :n])), logits[0, :n],
-                           target.config, tokens=ids.shape[1])
-        assert_model_close(np.asarray(target.logits(target.params, step[row, 0])), logits[0, n],
-                           target.config, tokens=ids.shape[1])
-
-
-def test_greedy_tokens_equal_transformers_generate(hf_pair):
-    model, target, _ = hf_pair
-    torch, _ = _hf()
-    prompt = [5, 17, 33, 2, 9, 41]
-    with torch.no_grad():
-        expect = model.generate(torch.as_tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
-                                pad_token_id=0)[0, len(prompt):].tolist()
-    assert generate(target, None, [prompt], max_new_tokens=24, stop_token_ids=()).tokens[0] == expect
+    """(torch, transformers) for the tests against transformers, which skip without them (the
+    jax-latest leg has no torch); the rest of this file needs neither."""
+    return families.hf_modules("qwen3_5")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +92,8 @@ def tiny_hybrid(seed=0, vocab=48, scale=4.0, layer_types=("linear_attention",) *
     return Target(cfg, params)
 
 
-# make test-all: the masked-state test and the rejections test (every acceptance length) check rollback by default
+# make test-all: the masked-state test and test_family_conformance's rejections test (every acceptance length)
+# check rollback by default
 @pytest.mark.slow
 def test_state_after_rollback_equals_plain_decoding_of_the_accepted_tokens():
     """A verify of 8 tokens committed for n = 0..8 (two rows, n and 8 - n) holds what a forward of
@@ -236,107 +128,19 @@ def test_state_after_rollback_equals_plain_decoding_of_the_accepted_tokens():
 
 
 # ---------------------------------------------------------------------------------------------
-# Speculative decoding
-
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(spec, params, tokens, cache):
-    return spec.forward(params, tokens, cache)
-
-
-def plain_greedy(target, prompt, max_new):
-    """Independent reference: the prompt, then one token at a time through the cache (one compiled
-    step per target spec, whatever the prompt)."""
-    fwd = functools.partial(_forward, target.spec)
-    hidden, _, cache = fwd(target.params, jnp.asarray([prompt], jnp.int32), target.init_cache(1, 256))
-    out = [int(jnp.argmax(target.logits(target.params, hidden[0, -1])))]
-    while len(out) < max_new:
-        hidden, _, cache = fwd(target.params, jnp.asarray([[out[-1]]], jnp.int32), cache)
-        out.append(int(jnp.argmax(target.logits(target.params, hidden[0, -1]))))
-    return out
-
-
-def tiny_drafter(target, block_size=8, seed=1):
-    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                        vocab_size=target.config.vocab_size, num_target_layers=target.config.num_layers,
-                        target_layer_ids=(1, target.config.num_layers - 1), block_size=block_size,
-                        mask_token_id=target.config.vocab_size - 1)
-    return Drafter(cfg, init_drafter_params(cfg, jax.random.PRNGKey(seed)))
-
-
-def check_rejections_at_every_position(target, drafter, prompts, max_new, monkeypatch):
-    """Generate with drafts that are the plain greedy continuation with one token wrong at a position
-    that moves every cycle (cycle c of row b: position (c + b) mod G, none wrong at G - 1), so every
-    cycle rejects at a known place and the cache rolls back there: the output must stay plain
-    greedy decoding bit for bit, and every acceptance length 1..G must occur."""
-    g = drafter.config.block_size
-    expect = [plain_greedy(target, p, max_new) for p in prompts]
-    reference = np.zeros((len(prompts), 128), np.int32)
-    for row, (p, e) in enumerate(zip(prompts, expect)):
-        reference[row, :len(p) + max_new] = p + e
-    reference = jnp.asarray(reference)
-    vocab = target.config.vocab_size
-
-    def oracle(target_spec, drafter_spec, cfg, tp, dp, state, anchors, key, params):
-        slots = jnp.arange(cfg.block_size - 1)
-        want = jnp.take_along_axis(reference, jnp.minimum(state.lengths[:, None] + slots, reference.shape[1] - 1), 1)
-        wrong = (state.cycles + jnp.arange(state.lengths.shape[0])) % cfg.block_size
-        return jnp.where(slots[None] == wrong[:, None], (want + 1) % vocab, want), None, None
-
-    monkeypatch.setattr(decode_loop, "_draft", oracle)
-    result = Generator(target, drafter).generate(prompts, max_new_tokens=max_new, stop_token_ids=())
-    assert result.tokens == expect
-    lengths = {n for row in result.acceptance_lengths for n in row}
-    assert set(range(1, g + 1)) <= lengths, lengths
-
-
-def test_speculative_greedy_with_rejections_at_every_position(monkeypatch):
-    """A hybrid's recurrent state rolled back at every position of an 8-token block, three ragged
-    rows (`check_rejections_at_every_position`)."""
-    target = tiny_hybrid()
-    rng = np.random.default_rng(5)
-    prompts = [list(map(int, rng.integers(0, 40, size=n))) for n in (3, 9, 20)]
-    check_rejections_at_every_position(target, tiny_drafter(target), prompts, 50, monkeypatch)
-
-
-@pytest.mark.slow  # make test-all: the rejections test covers every acceptance length, 1 included
-def test_speculative_greedy_with_a_random_drafter_equals_plain_decoding():
-    target = tiny_hybrid(seed=2, layer_types=("linear_attention", "full_attention") * 2)
-    drafter = tiny_drafter(target, block_size=4, seed=3)
-    rng = np.random.default_rng(6)
-    prompts = [list(map(int, rng.integers(0, 40, size=n))) for n in (1, 12, 30)]
-    result = generate(target, drafter, prompts, max_new_tokens=33, stop_token_ids=())
-    assert result.tokens == [plain_greedy(target, p, 33) for p in prompts]
-
-
-def check_sampling_lossless(target, drafter):
-    """test_sampling's chi-square: the first 3 tokens sampled speculatively (6,000 samples, its
-    prompt, seed and threshold) follow the target's exact distribution, with drafts accepted."""
-    from test_sampling import PROMPT, SAMPLES, chi_square_pvalue, exact_joint
-
-    result = generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, stop_token_ids=(), temperature=1.0,
-                      seed=11)
-    assert chi_square_pvalue([tuple(t) for t in result.tokens], exact_joint(target)) > 1e-3
-    assert result.tau > 1.05  # drafts were accepted: the rule and the rollback ran
-
-
-def test_speculative_sampling_keeps_the_hybrid_targets_distribution():
-    from test_sampling import V
-
-    target = tiny_hybrid(seed=3, vocab=V + 1, scale=3.0)
-    check_sampling_lossless(target, tiny_drafter(target, block_size=4, seed=5))
-
-
-# ---------------------------------------------------------------------------------------------
 # Loading and bad input
 
-def test_vision_tower_is_not_read_and_packed_layout_is_refused(hf_pair):
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=[pytest.mark.slow] if v in ROW.slow_variants else [])
+                                     for v in ROW.variants])
+def test_vision_tower_is_not_read_and_packed_layout_is_refused(variant, tmp_path):
     from dflash_jax import load_target
 
-    _, target, directory = hf_pair
-    hf = json.loads((directory / "config.json").read_text())
+    families.make_hf("qwen3_5", tmp_path, variant=variant)
+    target = load_target(tmp_path, tokenizer=False)
+    hf = json.loads((tmp_path / "config.json").read_text())
     assert target.config.num_layers == (hf.get("text_config") or hf)["num_hidden_layers"]
     with pytest.raises(ValueError, match="no packed layout"):
-        load_target(directory, tokenizer=False, layout="packed")
+        load_target(tmp_path, tokenizer=False, layout="packed")
 
 
 def test_missing_linear_attention_tensor_is_one_clear_error(tmp_path):
@@ -344,7 +148,7 @@ def test_missing_linear_attention_tensor_is_one_clear_error(tmp_path):
 
     from dflash_jax import load_target
 
-    make_hf("causal", dict(num_hidden_layers=4), tmp_path)
+    families.make_hf("qwen3_5", tmp_path, num_hidden_layers=4)
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["model.layers.2.linear_attn.in_proj_b.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -355,7 +159,7 @@ def test_missing_linear_attention_tensor_is_one_clear_error(tmp_path):
 def test_drafter_reading_layers_the_target_lacks_is_refused():
     from dflash_jax.loading.drafter_io import DrafterMismatchError
 
-    target = tiny_hybrid()
+    target = families.tiny_target("qwen3_5", num_hidden_layers=4, vocab_size=48)  # (numpy weights: no compile)
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
                         vocab_size=48, num_target_layers=8, target_layer_ids=(1, 6), block_size=4, mask_token_id=47)
     drafter = Drafter(cfg, init_drafter_params(cfg, jax.random.PRNGKey(0)))

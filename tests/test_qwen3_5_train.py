@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fitted_models
+from support import families, fitted_models
 from dflash_jax import generate, load_target
 from dflash_jax._drafter import Drafter, init_drafter_params
 from train import checkpointing, step as step_lib
@@ -28,10 +28,8 @@ PROMPT, NEW = 4, 28
 def hybrid(tmp_path_factory):
     """(target, its checkpoint directory, train JSONL, held-out prompts): a random Qwen3.5 model
     (transformers' class, saved) and its own greedy continuations of pattern prompts."""
-    from test_qwen3_5 import make_hf
-
     root = tmp_path_factory.mktemp("hybrid-train")
-    make_hf("causal", dict(vocab_size=fitted_models.VOCAB, num_hidden_layers=4), root / "target", seed=3)
+    families.make_hf("qwen3_5", root / "target", seed=3, vocab_size=fitted_models.VOCAB, num_hidden_layers=4)
     target = load_target(root / "target", tokenizer=False)
     prompts = fitted_models.pattern_batch(np.random.default_rng(1), 72, PROMPT).tolist()
     data = root / "train.jsonl"
@@ -83,7 +81,7 @@ def test_regenerate_then_cache_features_then_train_offline(hybrid, tmp_path):
     at every real position, ragged rows in one batch), and `train.train` runs from the cache."""
     import dataclasses
 
-    from test_train_data import CharChatTokenizer
+    from support.tokenizers import CharChatTokenizer
     from dflash_jax._target import Target
     from train.data import DataConfig, load_token_records, make_iterator
     from train.cache_features import cache_features

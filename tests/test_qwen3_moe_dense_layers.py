@@ -10,7 +10,7 @@ from dflash_jax._config import ModelConfig
 from dflash_jax._speculative import generate
 from dflash_jax._stack import stack_segments
 from support.tolerance import assert_model_close
-from test_qwen3_5 import check_rejections_at_every_position, plain_greedy, tiny_drafter
+from support.speculative import check_rejections_at_every_position, plain_greedy, tiny_drafter
 
 # 4 layers: dense, MoE, MoE, dense -> three segments (a dense layer, two MoE layers scanned, a dense layer)
 HF = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,

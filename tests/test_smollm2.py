@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_gguf_reader import gguf_path  # noqa: F401  (a module-scoped fixture; hf_model is conftest's)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
@@ -23,7 +22,7 @@ def rel_err(a, b):
 
 
 @pytest.fixture(scope="module")
-def target(gguf_path):  # noqa: F811
+def target(gguf_path):
     from dflash_jax.loading.target_loader import load_target
 
     return load_target(gguf_path, "float32")
@@ -134,7 +133,7 @@ def test_cli_mismatched_drafter_and_long_prompt(target, tmp_path, monkeypatch, c
     assert err[-1].startswith("error: prompt too long")
 
 
-def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_ids, monkeypatch):  # noqa: F811
+def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_ids, monkeypatch):
     """On a CPU the packed target keeps the GGUF's own Q4_1 / Q8_0 blocks (`backends.cpu.gguf_panels`),
     98 MB of params instead of 544, without ever reading the float32 weights they stand for, and its
     logits (a prompt through a cache, then one token) are those of the float32 panels of the same

@@ -10,13 +10,13 @@ torch = pytest.importorskip("torch")
 from dflash_jax._config import ModelConfig  # noqa: E402
 from dflash_jax.loading.safetensors_io import SafetensorsFile, save_safetensors  # noqa: E402
 from dflash_jax.loading.target_loader import load_target  # noqa: E402
-from tiny_models import make_hf_model  # noqa: E402
+from support.families import make_hf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen")
-    make_hf_model("qwen3", d)
+    make_hf("qwen3", d)
     return d
 
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-import fitted_models
+from support import fitted_models
 from dflash_jax._target import Target, init_target_params
 from dflash_jax import sharding
 from train import drafter_init, step as step_lib
@@ -25,9 +25,7 @@ def one_step(out: str, data: int = -1, fsdp: int = 1, shard_target: bool = False
     losses and params to `out` (.npz). With a coordinator, joins a jax.distributed job first and
     feeds only this process's rows. moe: the target is a Qwen3-MoE one (test_moe_train's)."""
     sharding.initialize_distributed(coordinator, num_processes, process_id)
-    config = fitted_models.TARGET_CONFIG
-    if moe:
-        from test_moe_train import CONFIG as config
+    config = fitted_models.MOE_TARGET_CONFIG if moe else fitted_models.TARGET_CONFIG
     target = Target(config, init_target_params(config, jax.random.PRNGKey(0)))
     config = fitted_models.drafter_config(block_size=4)
     mesh = sharding.make_mesh(data=data, fsdp=fsdp)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-import fitted_models
+from support import fitted_models
 from dflash_jax import generate
 from dflash_jax._config import write_config_json
 from dflash_jax._drafter import Drafter, init_drafter_params

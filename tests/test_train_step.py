@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fitted_models
+from support import fitted_models
 from dflash_jax import _objective as objective
 from dflash_jax._drafter import DrafterSpec
 from dflash_jax._target import Target, init_target_params

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax._config import ModelConfig
+from dflash_jax._config import ModelConfig, MoEConfig
 from dflash_jax._drafter import Drafter, init_drafter_params
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._objective import dflash_loss, sample_anchors
@@ -25,6 +25,10 @@ STEPS = (1, 2, 3, 5)
 TARGET_CONFIG = ModelConfig(arch="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
                             max_position_embeddings=512)
+# the same as a Qwen3-MoE target (test_moe_train, test_train_distributed)
+MOE_TARGET_CONFIG = dataclasses.replace(TARGET_CONFIG, arch="qwen3_moe",
+                                        moe=MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                                      norm_topk_prob=True))
 
 
 def drafter_config(block_size: int = 8) -> DrafterConfig:

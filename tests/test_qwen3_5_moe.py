@@ -53,7 +53,8 @@ def test_config_reads_the_text_config_and_refuses_a_bad_one():
                           "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                               "mrope_section": [11, 11, 10]}}}
     cfg = ModelConfig.from_hf_config(hf)
-    assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_5_moe", 8, 2, 12)
+    assert (cfg.arch, cfg.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.intermediate_size) == ("qwen3_5_moe", 8,
+                                                                                                     2, 12)
     assert cfg.moe.shared_expert_intermediate_size == 20 and cfg.moe.norm_topk_prob and cfg.is_hybrid_arch
     assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) and cfg.rotary_dim == 4
     bad = {**hf, "text_config": {**hf["text_config"], "num_experts_per_tok": 9}}
@@ -72,10 +73,10 @@ def test_random_benchmark_target_has_the_released_shapes():
     config, drafter = random_configs("qwen3.5-35b-a3b", None, None)
     assert (config.arch, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.vocab_size, config.rotary_dim) == ("qwen3_5_moe", 40, 2048, 16, 2, 256, 248320, 64)
-    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-            config.shared_expert_intermediate_size) == (256, 8, 512, 512)
-    assert (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
-            config.linear_value_head_dim) == (16, 32, 128, 128)
+    assert (config.num_experts, config.moe.num_experts_per_tok, config.moe.intermediate_size,
+            config.moe.shared_expert_intermediate_size) == (256, 8, 512, 512)
+    assert (config.linear.num_key_heads, config.linear.num_value_heads, config.linear.key_head_dim,
+            config.linear.value_head_dim) == (16, 32, 128, 128)
     assert config.layer_types == ("linear_attention",) * 3 + ("full_attention",) + config.layer_types[4:]
     assert config.attention_layer_ids == tuple(range(3, 40, 4))
     assert drafter.intermediate_size == 6144 and drafter.target_layer_ids == (1, 10, 19, 28, 37)

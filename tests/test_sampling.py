@@ -8,86 +8,14 @@ import pytest
 from scipy import stats
 
 from dflash_jax import _sampling as sampling
-from dflash_jax._config import ModelConfig
-from dflash_jax._drafter import Drafter, init_drafter_params
-from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._speculative import generate
+from support.sampling import PROMPT, SAMPLES, chi_square_pvalue, exact_joint, sampling_pair
 
-V = 6
-TARGET = ModelConfig(arch="llama", vocab_size=V + 1, hidden_size=32, intermediate_size=64, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
-DRAFTER = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                        head_dim=8, vocab_size=V + 1, num_target_layers=2, target_layer_ids=(0, 1),
-                        block_size=4, mask_token_id=V)
-PROMPT = [1, 4, 2]
-SAMPLES = 6000
 
 
 @pytest.fixture(scope="module")
 def pair():
-    from dflash_jax._target import Target, init_target_params
-
-    params = init_target_params(TARGET, jax.random.PRNGKey(3))
-    # Sharpen the LM head so the distribution is far from uniform, and never emit the mask token.
-    emb = params["embed_tokens"]["embedding"] * 4.0
-    params = {**params, "embed_tokens": {"embedding": emb}}
-    target = Target(TARGET, params)
-    drafter = Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(5)))
-    return target, drafter
-
-
-_PROBS_FNS = {}
-
-
-def _next_token_probs_fn(target, temperature, top_k, top_p):
-    """Jitted next-token probabilities (eager dispatch would dominate the enumeration)."""
-    key = (id(target), temperature, top_k, top_p)
-    if key not in _PROBS_FNS:
-        def probs(params, batch):
-            hidden, _, _ = target.forward(params, batch)
-            return sampling.filtered_probs(target.logits(params, hidden[:, -1]), temperature, top_k, top_p)
-        _PROBS_FNS[key] = jax.jit(probs)
-    return _PROBS_FNS[key]
-
-
-def exact_joint(target, temperature=1.0, top_k=0, top_p=1.0, depth=3, prompt=PROMPT):
-    """p(x1..x_depth | prompt) by enumeration, with the same filters applied to every step."""
-    seqs = [tuple()]
-    probs = {tuple(): 1.0}
-    for _ in range(depth):
-        batch = jnp.asarray([prompt + list(s) for s in seqs], jnp.int32)
-        probs_fn = _next_token_probs_fn(target, temperature, top_k, top_p if top_p < 1 else None)
-        p = np.asarray(probs_fn(target.params, batch))
-        nxt = {}
-        for s, row in zip(seqs, p):
-            for tok in range(V + 1):
-                if row[tok] > 0:
-                    nxt[s + (tok,)] = probs[s] * float(row[tok])
-        probs, seqs = nxt, list(nxt)
-    return probs
-
-
-def chi_square_pvalue(samples, probs, min_expected=5.0):
-    """Pool rare outcomes so every cell expects >= min_expected counts."""
-    n = len(samples)
-    counts = {}
-    for s in samples:
-        counts[s] = counts.get(s, 0) + 1
-    unseen = sum(c for s, c in counts.items() if s not in probs)
-    assert unseen == 0, "generated a sequence the target gives probability 0"
-    observed, expected, pool_o, pool_e = [], [], 0, 0.0
-    for s, p in sorted(probs.items(), key=lambda kv: -kv[1]):
-        if p * n >= min_expected:
-            observed.append(counts.get(s, 0))
-            expected.append(p * n)
-        else:
-            pool_o += counts.get(s, 0)
-            pool_e += p * n
-    if pool_e > 0:
-        observed.append(pool_o)
-        expected.append(pool_e)
-    expected = np.asarray(expected) * (n / np.sum(expected))
-    return stats.chisquare(observed, expected).pvalue
+    return sampling_pair()
 
 
 def sample_sequences(target, drafter, depth=3, prompt=PROMPT, **kw):

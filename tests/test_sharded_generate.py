@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from support.devices import run_8_devices
+
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = {"tensor2_data4": dict(tensor=2, data=4), "tensor4_data2": dict(tensor=4, data=2),
           "tensor8_data1": dict(tensor=8, data=1),
@@ -258,7 +260,7 @@ def _layout_cases(meshes, mesh_names_of, found) -> None:
 def _whole_buffer_ops(generator) -> list[str]:
     """test_decode_hlo's check on the partitioned decode loop: every instruction carrying the
     capacity (1024) is an alias or an in-place row update, so no cache is copied."""
-    from test_decode_hlo import whole_buffer_ops
+    from support.hlo import whole_buffer_ops
 
     from dflash_jax._speculative import prompt_bucket
     from dflash_jax.kernels import KEY_TILE, round_up
@@ -371,10 +373,10 @@ def sharded_run(out: str, workdir: str) -> None:
 
     # Lossless sampling on a mesh: test_sampling's sharpened pair, tensor=2 x data=4, its samples
     # checked against the exact distribution by the test below.
-    import test_sampling
+    from support.sampling import PROMPT, SAMPLES, sampling_pair
 
-    sampler = Generator(*_sampling_pair(), mesh=sharding.make_mesh(tensor=2, data=4))
-    result = sampler.generate([test_sampling.PROMPT] * test_sampling.SAMPLES, max_new_tokens=3,
+    sampler = Generator(*sampling_pair(), mesh=sharding.make_mesh(tensor=2, data=4))
+    result = sampler.generate([PROMPT] * SAMPLES, max_new_tokens=3,
                               stop_token_ids=(), temperature=1.0, seed=11)
     found["sampling"] = {"tokens": result.tokens, "tau": result.tau,
                          "problems": _sharding_problems(sampler, lambda model: sharding.param_shardings(
@@ -383,45 +385,14 @@ def sharded_run(out: str, workdir: str) -> None:
     Path(out).write_text(json.dumps(found))
 
 
-def _sampling_pair():
-    """test_sampling's target (its LM head sharpened) and drafter, built as its `pair` fixture does."""
-    import jax
-
-    import test_sampling
-    from dflash_jax._drafter import Drafter, init_drafter_params
-    from dflash_jax._target import Target, init_target_params
-
-    params = init_target_params(test_sampling.TARGET, jax.random.PRNGKey(3))
-    params = {**params, "embed_tokens": {"embedding": params["embed_tokens"]["embedding"] * 4.0}}
-    drafter = Drafter(test_sampling.DRAFTER, init_drafter_params(test_sampling.DRAFTER, jax.random.PRNGKey(5)))
-    return Target(test_sampling.TARGET, params), drafter
-
-
-def run_8_devices(call: str, module: str = "test_sharded_generate") -> dict:
-    """Run `<module>.<call>` (its "{out}" a JSON file it writes its findings to, "{tmp}" a scratch
-    directory) in a subprocess with 8 CPU devices -> the findings."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "findings.json"
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-        code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
-                f"import {module} as t; t.{call.format(out=repr(str(out)), tmp=repr(tmp))}")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
 def findings():
-    return run_8_devices("sharded_run({out}, {tmp})")
+    return run_8_devices("sharded_run({out}, {tmp})", "test_sharded_generate")
 
 
 @pytest.fixture(scope="module")
 def extra_findings():
-    return run_8_devices("extra_run({out})")
+    return run_8_devices("extra_run({out})", "test_sharded_generate")
 
 
 CASES = [(model, mesh) for model, meshes in DEFAULT_MESHES.items() for mesh in meshes]
@@ -601,12 +572,12 @@ def test_sampling_on_a_mesh_matches_the_target_distribution(findings):
     """Speculative sampling on tensor=2 x data=4 keeps the target's exact distribution (the
     chi-square of tests/test_sampling.py, its seeds and threshold), drafts were accepted, and the
     programs' parameter shardings are the rules'."""
-    from test_sampling import SAMPLES, chi_square_pvalue, exact_joint
+    from support.sampling import SAMPLES, chi_square_pvalue, exact_joint, sampling_pair
 
     sampled = findings["sampling"]
     samples = [tuple(t) for t in sampled["tokens"]]
     assert len(samples) == SAMPLES and all(len(s) == 3 for s in samples)
-    target, _ = _sampling_pair()
+    target, _ = sampling_pair()
     assert chi_square_pvalue(samples, exact_joint(target)) > 1e-3
     assert sampled["tau"] > 1.05
     assert sampled["problems"] == []

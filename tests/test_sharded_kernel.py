@@ -123,7 +123,7 @@ def _generator_run(mesh) -> dict:
 
 @pytest.fixture(scope="module")
 def findings():
-    from test_sharded_generate import run_8_devices
+    from support.devices import run_8_devices
 
     return run_8_devices("sharded_run({out})", module="test_sharded_kernel")
 

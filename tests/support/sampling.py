@@ -1,16 +1,35 @@
-"""Sampling's statistical check shared by the test modules: a target's exact joint distribution of
-its first tokens, by enumeration, and the chi-square of samples against it (test_sampling's
-prompt, sample count and vocabulary; test_sampling.py keeps its own copy of these until its owner
-imports them from here)."""
+"""Sampling's statistical check shared by the test modules: a sampled pair (a target with a sharpened
+LM head and a drafter that differs from it), the target's exact joint distribution of its first
+tokens, by enumeration, and the chi-square of samples against it."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax._config import ModelConfig
+from dflash_jax._drafter_config import DrafterConfig
+
 V = 6  # the vocabulary of the sampled targets is V + 1 (the last id: the drafter's mask token)
+TARGET = ModelConfig(arch="llama", vocab_size=V + 1, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+DRAFTER = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                        head_dim=8, vocab_size=V + 1, num_target_layers=2, target_layer_ids=(0, 1),
+                        block_size=4, mask_token_id=V)
 PROMPT = [1, 4, 2]
 SAMPLES = 6000
+
+
+def sampling_pair():
+    """TARGET with its LM head sharpened (the distribution far from uniform, the mask token never
+    emitted) and DRAFTER, from fixed seeds -> (Target, Drafter)."""
+    from dflash_jax._drafter import Drafter, init_drafter_params
+    from dflash_jax._target import Target, init_target_params
+
+    params = init_target_params(TARGET, jax.random.PRNGKey(3))
+    params = {**params, "embed_tokens": {"embedding": params["embed_tokens"]["embedding"] * 4.0}}
+    drafter = Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(5)))
+    return Target(TARGET, params), drafter
 
 _PROBS_FNS = {}
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from dflash_jax import backends, _masks as masks
 from dflash_jax._attention import attention, cache_attention
-from dflash_jax._cache import HybridCache, KVCache, resolve_kv_cache_dtype
+from dflash_jax._cache import GroupedKVCache, HybridCache, KVCache, resolve_kv_cache_dtype
 from dflash_jax._config import LINEAR, ModelConfig
 from dflash_jax._stack import is_direct, stack_segments
 from dflash_jax._layers import (MLP, AttentionProjections, Capture, RMSNorm, Rotary, capture_into, run_layers,
@@ -98,11 +98,12 @@ class TargetLayer(nn.Module):
 
 class StackGroup(nn.Module):
     """One repeat of a segment's layer pattern (`dflash_jax._stack`); the scan body of a segment.
-    carry: (hidden, features | None); xs: (the KV-cache index of the repeat's first attention layer,
-    capture slots [P], attention windows [P], conv tails [Pl, B, K-1, C] | None, states [Pl, B, Hv, Dk, Dv] | None);
-    broadcast: positions, cos, sin, the KV cache | None. ys: the attention layers' (k, v) and the
-    linear layers' pending inputs, each stacked over the repeat's layers of that kind (None where
-    it has none, or without a cache)."""
+    carry: (hidden, features | None); xs: (per KV group (`ModelConfig.kv_groups`), the index there of the
+    repeat's first layer of that group [G], capture slots [P], attention windows [P], conv tails
+    [Pl, B, K-1, C] | None, states [Pl, B, Hv, Dk, Dv] | None); broadcast: positions, cos, sin, the KV
+    cache (a KVCache, or a GroupedKVCache where the groups differ in shape) | None. ys: per KV group the
+    (k, v) of the repeat's layers of that group (None where it has none, or without a cache), and the
+    linear layers' pending inputs stacked (None where it has none)."""
 
     config: ModelConfig
     pattern: tuple  # (mixer, mlp) per position
@@ -117,11 +118,13 @@ class StackGroup(nn.Module):
         cfg = self.config
         kv_base, slots, windows, tails, states = xs
         b = carry[0].shape[0]
-        kv, pending = [], []
+        shapes = [shape for shape, _ in cfg.kv_groups]
+        kv, pending = [[] for _ in shapes], []
         for p, (mixer, mlp) in enumerate(self.pattern):
             layout = {"linear_groups": self.linear_groups} if cfg.is_hybrid_arch else {}  # sharding
             layer = cfg.family.layer_module(mixer)(cfg, self.dtype, self.attn_impl, self.backend, self.kv_replicas,
                                                    mixer=mixer, mlp=mlp, name=f"layer_{p}", **layout)
+            shape = cfg.family.kv_shape(cfg, mixer)
             if mixer == LINEAR:
                 i, linear = len(pending), cfg.linear
                 tail = tails[i] if tails is not None else jnp.zeros(
@@ -130,12 +133,16 @@ class StackGroup(nn.Module):
                     (b, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim), jnp.float32)
                 carry, out = layer(carry, (0, 0, slots[p]), positions, cos, sin, (tail, state))
                 pending.append(out)
+            elif shape is None:  # a layer that keeps no keys of its own
+                carry, _ = layer(carry, (0, windows[p], slots[p]), positions, cos, sin, kv_cache)
             else:
-                carry, out = layer(carry, (kv_base + len(kv), windows[p], slots[p]), positions, cos, sin, kv_cache)
-                kv.append(out)
+                g = shapes.index(shape)
+                cache = kv_cache.groups[g] if isinstance(kv_cache, GroupedKVCache) else kv_cache
+                carry, out = layer(carry, (kv_base[g] + len(kv[g]), windows[p], slots[p]), positions, cos, sin, cache)
+                kv[g].append(out)
         stack = lambda items: (jax.tree_util.tree_map(lambda *x: jnp.stack(x), *items)  # noqa: E731
                                if items and items[0] is not None else None)
-        return carry, (stack(kv), stack(pending))
+        return carry, (tuple(stack(group) for group in kv), stack(pending))
 
 
 class TargetModel(nn.Module):
@@ -214,18 +221,23 @@ class TargetModel(nn.Module):
 
     def _run_segments(self, carry, plan: Capture, positions, cos, sin, cache):
         """Each segment's scan in turn -> (carry, pending): (k, v) [La, B, T, ...] of the attention layers
-        in order, plus, for a HybridCache, the linear layers' pending inputs [Ll, B, T, ...]."""
+        in order (per KV group, a tuple of them, for a GroupedKVCache), plus, for a HybridCache, the linear
+        layers' pending inputs [Ll, B, T, ...]."""
         cfg = self.config
         hybrid = isinstance(cache, HybridCache)
         kv_cache = cache.kv if hybrid else cache
         kinds = [mixer for mixer, _ in cfg.layer_kinds]
-        kv, linear = [], []
+        group_of = {i: g for g, (_, ids) in enumerate(cfg.kv_groups) for i in ids}  # layer -> its KV group
+        kv, linear = [[] for _ in cfg.kv_groups], []
         for segment, scan in zip(self.segments, self.stack):
             mixers = [mixer for mixer, _ in segment.pattern]
-            per_kv, per_linear = len(mixers) - mixers.count(LINEAR), mixers.count(LINEAR)
-            kv_start = sum(k != LINEAR for k in kinds[:segment.start])
+            per_linear = mixers.count(LINEAR)
             linear_start = sum(k == LINEAR for k in kinds[:segment.start])
-            kv_base = kv_start + per_kv * jnp.arange(segment.repeats, dtype=jnp.int32)
+            # per KV group, the index there of each repeat's first layer of that group [repeats, G]
+            kv_base = jnp.stack([sum(group_of.get(i) == g for i in range(segment.start))
+                                 + sum(group_of.get(i) == g for i in range(segment.start, segment.start + len(mixers)))
+                                 * jnp.arange(segment.repeats, dtype=jnp.int32)
+                                 for g in range(len(cfg.kv_groups))], axis=-1).astype(jnp.int32)
             slots = jnp.asarray(plan.slots[segment.start:segment.stop].reshape(segment.repeats, -1))
             windows = jnp.asarray(cfg.layer_windows[segment.start:segment.stop], jnp.int32).reshape(segment.repeats, -1)
             per_repeat = lambda x: None if not hybrid or not per_linear else x[  # noqa: E731
@@ -235,13 +247,16 @@ class TargetModel(nn.Module):
                   per_repeat(cache.state) if hybrid else None)
             carry, (seg_kv, seg_linear) = scan(carry, xs, positions, cos, sin, kv_cache)
             flat = lambda tree: jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), tree)  # noqa: E731
-            if seg_kv is not None:
-                kv.append(flat(seg_kv))
+            for g, group in enumerate(seg_kv):
+                if group is not None:
+                    kv[g].append(flat(group))
             if seg_linear is not None:
                 linear.append(flat(seg_linear))
         join = lambda parts: (None if not parts else parts[0] if len(parts) == 1  # noqa: E731
                               else jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *parts))
-        k, v = join(kv) if kv else (None, None)
+        if isinstance(kv_cache, GroupedKVCache):
+            return carry, tuple(join(group) for group in kv)
+        k, v = join(kv[0]) if kv and kv[0] else (None, None)
         if hybrid:
             return carry, (k, v, join(linear))
         return carry, (k, v)
@@ -272,11 +287,17 @@ class TargetModel(nn.Module):
         return run_layers(self, TargetLayer, "__call__", carry, layer_xs, positions, cos, sin, cache)
 
     def embed(self, tokens):
-        return backends.get(self.backend).embed(self, tokens)
+        """tokens [...] -> embeddings [..., D], times the family's embedding scale (in their dtype) where it has one."""
+        embeds = backends.get(self.backend).embed(self, tokens)
+        scale = self.config.family.embedding_scale(self.config)
+        return embeds if scale is None else embeds * jnp.asarray(scale, embeds.dtype)
 
     def logits(self, hidden):
-        """Final-normed hidden [..., D] -> float32 logits [..., V]."""
-        return backends.get(self.backend).logits(self, hidden)
+        """Final-normed hidden [..., D] -> float32 logits [..., V]: the target's distribution, softcapped
+        (c * tanh(z / c)) where the config's final_logit_softcapping c > 0."""
+        logits = backends.get(self.backend).logits(self, hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else cap * jnp.tanh(logits / cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +403,9 @@ class TargetSpec:
         if self.config.is_hybrid_arch:
             return HybridCache.for_model(self.config, batch, capacity, self.kv_cache_dtype,
                                          kv_replicas=self.kv_replicas, groups=self.linear_groups)
+        if len(self.config.kv_groups) > 1:  # attention layers of different shapes (Gemma 4)
+            return GroupedKVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype,
+                                            kv_replicas=self.kv_replicas)
         return KVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype, kv_replicas=self.kv_replicas)
 
 

@@ -121,6 +121,21 @@ GPT_OSS = dict(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_l
                num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
                max_position_embeddings=256, swiglu_limit=0.5)
 
+# Gemma 4: two sliding layers (window 5, under the prompts and the prefill chunk) and two full ones of
+# another shape (head 16, one kv head with attention_k_eq_v); a softcap that bends the logits; no per-layer
+# inputs (transformers' default has them)
+GEMMA4 = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+              attention_k_eq_v=True, sliding_window=5, hidden_size_per_layer_input=0, final_logit_softcapping=3.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+              max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def _gemma4_init(name, p, torch):
+    """Gemma 4: as dense, the other weights twice as wide."""
+    p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+
+
 FAMILIES = {row.name: row for row in [
     Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", QWEN3, _dense_init, slow=_DENSE_SLOW | {
         "prefill[sliding-yarn]", "greedy[sliding-yarn]"}, variants={
@@ -182,6 +197,14 @@ FAMILIES = {row.name: row for row in [
            # 6 tokens per chunk: windows across chunks
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6), max_new_tokens=40,
            slow=frozenset({"speculative", "sampling", "decode_loop_hlo"})),
+    Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", GEMMA4, _gemma4_init, parity_tokens=12,
+           variants={
+               DEFAULT: {},  # gemma-4-31B's layers: k=v full layers of their own shape
+               # keys and values of their own on the full layers, as many kv heads as the sliding ones
+               "separate-v": dict(attention_k_eq_v=False, tie_word_embeddings=False)},
+           slow_variants=frozenset({"separate-v"}),
+           prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6),
+           slow=frozenset({"rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
 ]}
 
 

@@ -100,10 +100,14 @@ class StackGroup(nn.Module):
     """One repeat of a segment's layer pattern (`dflash_jax._stack`); the scan body of a segment.
     carry: (hidden, features | None); xs: (per KV group (`ModelConfig.kv_groups`), the index there of the
     repeat's first layer of that group [G], capture slots [P], attention windows [P], conv tails
-    [Pl, B, K-1, C] | None, states [Pl, B, Hv, Dk, Dv] | None); broadcast: positions, cos, sin, the KV
-    cache (a KVCache, or a GroupedKVCache where the groups differ in shape) | None. ys: per KV group the
-    (k, v) of the repeat's layers of that group (None where it has none, or without a cache), and the
-    linear layers' pending inputs stacked (None where it has none)."""
+    [Pl, B, K-1, C] | None, states [Pl, B, Hv, Dk, Dv] | None, the layers' own inputs [P, B, T, ...] | None
+    (`Family.layer_inputs`: each layer gets its own as a fourth entry of its xs)); broadcast: positions,
+    cos, sin, the KV cache (a KVCache, or a GroupedKVCache where the groups differ in shape) | None, and
+    `shared`: per KV group the new (k, v) [Lg, B, T, ...] of the layers before this segment, or None. A
+    layer that keeps no keys of its own (`Family.kv_shape` None: Gemma 4's kv-shared layers) gets
+    (the KV cache, shared) as its cache. ys: per KV group the (k, v) of the repeat's layers of that group
+    (None where it has none, or without a cache), and the linear layers' pending inputs stacked (None
+    where it has none)."""
 
     config: ModelConfig
     pattern: tuple  # (mixer, mlp) per position
@@ -114,9 +118,10 @@ class StackGroup(nn.Module):
     linear_groups: int = 1
 
     @nn.compact
-    def __call__(self, carry, xs, positions, cos, sin, kv_cache):
+    def __call__(self, carry, xs, positions, cos, sin, kv_cache, shared=None):
         cfg = self.config
-        kv_base, slots, windows, tails, states = xs
+        kv_base, slots, windows, tails, states, inputs = xs
+        own = lambda p: () if inputs is None else (inputs[p],)  # noqa: E731
         b = carry[0].shape[0]
         shapes = [shape for shape, _ in cfg.kv_groups]
         kv, pending = [[] for _ in shapes], []
@@ -134,11 +139,12 @@ class StackGroup(nn.Module):
                 carry, out = layer(carry, (0, 0, slots[p]), positions, cos, sin, (tail, state))
                 pending.append(out)
             elif shape is None:  # a layer that keeps no keys of its own
-                carry, _ = layer(carry, (0, windows[p], slots[p]), positions, cos, sin, kv_cache)
+                carry, _ = layer(carry, (0, windows[p], slots[p], *own(p)), positions, cos, sin, (kv_cache, shared))
             else:
                 g = shapes.index(shape)
                 cache = kv_cache.groups[g] if isinstance(kv_cache, GroupedKVCache) else kv_cache
-                carry, out = layer(carry, (kv_base[g] + len(kv[g]), windows[p], slots[p]), positions, cos, sin, cache)
+                carry, out = layer(carry, (kv_base[g] + len(kv[g]), windows[p], slots[p], *own(p)), positions, cos,
+                                   sin, cache)
                 kv[g].append(out)
         stack = lambda items: (jax.tree_util.tree_map(lambda *x: jnp.stack(x), *items)  # noqa: E731
                                if items and items[0] is not None else None)
@@ -175,7 +181,8 @@ class TargetModel(nn.Module):
         else:
             scan = lambda segment, name: nn.scan(  # noqa: E731
                 StackGroup, variable_axes={"params": 0}, split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=segment.repeats,
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=segment.repeats,
                 check_constancy_invariants=False,  # as `_make_layers` (see there)
             )(cfg, segment.pattern, self.dtype, self.attn_impl, self.backend, self.kv_replicas, self.linear_groups,
               name=name)
@@ -186,6 +193,7 @@ class TargetModel(nn.Module):
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
                                     param_dtype=self.dtype)
         self.rotary = Rotary(cfg)
+        self.layer_inputs = cfg.family.layer_inputs(cfg, self.dtype)
 
     def __call__(self, tokens, cache=None, *, positions=None,
                  capture: Sequence[int] = (), num_new=None, write_cache: bool = True):
@@ -200,6 +208,7 @@ class TargetModel(nn.Module):
         """
         cfg = self.config
         hidden = self.embed(tokens)
+        inputs = None if self.layer_inputs is None else self.layer_inputs(tokens, hidden)  # [B, T, L, ...]
         b, t = tokens.shape
         positions = token_positions(tokens, cache, positions)
         cos, sin = self.rotary(positions)
@@ -207,10 +216,12 @@ class TargetModel(nn.Module):
         buffer = plan.buffer(b, t, cfg.hidden_size, self.dtype)
         if self.direct:
             layer_xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32),
-                        jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(plan.slots))
+                        jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(plan.slots),
+                        *(() if inputs is None else (jnp.moveaxis(inputs, 2, 0),)))
             (hidden, buffer), pending = self._run_layers((hidden, buffer), layer_xs, positions, cos, sin, cache)
         else:
-            (hidden, buffer), pending = self._run_segments((hidden, buffer), plan, positions, cos, sin, cache)
+            (hidden, buffer), pending = self._run_segments((hidden, buffer), plan, positions, cos, sin, cache,
+                                                           inputs)
         hidden = self.norm(hidden)
         features = plan.features(hidden, buffer)
         if cache is None:
@@ -219,7 +230,7 @@ class TargetModel(nn.Module):
             return hidden, features, pending
         return hidden, features, cache.commit(pending, t if num_new is None else num_new)
 
-    def _run_segments(self, carry, plan: Capture, positions, cos, sin, cache):
+    def _run_segments(self, carry, plan: Capture, positions, cos, sin, cache, inputs=None):
         """Each segment's scan in turn -> (carry, pending): (k, v) [La, B, T, ...] of the attention layers
         in order (per KV group, a tuple of them, for a GroupedKVCache), plus, for a HybridCache, the linear
         layers' pending inputs [Ll, B, T, ...]."""
@@ -229,6 +240,8 @@ class TargetModel(nn.Module):
         kinds = [mixer for mixer, _ in cfg.layer_kinds]
         group_of = {i: g for g, (_, ids) in enumerate(cfg.kv_groups) for i in ids}  # layer -> its KV group
         kv, linear = [[] for _ in cfg.kv_groups], []
+        join = lambda parts: (None if not parts else parts[0] if len(parts) == 1  # noqa: E731
+                              else jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *parts))
         for segment, scan in zip(self.segments, self.stack):
             mixers = [mixer for mixer, _ in segment.pattern]
             per_linear = mixers.count(LINEAR)
@@ -243,17 +256,19 @@ class TargetModel(nn.Module):
             per_repeat = lambda x: None if not hybrid or not per_linear else x[  # noqa: E731
                 linear_start:linear_start + segment.repeats * per_linear].reshape(segment.repeats, per_linear,
                                                                                     *x.shape[1:])
+            own = None if inputs is None else jnp.moveaxis(inputs[:, :, segment.start:segment.stop], 2, 0).reshape(
+                segment.repeats, len(mixers), *inputs.shape[:2], *inputs.shape[3:])
             xs = (kv_base, slots, windows, per_repeat(cache.conv) if hybrid else None,
-                  per_repeat(cache.state) if hybrid else None)
-            carry, (seg_kv, seg_linear) = scan(carry, xs, positions, cos, sin, kv_cache)
+                  per_repeat(cache.state) if hybrid else None, own)
+            readers = any(m != LINEAR and cfg.family.kv_shape(cfg, m) is None for m in mixers)
+            shared = tuple(join(group) for group in kv) if readers else None
+            carry, (seg_kv, seg_linear) = scan(carry, xs, positions, cos, sin, kv_cache, shared)
             flat = lambda tree: jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), tree)  # noqa: E731
             for g, group in enumerate(seg_kv):
                 if group is not None:
                     kv[g].append(flat(group))
             if seg_linear is not None:
                 linear.append(flat(seg_linear))
-        join = lambda parts: (None if not parts else parts[0] if len(parts) == 1  # noqa: E731
-                              else jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *parts))
         if isinstance(kv_cache, GroupedKVCache):
             return carry, tuple(join(group) for group in kv)
         k, v = join(kv[0]) if kv and kv[0] else (None, None)

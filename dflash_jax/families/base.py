@@ -78,6 +78,12 @@ class Family:
         for one that keeps none (`ModelConfig.kv_groups`)."""
         return None if mixer == LINEAR else (config.num_kv_heads, config.head_dim)
 
+    def layer_inputs(self, config: ModelConfig, dtype):
+        """None, or a Flax module (a submodule of the target model, "layer_inputs") that gives each layer an input
+        of its own: (tokens [B, T], their embeddings [B, T, D]) -> [B, T, L, ...], layer i's [..., i, :] the
+        fourth entry of its xs (Gemma 4's per-layer inputs)."""
+        return None
+
     def embedding_scale(self, config: ModelConfig) -> float | None:
         """The factor the token embeddings are multiplied by (in the embedding's dtype), None for none."""
         return None

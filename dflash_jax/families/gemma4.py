@@ -29,16 +29,19 @@ import numpy as np
 
 from dflash_jax import _masks as masks
 from dflash_jax._attention import attention, cache_attention
+from dflash_jax._cache import GroupedKVCache
 from dflash_jax._config import ConfigFields, ModelConfig, _freeze
 from dflash_jax._layers import RMSNorm, apply_rotary, capture_into, make_dense, rms_normalize, rope_frequencies, \
     rotary_cos_sin
 from dflash_jax.families import register
 from dflash_jax.families.base import Family
 from dflash_jax.loading.names import Rule, _linear_rules
+from dflash_jax.sharding import declare_param_axes
 
 log = logging.getLogger(__name__)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+KV_SHARED = "_kv_shared"  # a mixer's suffix: a layer that reads an earlier layer's keys and values
 # What a Gemma 4 multimodal checkpoint carries beside its text model: not read (a note says how many).
 UNUSED = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
@@ -85,6 +88,18 @@ class Gemma4Options:
 
 def _options(config: ModelConfig) -> Gemma4Options:
     return config.family_options
+
+
+def first_kv_shared_layer(config: ModelConfig) -> int:
+    """The first of the last `num_kv_shared_layers` layers, which read an earlier layer's keys and values."""
+    return config.num_layers - _options(config).num_kv_shared_layers
+
+
+def kv_source(config: ModelConfig, kind: str) -> tuple[int, int]:
+    """(KV group, index in it) of the layer whose keys and values the kv-shared layers of `kind` (SLIDING or
+    FULL) read: the last layer of that type before the shared ones (transformers' "store" layer)."""
+    producer = max(i for i, t in enumerate(config.layer_types[:first_kv_shared_layer(config)]) if t == kind)
+    return next((g, ids.index(producer)) for g, (_, ids) in enumerate(config.kv_groups) if producer in ids)
 
 
 def proportional_inv_freq(head_dim: int, theta: float, rope: dict) -> np.ndarray:
@@ -134,13 +149,19 @@ class Gemma4Attention(nn.Module):
     """One layer's attention: q/k/v projections (no v_proj on a full layer with `attention_k_eq_v`: the values
     are the key projection), per-head RMSNorm of queries and keys (with scales) and of values (without),
     RoPE of the layer's kind on queries and keys, unscaled attention (scale 1) over the layer's window.
-    -> (output [B, T, D], the new (k, v) [B, T, Hkv, Dh] in the cache's dtype, or None without a cache)."""
+    -> (output [B, T, D], the new (k, v) [B, T, Hkv, Dh] in the cache's dtype, or None without a cache and
+    without kv-shared layers to read them).
+
+    kv_shared: a layer with no keys of its own (q_proj, q_norm and o_proj only): `cache` is (the whole KV
+    cache | None, the new (k, v) per KV group of the layers before it) and it attends over its source's
+    (`kv_source`) cached and new keys."""
 
     config: ModelConfig
     full: bool
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"
+    kv_shared: bool = False
 
     @nn.compact
     def __call__(self, x, positions, window, cache, layer):
@@ -153,14 +174,25 @@ class Gemma4Attention(nn.Module):
         inv_freq, scale = layer_rotary(cfg, self.full)
         cos, sin = rotary_cos_sin(positions, inv_freq, scale)
         q = apply_rotary(norm("q_norm")(dense(h * d, "q_proj")(x).reshape(b, t, h, d)), cos, sin)
+        ranges = masks.causal(positions, window)
+        out = lambda attended: dense(cfg.hidden_size, "o_proj")(attended.reshape(b, t, h * d))  # noqa: E731
+        if self.kv_shared:
+            (whole, shared), (g, layer) = cache, kv_source(cfg, FULL if self.full else SLIDING)
+            k, v = shared[g][0][layer], shared[g][1][layer]
+            if whole is None:
+                return out(attention(q, k, v, ranges, scale=1.0, impl=self.attn_impl)), None
+            source = whole.groups[g] if isinstance(whole, GroupedKVCache) else whole
+            offsets = source.lengths
+            return out(cache_attention(q, source.k, source.v, layer, ranges.segment(0, offsets), k, v,
+                                       ranges.segment(offsets, offsets + t), scale=1.0, impl=self.attn_impl,
+                                       backend=self.backend)), None
         raw_k = dense(hkv * d, "k_proj")(x).reshape(b, t, hkv, d)
         raw_v = raw_k if self.full and opts.attention_k_eq_v else dense(hkv * d, "v_proj")(x).reshape(b, t, hkv, d)
         k = apply_rotary(norm("k_norm")(raw_k), cos, sin)
         v = rms_normalize(raw_v, cfg.rms_norm_eps).astype(raw_v.dtype)
-        ranges = masks.causal(positions, window)
         if cache is None:
             attended = attention(q, k, v, ranges, scale=1.0, impl=self.attn_impl)
-            new = None
+            new = (k, v) if opts.num_kv_shared_layers else None  # read by the kv-shared layers
         else:
             offsets = cache.lengths
             k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
@@ -168,17 +200,19 @@ class Gemma4Attention(nn.Module):
                                        ranges.segment(offsets, offsets + t), scale=1.0, impl=self.attn_impl,
                                        backend=self.backend)
             new = (k, v)
-        return dense(cfg.hidden_size, "o_proj")(attended.reshape(b, t, h * d)), new
+        return out(attended), new
 
 
 class Gemma4Layer(nn.Module):
     """One Gemma 4 decoder layer (transformers' `Gemma4TextDecoderLayer`), called as every layer of the stack
     is (`dflash_jax._target.TargetLayer`): carry (hidden, features | None), xs (KV-cache layer index in its
-    group, window, capture slot), broadcast positions, cos, sin (unused: the layer's kind has its own RoPE)
-    and its group's KV cache | None. ys: the new (k, v), None without a cache.
+    group, window, capture slot, and with per-layer inputs its own [B, T, P]), broadcast positions, cos, sin
+    (unused: the layer's kind has its own RoPE) and its group's KV cache | None (a kv-shared layer's:
+    `Gemma4Attention`). ys: the new (k, v), None without a cache.
 
     h += post_attention_norm(attention(input_norm(h))); h += post_feedforward_norm(mlp(pre_feedforward_norm(h)));
-    h *= layer_scalar."""
+    with per-layer inputs, h += post_per_layer_input_norm(per_layer_projection(gelu_tanh(per_layer_input_gate(h))
+    * its input)); h *= layer_scalar."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -194,18 +228,56 @@ class Gemma4Layer(nn.Module):
         if self.kv_replicas != 1:
             raise NotImplementedError("gemma4: kv-head replication on a tensor axis larger than the kv heads is not "
                                       "supported; choose a tensor axis that divides every layer's kv heads")
+        opts = _options(cfg)
         hidden, features = carry
-        layer, window, slot = layer_xs
+        layer, window, slot, *own = layer_xs
+        kv_shared = self.mixer.endswith(KV_SHARED)
+        full = self.mixer.removesuffix(KV_SHARED) == FULL
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, True, name=name)  # noqa: E731
-        attended, new = Gemma4Attention(cfg, self.mixer == FULL, self.dtype, self.attn_impl, self.backend,
+        dense = lambda n, name: make_dense(n, False, self.dtype, self.backend, name=name)  # noqa: E731
+        attended, new = Gemma4Attention(cfg, full, self.dtype, self.attn_impl, self.backend, kv_shared,
                                         name="self_attn")(norm("input_layernorm")(hidden), positions, window,
                                                           cache, layer)
         hidden = hidden + norm("post_attention_layernorm")(attended)
         x = norm("pre_feedforward_layernorm")(hidden)
-        hidden = hidden + norm("post_feedforward_layernorm")(GeGLU(cfg.intermediate_size, self.dtype, name="mlp")(x))
+        width = cfg.intermediate_size * (2 if kv_shared and opts.double_wide_mlp else 1)
+        hidden = hidden + norm("post_feedforward_layernorm")(GeGLU(width, self.dtype, name="mlp")(x))
+        if opts.hidden_size_per_layer_input:
+            gate = gelu_tanh(dense(opts.hidden_size_per_layer_input, "per_layer_input_gate")(hidden)) * own[0]
+            hidden = hidden + norm("post_per_layer_input_norm")(dense(cfg.hidden_size, "per_layer_projection")(gate))
         scalar = self.param("layer_scalar", nn.initializers.ones, (1,), self.dtype)
         hidden = hidden * scalar.astype(hidden.dtype)
         return (hidden, capture_into(features, slot, hidden)), new
+
+
+class PerLayerInputs(nn.Module):
+    """Gemma 4's per-layer inputs: (tokens [B, T], their scaled embeddings [B, T, D]) -> [B, T, L, P], layer
+    i's own input [..., i, :]: (norm(per_layer_model_projection(embeddings) / sqrt(D)) + the tokens' rows
+    of embed_tokens_per_layer times sqrt(P)) / sqrt(2), each [L * P] row read as [L, P]."""
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, embeds):
+        cfg, opts = self.config, _options(self.config)
+        n, p = cfg.num_layers, opts.hidden_size_per_layer_input
+        table = nn.Embed(opts.vocab_size_per_layer_input, n * p, dtype=self.dtype, param_dtype=self.dtype,
+                         name="embed_tokens_per_layer")
+        own = table(tokens)
+        own = (own * jnp.asarray(p ** 0.5, own.dtype)).reshape(*tokens.shape, n, p)
+        projected = make_dense(n * p, False, self.dtype, name="per_layer_model_projection")(embeds)
+        projected = (projected * cfg.hidden_size ** -0.5).reshape(*tokens.shape, n, p)
+        projected = RMSNorm(cfg.rms_norm_eps, self.dtype, True, name="per_layer_projection_norm")(projected)
+        return (projected + own) * 2.0 ** -0.5
+
+
+declare_param_axes({
+    ("layer_scalar",): ("norm",),
+    ("per_layer_input_gate", "kernel"): ("embed", "embed"), ("per_layer_projection", "kernel"): ("embed", "embed"),
+    ("per_layer_model_projection", "kernel"): ("embed", "embed"),
+    ("embed_tokens_per_layer", "embedding"): ("vocab", "embed"),
+})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,11 +382,16 @@ class Gemma4(Family):
             raise ValueError("a gemma4 target has no attention sinks, linear attention or other MoE block")
         if config.mlp_bias:
             raise ValueError("a gemma4 MLP has no biases")
-        if opts.hidden_size_per_layer_input:
-            raise ValueError("gemma4: per-layer inputs (hidden_size_per_layer_input > 0) are not supported yet")
+        if opts.hidden_size_per_layer_input and not opts.vocab_size_per_layer_input:
+            raise ValueError("gemma4: per-layer inputs need vocab_size_per_layer_input > 0")
         if opts.num_kv_shared_layers:
-            raise ValueError("gemma4: num_kv_shared_layers > 0 (layers reading an earlier layer's keys) is not "
-                             "supported yet")
+            first = first_kv_shared_layer(config)
+            if first <= 0:
+                raise ValueError(f"gemma4: num_kv_shared_layers ({opts.num_kv_shared_layers}) must leave layers that "
+                                 f"keep keys of their own ({config.num_layers} layers)")
+            if set(config.layer_types[first:]) - set(config.layer_types[:first]):
+                raise ValueError("gemma4: every layer type among the kv-shared layers needs a layer of its type "
+                                 "before them (whose keys they read)")
         for mixer in (SLIDING, FULL):
             heads, _ = self.kv_shape(config, mixer)
             if config.num_heads % heads:
@@ -326,9 +403,13 @@ class Gemma4(Family):
                              f"not with {rope.get('rope_type')!r}")
 
     def layer_mixer(self, config, layer, layer_type):
-        return layer_type  # "sliding_attention" | "full_attention": layers of different shapes and RoPE
+        """"sliding_attention" | "full_attention" (layers of different shapes and RoPE), with `KV_SHARED`
+        appended for the last `num_kv_shared_layers` layers."""
+        return layer_type + (KV_SHARED if layer >= first_kv_shared_layer(config) else "")
 
     def kv_shape(self, config, mixer):
+        if mixer.endswith(KV_SHARED):
+            return None
         if mixer == FULL:
             opts = _options(config)
             return opts.global_kv_heads, opts.global_head_dim
@@ -337,19 +418,41 @@ class Gemma4(Family):
     def embedding_scale(self, config):
         return config.hidden_size ** 0.5
 
+    def layer_inputs(self, config, dtype):
+        return PerLayerInputs(config, dtype) if _options(config).hidden_size_per_layer_input else None
+
     def layer_module(self, mixer: str):
         return Gemma4Layer
 
+    def target_rules(self, config, prefix="model."):
+        """The common table and, with per-layer inputs, their model-level weights."""
+        rules = super().target_rules(config, prefix)
+        if _options(config).hidden_size_per_layer_input:
+            own = ("layer_inputs",)
+            rules += [Rule(f"{prefix}embed_tokens_per_layer.weight", (*own, "embed_tokens_per_layer", "embedding")),
+                      Rule(f"{prefix}per_layer_model_projection.weight", (*own, "per_layer_model_projection", "kernel"),
+                           transpose=True),
+                      Rule(f"{prefix}per_layer_projection_norm.weight", (*own, "per_layer_projection_norm", "scale"))]
+        return rules
+
     def mixer_rules(self, config, mixer, hf, path, ids):
         """The attention (no v_proj on a full layer with attention_k_eq_v; q/k norms, the value norm has no
-        weight) and the layer's own weights beside it: its pre/post feed-forward norms and `layer_scalar`."""
-        attn = (*path, "self_attn")
-        names = ("q_proj", "k_proj", "o_proj") if mixer == FULL and _options(config).attention_k_eq_v else \
-            ("q_proj", "k_proj", "v_proj", "o_proj")
-        return (_linear_rules(f"{hf}.self_attn", attn, names, config.attention_bias, ids)
-                + [Rule(f"{hf}.self_attn.{n}.weight", (*attn, n, "scale"), layer_ids=ids) for n in ("q_norm", "k_norm")]
-                + [Rule(f"{hf}.{n}.weight", (*path, n, "scale"), layer_ids=ids)
-                   for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        weight; a kv-shared layer's q_proj, q_norm and o_proj only) and the layer's own weights beside it: its
+        pre/post feed-forward norms, its per-layer input's gate, projection and norm, and `layer_scalar`."""
+        attn, opts = (*path, "self_attn"), _options(config)
+        if mixer.endswith(KV_SHARED):
+            names, norms = ("q_proj", "o_proj"), ("q_norm",)
+        else:
+            names = ("q_proj", "k_proj", "o_proj") if mixer == FULL and opts.attention_k_eq_v else \
+                ("q_proj", "k_proj", "v_proj", "o_proj")
+            norms = ("q_norm", "k_norm")
+        own_norms = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        rules = (_linear_rules(f"{hf}.self_attn", attn, names, config.attention_bias, ids)
+                 + [Rule(f"{hf}.self_attn.{n}.weight", (*attn, n, "scale"), layer_ids=ids) for n in norms])
+        if opts.hidden_size_per_layer_input:
+            rules += _linear_rules(hf, path, ("per_layer_input_gate", "per_layer_projection"), False, ids)
+            own_norms += ("post_per_layer_input_norm",)
+        return (rules + [Rule(f"{hf}.{n}.weight", (*path, n, "scale"), layer_ids=ids) for n in own_norms]
                 + [Rule(f"{hf}.layer_scalar", (*path, "layer_scalar"), layer_ids=ids)])
 
     def mlp_rules(self, config, mlp, hf, path, ids):
@@ -359,10 +462,16 @@ class Gemma4(Family):
         return name.startswith(UNUSED)
 
     def allow_extra(self, config, tensors, source, prefix):
+        """The towers of a multimodal checkpoint, and a kv-shared layer's own k/v projections and norms (which it
+        does not use; transformers ignores them too)."""
         unused = sum(1 for n in tensors if n.startswith(UNUSED))
         if unused:
             log.info("%s: %d tensor(s) of the vision / audio towers are not read (text model only)", source, unused)
-        return super().allow_extra(config, tensors, source, prefix)
+        shared = {f"{prefix}layers.{i}.self_attn.{n}.weight" for i in range(first_kv_shared_layer(config),
+                                                                           config.num_layers)
+                  for n in ("k_proj", "v_proj", "k_norm", "v_norm")}
+        base = super().allow_extra(config, tensors, source, prefix)
+        return lambda name: base(name) or name in shared
 
 
 GEMMA4 = register(Gemma4())

@@ -131,6 +131,11 @@ GEMMA4 = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_l
               max_position_embeddings=256, tie_word_embeddings=True)
 
 
+_GEMMA4_PLE_KV_SHARED = dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                             hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, num_kv_shared_layers=3,
+                             use_double_wide_mlp=True)
+
+
 def _gemma4_init(name, p, torch):
     """Gemma 4: as dense, the other weights twice as wide."""
     p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
@@ -198,12 +203,22 @@ FAMILIES = {row.name: row for row in [
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6), max_new_tokens=40,
            slow=frozenset({"speculative", "sampling", "decode_loop_hlo"})),
     Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", GEMMA4, _gemma4_init, parity_tokens=12,
+           conditional=("Gemma4Config", "Gemma4ForConditionalGeneration"),
            variants={
                DEFAULT: {},  # gemma-4-31B's layers: k=v full layers of their own shape
-               # keys and values of their own on the full layers, as many kv heads as the sliding ones
-               "separate-v": dict(attention_k_eq_v=False, tie_word_embeddings=False)},
-           slow_variants=frozenset({"separate-v"}),
+               # per-layer inputs, the last 3 of 6 layers reading the keys of the last sliding / full layer
+               # before them, with MLPs twice as wide
+               "ple-kv-shared": _GEMMA4_PLE_KV_SHARED,
+               # keys and values of their own on the full layers, as many kv heads as the sliding ones; an
+               # untied head
+               "separate-v": dict(attention_k_eq_v=False, tie_word_embeddings=False),
+               # the text model of a multimodal checkpoint (its vision tower is not read)
+               "conditional-generation": dict(multimodal=True)},
+           slow_variants=frozenset({"ple-kv-shared", "separate-v", "conditional-generation"}),
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6),
+           # our own target's decoding checks (rejections, sampling, decode HLO) with per-layer inputs; the
+           # kv-shared layers' rejections are test_gemma4's (their decode step copies the cache: see there)
+           decode_overrides=dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
            slow=frozenset({"rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
 ]}
 

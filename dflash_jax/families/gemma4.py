@@ -30,9 +30,10 @@ import numpy as np
 from dflash_jax import _masks as masks
 from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import GroupedKVCache
-from dflash_jax._config import ConfigFields, ModelConfig, _freeze
+from dflash_jax._config import ConfigFields, ModelConfig, MoEConfig, _freeze
 from dflash_jax._layers import RMSNorm, apply_rotary, capture_into, make_dense, rms_normalize, rope_frequencies, \
     rotary_cos_sin
+from dflash_jax._moe import grouped_experts
 from dflash_jax.families import register
 from dflash_jax.families.base import Family
 from dflash_jax.loading.names import Rule, _linear_rules
@@ -145,6 +146,50 @@ class GeGLU(nn.Module):
         return dense(x.shape[-1], "down_proj")(gelu_tanh(dense(n, "gate_proj")(x)) * dense(n, "up_proj")(x))
 
 
+class Gemma4Router(nn.Module):
+    """Gemma 4's router (`Gemma4TextRouter`): x [N, D] -> (weights [N, k] float32, expert ids [N, k]). The
+    RMS-normed x (no weight of its own) times `scale` [D] and D^-0.5, projected to the experts' logits
+    ("proj"); the top k of their softmax (float32), renormalised to sum to 1, each times its expert's
+    `per_expert_scale`."""
+
+    num_experts: int
+    top_k: int
+    eps: float = 1e-6
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (d,), self.dtype)
+        per_expert = self.param("per_expert_scale", nn.initializers.ones, (self.num_experts,), self.dtype)
+        normed = rms_normalize(x, self.eps).astype(x.dtype) * scale.astype(x.dtype) * d ** -0.5
+        logits = nn.Dense(self.num_experts, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                          name="proj")(normed)
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), self.top_k)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights * per_expert.astype(jnp.float32)[experts], experts
+
+
+class Gemma4Experts(nn.Module):
+    """Gemma 4's experts (`Gemma4TextExperts`): gate_up_proj [E, D, 2I] (each expert's gate columns, then its
+    up columns: the checkpoint's [E, 2I, D] with its last two axes swapped) and down_proj [E, I, D]; GeGLU
+    experts, run as `dflash_jax._moe.grouped_experts` (x [N, D], weights and expert ids [N, k] -> [N, D])."""
+
+    num_experts: int
+    intermediate_size: int
+    dtype: Any = jnp.float32
+    backend: str = "xla"
+
+    @nn.compact
+    def __call__(self, x, weights, experts):
+        e, i, d = self.num_experts, self.intermediate_size, x.shape[-1]
+        init = nn.initializers.lecun_normal(batch_axis=(0,))
+        gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), self.dtype)
+        down = self.param("down_proj", init, (e, i, d), self.dtype)
+        return grouped_experts(x, experts, weights.astype(x.dtype), gate_up[..., :i], gate_up[..., i:], down,
+                               activation=lambda gate, up: gelu_tanh(gate) * up, backend=self.backend)
+
+
 class Gemma4Attention(nn.Module):
     """One layer's attention: q/k/v projections (no v_proj on a full layer with `attention_k_eq_v`: the values
     are the key projection), per-head RMSNorm of queries and keys (with scales) and of values (without),
@@ -211,7 +256,9 @@ class Gemma4Layer(nn.Module):
     `Gemma4Attention`). ys: the new (k, v), None without a cache.
 
     h += post_attention_norm(attention(input_norm(h))); h += post_feedforward_norm(mlp(pre_feedforward_norm(h)));
-    with per-layer inputs, h += post_per_layer_input_norm(per_layer_projection(gelu_tanh(per_layer_input_gate(h))
+    with the MoE block (mlp "moe"), the MLP's part is post_feedforward_norm_1(mlp(...)) plus
+    post_feedforward_norm_2(experts(pre_feedforward_norm_2(h), router(h))), both from the h before them; with
+    per-layer inputs, h += post_per_layer_input_norm(per_layer_projection(gelu_tanh(per_layer_input_gate(h))
     * its input)); h *= layer_scalar."""
 
     config: ModelConfig
@@ -241,7 +288,15 @@ class Gemma4Layer(nn.Module):
         hidden = hidden + norm("post_attention_layernorm")(attended)
         x = norm("pre_feedforward_layernorm")(hidden)
         width = cfg.intermediate_size * (2 if kv_shared and opts.double_wide_mlp else 1)
-        hidden = hidden + norm("post_feedforward_layernorm")(GeGLU(width, self.dtype, name="mlp")(x))
+        mlp = GeGLU(width, self.dtype, name="mlp")(x)
+        if self.mlp == "moe":
+            moe, flat = cfg.moe, hidden.reshape(-1, hidden.shape[-1])
+            weights, experts = Gemma4Router(moe.num_experts, moe.num_experts_per_tok, cfg.rms_norm_eps, self.dtype,
+                                            name="router")(flat)
+            routed = Gemma4Experts(moe.num_experts, moe.intermediate_size, self.dtype, self.backend, name="experts")(
+                norm("pre_feedforward_layernorm_2")(flat), weights, experts).reshape(hidden.shape)
+            mlp = norm("post_feedforward_layernorm_1")(mlp) + norm("post_feedforward_layernorm_2")(routed)
+        hidden = hidden + norm("post_feedforward_layernorm")(mlp)
         if opts.hidden_size_per_layer_input:
             gate = gelu_tanh(dense(opts.hidden_size_per_layer_input, "per_layer_input_gate")(hidden)) * own[0]
             hidden = hidden + norm("post_per_layer_input_norm")(dense(cfg.hidden_size, "per_layer_projection")(gate))
@@ -277,6 +332,9 @@ declare_param_axes({
     ("per_layer_input_gate", "kernel"): ("embed", "embed"), ("per_layer_projection", "kernel"): ("embed", "embed"),
     ("per_layer_model_projection", "kernel"): ("embed", "embed"),
     ("embed_tokens_per_layer", "embedding"): ("vocab", "embed"),
+    # the MoE block: experts over `expert`, each whole (gate and up side by side in one tensor: no tensor split)
+    ("router", "proj", "kernel"): ("embed", "router"), ("router", "per_expert_scale"): ("router",),
+    ("experts", "gate_up_proj"): ("expert", "embed", "embed"), ("experts", "down_proj"): ("expert", "embed", "embed"),
 })
 
 
@@ -356,8 +414,6 @@ class Gemma4(Family):
             raise fields.error(f"gemma4: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
         if fields.hf.get("use_bidirectional_attention") == "all":
             raise fields.error("gemma4: use_bidirectional_attention 'all' (bidirectional text) is not supported")
-        if fields.bool("enable_moe_block", False):
-            raise fields.error("gemma4: enable_moe_block (the MoE block) is not supported yet")
         full_rope = fields.section("full_attention_rope_parameters")
         rope = dict(full_rope.hf)
         theta = rope.pop("rope_theta", 1000000.0)
@@ -371,15 +427,27 @@ class Gemma4(Family):
             vocab_size_per_layer_input=fields.int("vocab_size_per_layer_input", 0),
             num_kv_shared_layers=fields.int("num_kv_shared_layers", 0),
             double_wide_mlp=fields.bool("use_double_wide_mlp", False))
-        return dict(family_options=options, final_logit_softcapping=fields.float("final_logit_softcapping", 0.0))
+        out = dict(family_options=options, final_logit_softcapping=fields.float("final_logit_softcapping", 0.0))
+        if fields.bool("enable_moe_block", False):  # every layer: the dense MLP and the MoE block beside it
+            # Gemma4TextRouter: the top k of the softmax, renormalised (and its own norm, scales: `Gemma4Router`)
+            out["moe"] = fields.build(MoEConfig, num_experts=fields.int("num_experts"),
+                                      num_experts_per_tok=fields.int("top_k_experts"),
+                                      intermediate_size=fields.int("moe_intermediate_size"), norm_topk_prob=True)
+        return out
 
     def validate(self, config):
         super().validate(config)
         opts = config.family_options
         if not isinstance(opts, Gemma4Options):
             raise ValueError("a gemma4 target needs its Gemma4Options (family_options=)")
-        if config.moe is not None or config.attention_sinks or config.linear is not None:
-            raise ValueError("a gemma4 target has no attention sinks, linear attention or other MoE block")
+        if config.attention_sinks or config.linear is not None:
+            raise ValueError("a gemma4 target has no attention sinks or linear attention")
+        moe = config.moe
+        if moe is not None and (moe.router != "softmax_topk" or not moe.norm_topk_prob or moe.router_bias
+                                or moe.expert_bias or moe.swiglu_limit or moe.shared_expert_intermediate_size
+                                or moe.dense_layers):
+            raise ValueError("a gemma4 MoE block is in every layer, routed by the renormalised top k of the softmax "
+                             "(`Gemma4Router`), without biases, a shared expert or a clamped SwiGLU")
         if config.mlp_bias:
             raise ValueError("a gemma4 MLP has no biases")
         if opts.hidden_size_per_layer_input and not opts.vocab_size_per_layer_input:
@@ -456,7 +524,24 @@ class Gemma4(Family):
                 + [Rule(f"{hf}.layer_scalar", (*path, "layer_scalar"), layer_ids=ids)])
 
     def mlp_rules(self, config, mlp, hf, path, ids):
-        return _linear_rules(f"{hf}.mlp", path, ("gate_proj", "up_proj", "down_proj"), False, ids)
+        """The dense GeGLU and, with the MoE block, beside it (at the layer's level): the router's proj, scale and
+        per_expert_scale, the fused experts (gate_up_proj [E, 2I, D] and down_proj [E, D, I], their last two
+        axes swapped) and the block's three norms."""
+        rules = _linear_rules(f"{hf}.mlp", path, ("gate_proj", "up_proj", "down_proj"), False, ids)
+        if mlp != "moe":
+            return rules
+        layer = path[:-1]
+        return rules + [
+            Rule(f"{hf}.router.proj.weight", (*layer, "router", "proj", "kernel"), transpose=True, layer_ids=ids),
+            Rule(f"{hf}.router.scale", (*layer, "router", "scale"), layer_ids=ids),
+            Rule(f"{hf}.router.per_expert_scale", (*layer, "router", "per_expert_scale"), layer_ids=ids),
+            Rule(f"{hf}.experts.gate_up_proj", (*layer, "experts", "gate_up_proj"), swap_last=True, layer_ids=ids),
+            Rule(f"{hf}.experts.down_proj", (*layer, "experts", "down_proj"), swap_last=True, layer_ids=ids),
+        ] + [Rule(f"{hf}.{n}.weight", (*layer, n, "scale"), layer_ids=ids)
+             for n in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")]
+
+    def adapt_tensors(self, config, tensors, source):
+        return tensors  # the experts are read fused, as released (`mlp_rules`)
 
     def unused_tensors(self, name: str) -> bool:
         return name.startswith(UNUSED)

@@ -32,6 +32,9 @@ class Rule:
     # (start, step): the param is the checkpoint tensor's last-axis columns start::step (gpt-oss's
     # gate and up columns interleaved in one tensor); two rules with steps 2 share the tensor
     columns: tuple[int, int] | None = None
+    # the last two axes swapped: a checkpoint's stacked experts [E, out, in] <-> the param's [E, in, out]
+    # (Gemma 4's fused experts)
+    swap_last: bool = False
 
     @property
     def per_layer(self) -> bool:
@@ -211,6 +214,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
         want = _get(shapes, rule.path).shape
         layer_shape = tuple(want[rule.stacked_axes:])
         need = tuple(reversed(layer_shape)) if rule.transpose else layer_shape  # as the checkpoint holds it
+        need = (*need[:-2], need[-1], need[-2]) if rule.swap_last else need
         if rule.columns:  # the whole tensor, of which the param is every step-th column
             need = (*need[:-1], need[-1] * rule.columns[1])
         if rule.path in skip:
@@ -227,8 +231,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
             continue
         out = host_arrays.empty(want, np_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
-            value = _read_tensor(rule, tensors, name, need, source)
-            value = value.T if rule.transpose else value
+            value = _oriented(rule, _read_tensor(rule, tensors, name, need, source))
             if rule.per_layer:
                 out[rule.index(i)] = value.astype(np_dtype)
             else:
@@ -260,13 +263,20 @@ def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers
         position = tuple(r[i] for r, i in zip(stacked, at))
         name = names[position[0] * rule.experts + position[1] if rule.experts else (position[0] if position else 0)]
         if inner and not rule.transpose:  # the first axis cut before the tensor is read (an MXFP4 one's experts)
-            value = _read_tensor(rule, tensors, name, need, source, inner[0])
+            value = _oriented(rule, _read_tensor(rule, tensors, name, need, source, inner[0]))
             block[at] = value[(slice(None), *inner[1:])].astype(dtype)
         else:
-            value = _read_tensor(rule, tensors, name, need, source)
-            value = value.T if rule.transpose else value
+            value = _oriented(rule, _read_tensor(rule, tensors, name, need, source))
             block[at] = value[inner].astype(dtype)
     return block
+
+
+def _oriented(rule: Rule, value) -> np.ndarray:
+    """A checkpoint tensor in the param's orientation (`Rule.transpose`, `Rule.swap_last`); the inverse of
+    itself."""
+    if rule.transpose:
+        return value.T
+    return np.swapaxes(value, -1, -2) if rule.swap_last else value
 
 
 def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str, first: slice = slice(None)) -> np.ndarray:
@@ -307,7 +317,7 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
         value = np.asarray(jax.device_get(_get(params, rule.path)))
         for i, name in enumerate(rule.hf_names(num_layers)):
             layer = value[rule.index(i)] if rule.per_layer else value
-            layer = layer.T if rule.transpose else layer
+            layer = _oriented(rule, layer)
             if rule.columns:  # interleave into the shared tensor
                 start, step = rule.columns
                 whole = out.setdefault(name, np.zeros((*layer.shape[:-1], layer.shape[-1] * step), layer.dtype))

@@ -137,8 +137,12 @@ _GEMMA4_PLE_KV_SHARED = dict(num_hidden_layers=6, layer_types=["sliding_attentio
 
 
 def _gemma4_init(name, p, torch):
-    """Gemma 4: as dense, the other weights twice as wide."""
-    p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    """Gemma 4: as dense, the other weights twice as wide; the routers' scales near 1 and their projections
+    wide (logits far apart: no near-tie in the top k)."""
+    if "norm" in name or name.endswith("scale"):
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+    else:
+        p.copy_((0.5 if "router" in name else 0.1) * torch.randn_like(p))
 
 
 FAMILIES = {row.name: row for row in [
@@ -212,9 +216,11 @@ FAMILIES = {row.name: row for row in [
                # keys and values of their own on the full layers, as many kv heads as the sliding ones; an
                # untied head
                "separate-v": dict(attention_k_eq_v=False, tie_word_embeddings=False),
+               # gemma-4-26B-A4B's layers: the MoE block (8 experts, 2 per token) beside each dense MLP
+               "moe": dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16),
                # the text model of a multimodal checkpoint (its vision tower is not read)
                "conditional-generation": dict(multimodal=True)},
-           slow_variants=frozenset({"ple-kv-shared", "separate-v", "conditional-generation"}),
+           slow_variants=frozenset({"ple-kv-shared", "separate-v", "moe", "conditional-generation"}),
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6),
            # our own target's decoding checks (rejections, sampling, decode HLO) with per-layer inputs; the
            # kv-shared layers' rejections are test_gemma4's (their decode step copies the cache: see there)

@@ -395,7 +395,7 @@ class Gemma4(Family):
         hf = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
         layers = hf.get("num_hidden_layers")
         if hf.get("layer_types") is None and isinstance(layers, int):
-            hf["layer_types"] = [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
+            hf["layer_types"] = [SLIDING if (i + 1) % 6 and i < layers - 1 else FULL for i in range(layers)]
         if isinstance(hf.get("layer_types"), list) and hf["layer_types"] and hf["layer_types"][-1] != FULL:
             log.warning("%s: gemma4's last layer is always full attention (as transformers forces it)", fields.source)
             hf["layer_types"] = [*hf["layer_types"][:-1], FULL]

@@ -25,6 +25,9 @@ class Family:
     qk_norm: bool = False  # RMSNorm of each head's query and key
     hybrid: bool = False  # Gated DeltaNet layers and partial rotary allowed
     default_max_positions: int = 4096
+    # its layers are `TargetLayer`s (attention and a SwiGLU MLP), which a backend's packed decode layout holds
+    # (the CPU backend's); False for a family with layer modules of its own
+    plain_layers: bool = True
     checkpoint_prefixes: tuple[str, ...] = ("model.",)  # the text model's prefix, the first one present
 
     # ---- config.json

@@ -381,6 +381,7 @@ class Gemma4(Family):
     norm_scale_in_float32 = True  # Gemma4RMSNorm scales in float32
     default_max_positions = 131072
     checkpoint_prefixes = ("model.language_model.", "model.")
+    plain_layers = False  # `Gemma4Layer`
 
     def config_fields(self, fields: ConfigFields) -> ConfigFields:
         """The text model's fields (a multimodal config's `text_config`, the top level's token ids and tie where

@@ -239,7 +239,7 @@ class TargetModel(nn.Module):
         kv_cache = cache.kv if hybrid else cache
         kinds = [mixer for mixer, _ in cfg.layer_kinds]
         group_of = {i: g for g, (_, ids) in enumerate(cfg.kv_groups) for i in ids}  # layer -> its KV group
-        kv, linear = [[] for _ in cfg.kv_groups], []
+        kv, linear, read_before_written = [[] for _ in cfg.kv_groups], [], False
         join = lambda parts: (None if not parts else parts[0] if len(parts) == 1  # noqa: E731
                               else jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *parts))
         for segment, scan in zip(self.segments, self.stack):
@@ -262,6 +262,7 @@ class TargetModel(nn.Module):
                   per_repeat(cache.state) if hybrid else None, own)
             readers = any(m != LINEAR and cfg.family.kv_shape(cfg, m) is None for m in mixers)
             shared = tuple(join(group) for group in kv) if readers else None
+            read_before_written |= readers
             carry, (seg_kv, seg_linear) = scan(carry, xs, positions, cos, sin, kv_cache, shared)
             flat = lambda tree: jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), tree)  # noqa: E731
             for g, group in enumerate(seg_kv):
@@ -269,6 +270,8 @@ class TargetModel(nn.Module):
                     kv[g].append(flat(group))
             if seg_linear is not None:
                 linear.append(flat(seg_linear))
+        if kv_cache is not None and read_before_written:
+            kv = after(kv, carry[0])  # the new keys written after the late reads of the cache
         if isinstance(kv_cache, GroupedKVCache):
             return carry, tuple(join(group) for group in kv)
         k, v = join(kv[0]) if kv and kv[0] else (None, None)
@@ -461,6 +464,17 @@ class Target:
         """How the decode's products round activations: "int8" for a GGUF target loaded with
         `load_target(..., decode_activations="int8")`, else "float32"."""
         return backends.get(backends.of_target_params(self.params)).activations(self.params)
+
+
+def after(tree, value):
+    """`tree` (arrays) plus an exact zero computed from `value` (0 * isfinite(one element)): the same numbers,
+    which XLA can compute only after `value`. The new keys that a stack with layers reading an earlier layer's
+    cache slots (Gemma 4's kv-shared layers) writes come out so: written after the last read, in place;
+    written before it (XLA may schedule the write as soon as the writing layers are done), the cache would
+    be copied to keep the old rows for the late reads. (An optimization barrier does not survive to XLA's
+    copy insertion on CPU, jax 0.10, 2026-12-06.)"""
+    zero = jnp.isfinite(value.reshape(-1)[0]).astype(jnp.float32) * 0.0
+    return jax.tree_util.tree_map(lambda x: x + zero.astype(x.dtype), tree)
 
 
 def check_fits(cache: KVCache, num_tokens: int) -> None:

@@ -222,9 +222,8 @@ FAMILIES = {row.name: row for row in [
                "conditional-generation": dict(multimodal=True)},
            slow_variants=frozenset({"ple-kv-shared", "separate-v", "moe", "conditional-generation"}),
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6),
-           # our own target's decoding checks (rejections, sampling, decode HLO) with per-layer inputs; the
-           # kv-shared layers' rejections are test_gemma4's (their decode step copies the cache: see there)
-           decode_overrides=dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
+           # our own target's decoding checks (rejections, sampling, decode HLO) on the richest layers
+           decode_overrides=_GEMMA4_PLE_KV_SHARED,
            slow=frozenset({"rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
 ]}
 

@@ -137,10 +137,12 @@ def paired_ratio(fn, state, base_fn, base_state, warmup: int, repeats: int) -> t
 
 def filled_cache(cache, fill: int, seed: int):
     """The cache with random K/V and every row filled to `fill` positions (a hybrid target's: its
-    KV cache so, the recurrent state as it is)."""
+    KV cache so, the recurrent state as it is; a grouped one's: each group)."""
     if hasattr(cache, "kv"):
         kv = filled_cache(cache.kv, fill, seed)
         return cache.replace(kv=kv)
+    if hasattr(cache, "groups"):  # a GroupedKVCache (Gemma 4): each group so
+        return cache.replace(groups=tuple(filled_cache(g, fill, seed + i) for i, g in enumerate(cache.groups)))
     kk, kv = jax.random.split(jax.random.PRNGKey(seed))
     k = jax.random.normal(kk, cache.k.shape, jnp.float32).astype(cache.k.dtype)
     v = jax.random.normal(kv, cache.v.shape, jnp.float32).astype(cache.v.dtype)

@@ -50,6 +50,29 @@ def test_a_released_multimodal_config_reads_as_its_text_model():
     assert cfg.family.embedding_scale(cfg) == 2816 ** 0.5
 
 
+@pytest.mark.parametrize("name", ["gemma-4-31b", "gemma-4-26b-a4b"])
+def test_random_target_presets_have_the_released_shapes(name):
+    """`--random-target gemma-4-31b` / `gemma-4-26b-a4b` cut to 2 layers: a sliding and a full layer of the
+    released shapes (weights' shapes only, nothing drawn), and their KV cache's groups."""
+    from dflash_jax.cli.bench_random import random_configs
+    from dflash_jax._target import TargetSpec, target_param_shapes
+
+    cfg, drafter = random_configs(name, 2, None)
+    assert cfg.layer_types == ("sliding_attention", "full_attention") and drafter.target_layer_ids == (0, 1)
+    shapes = target_param_shapes(cfg)
+    sliding, full = shapes["layers_0"]["layer_0"], shapes["layers_1"]["layer_0"]  # a segment each
+    d, heads, kv_heads = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+    global_kv = cfg.family_options.global_kv_heads
+    assert sliding["self_attn"]["k_proj"]["kernel"].shape == (1, d, kv_heads * 256)
+    assert full["self_attn"]["q_proj"]["kernel"].shape == (1, d, heads * 512)
+    assert full["self_attn"]["k_proj"]["kernel"].shape == (1, d, global_kv * 512)
+    assert "v_proj" in sliding["self_attn"] and "v_proj" not in full["self_attn"]
+    if cfg.moe is not None:
+        assert sliding["experts"]["gate_up_proj"].shape == (1, 128, d, 2 * 704)
+    cache = jax.eval_shape(lambda: TargetSpec(cfg).init_cache(1, 64))
+    assert [g.k.shape for g in cache.groups] == [(1, 1, 64, kv_heads, 256), (1, 1, 64, global_kv, 512)]
+
+
 def test_transformers_saved_per_layer_config_reads_as_the_global_fields():
     """transformers 5 saves the full layers' shapes as `per_layer_config` (layer index -> head_dim,
     num_key_value_heads) and no global_head_dim: the same config as the released fields; and the

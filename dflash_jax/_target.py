@@ -239,7 +239,7 @@ class TargetModel(nn.Module):
         kv_cache = cache.kv if hybrid else cache
         kinds = [mixer for mixer, _ in cfg.layer_kinds]
         group_of = {i: g for g, (_, ids) in enumerate(cfg.kv_groups) for i in ids}  # layer -> its KV group
-        kv, linear, read_before_written = [[] for _ in cfg.kv_groups], [], False
+        kv, linear = [[] for _ in cfg.kv_groups], []
         join = lambda parts: (None if not parts else parts[0] if len(parts) == 1  # noqa: E731
                               else jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *parts))
         for segment, scan in zip(self.segments, self.stack):
@@ -262,7 +262,6 @@ class TargetModel(nn.Module):
                   per_repeat(cache.state) if hybrid else None, own)
             readers = any(m != LINEAR and cfg.family.kv_shape(cfg, m) is None for m in mixers)
             shared = tuple(join(group) for group in kv) if readers else None
-            read_before_written |= readers
             carry, (seg_kv, seg_linear) = scan(carry, xs, positions, cos, sin, kv_cache, shared)
             flat = lambda tree: jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), tree)  # noqa: E731
             for g, group in enumerate(seg_kv):
@@ -270,8 +269,8 @@ class TargetModel(nn.Module):
                     kv[g].append(flat(group))
             if seg_linear is not None:
                 linear.append(flat(seg_linear))
-        if kv_cache is not None and read_before_written:
-            kv = after(kv, carry[0])  # the new keys written after the late reads of the cache
+        if kv_cache is not None and len(self.segments) > 1:
+            kv = after(kv, carry[0])  # the new keys written after the last segment's reads of the cache
         if isinstance(kv_cache, GroupedKVCache):
             return carry, tuple(join(group) for group in kv)
         k, v = join(kv[0]) if kv and kv[0] else (None, None)
@@ -468,11 +467,12 @@ class Target:
 
 def after(tree, value):
     """`tree` (arrays) plus an exact zero computed from `value` (0 * isfinite(one element)): the same numbers,
-    which XLA can compute only after `value`. The new keys that a stack with layers reading an earlier layer's
-    cache slots (Gemma 4's kv-shared layers) writes come out so: written after the last read, in place;
-    written before it (XLA may schedule the write as soon as the writing layers are done), the cache would
-    be copied to keep the old rows for the late reads. (An optimization barrier does not survive to XLA's
-    copy insertion on CPU, jax 0.10, 2026-12-06.)"""
+    which XLA can compute only after `value`. The new keys of a stack of several segments come out so, tied to
+    the final hidden state: XLA then writes them into the cache after every segment has read it, in place.
+    Free to write a segment's keys as soon as they are known, it copied the whole cache in every step to keep
+    the old rows for a later segment's reads (seen on CPU, jax 0.10, 2026-12-06: Gemma 4's kv-shared layers
+    and its short stacks of sliding and full layers, a Qwen3-MoE with `mlp_only_layers`). An optimization
+    barrier did not survive to XLA's copy insertion."""
     zero = jnp.isfinite(value.reshape(-1)[0]).astype(jnp.float32) * 0.0
     return jax.tree_util.tree_map(lambda x: x + zero.astype(x.dtype), tree)
 

@@ -142,6 +142,28 @@ def test_sampled_tokens_follow_the_softcapped_distribution():
     assert result.tau > 1.05
 
 
+@pytest.mark.parametrize("layer_types", [("sliding_attention", "full_attention"),
+                                         ("sliding_attention", "full_attention", "sliding_attention",
+                                          "sliding_attention", "full_attention")])
+def test_a_stack_of_several_segments_updates_its_cache_in_place(layer_types):
+    """Sliding and full layers in no repeating pattern (a segment each, as `--layers 2` cuts a preset): the
+    decode step's new keys are written after every segment has read the cache, which is never copied
+    (`_target.after`; the conformance row's decode checks cover the kv-shared layers)."""
+    from support.hlo import CAPACITY, compiled_text, whole_buffer_ops
+
+    target = families.tiny_target("gemma4", num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                                  hidden_size_per_layer_input=0, num_kv_shared_layers=0)
+    spec = target.spec
+    assert len(target.params) > 3  # several segments: layers_0, layers_1, ...
+
+    def step(params, tokens, cache):
+        hidden, _, cache = spec.forward(params, tokens, cache)
+        return spec.logits(params, hidden), cache
+
+    hlo = compiled_text(step, target.params, jnp.zeros((2, 1), jnp.int32), spec.init_cache(2, CAPACITY), donate=(2,))
+    assert whole_buffer_ops(hlo) == []
+
+
 def test_every_weight_has_a_sharding_declaration():
     """Every weight of a target with per-layer inputs, kv-shared layers and the MoE block is declared
     (`sharding.param_axes`: an undeclared weight of rank >= 2 is an error)."""

@@ -246,3 +246,48 @@ def test_random_benchmark_target_has_the_released_shapes():
     assert rows == {"in_proj_qkvz": 12288, "in_proj_ba": 64}
     for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
         param_spec(path, leaf.shape, config, tensor=4, expert=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a mesh (8 CPU devices in a subprocess, `support.devices.run_8_devices`)
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]]
+
+
+def sharded_run(out: str, tmp: str) -> None:
+    """The tiny target exported, loaded shard by shard onto a (data 4, tensor 2) mesh (the fused rows
+    read per device block), and its greedy decoding there -> `out`: whether the placed params equal
+    one device's, the one-device and the mesh's tokens."""
+    from pathlib import Path
+
+    from dflash_jax import load_target, sharding
+    from dflash_jax._speculative import Generator
+    from dflash_jax.loading.names import params_to_hf, target_rules
+    from dflash_jax.loading.safetensors_io import save_safetensors
+
+    target = families.tiny_target("qwen3_next")
+    cfg, directory = target.config, Path(tmp)
+    (directory / "config.json").write_text(json.dumps({"architectures": [ROW.hf_class], **ROW.config,
+                                                       **ROW.decode_overrides}))
+    save_safetensors(params_to_hf(target_rules(cfg), target.params, cfg.num_layers), directory / "model.safetensors")
+    mesh = sharding.make_mesh(data=4, tensor=2)
+    loaded = load_target(directory, tokenizer=False, mesh=mesh)
+    same = jax.tree_util.tree_all(jax.tree_util.tree_map(
+        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), loaded.params, target.params))
+    split = any(any(entry is not None for entry in leaf.sharding.spec)
+                for leaf in jax.tree_util.tree_leaves(loaded.params["layers"]["layer_0"]["linear_attn"]))
+    found = {"same_params": same, "linear_split": split,
+             "one_device": Generator(target, None, backend="xla").generate(PROMPTS, max_new_tokens=12,
+                                                                            stop_token_ids=()).tokens,
+             "mesh": Generator(loaded, None, mesh=mesh).generate(PROMPTS, max_new_tokens=12, stop_token_ids=()).tokens}
+    Path(out).write_text(json.dumps(found))
+
+
+def test_sharded_load_and_greedy_decoding_equal_one_device():
+    """On 8 devices (data 4 x tensor 2): the fused tensors load shard by shard to one device's params, the
+    Gated DeltaNet's weights split over `tensor`, and greedy decoding gives one device's tokens."""
+    from support.devices import run_8_devices
+
+    found = run_8_devices("sharded_run({out}, {tmp})", "test_qwen3_next")
+    assert found["same_params"] and found["linear_split"]
+    assert found["mesh"] == found["one_device"]

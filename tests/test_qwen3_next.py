@@ -38,12 +38,22 @@ def first_linear_layer(target):
 def test_fused_projections_split_as_transformers_splits_them(tmp_path):
     """Our four projections of a loaded checkpoint give, on random inputs, the q, k, v, z, b and a that
     transformers' `fix_query_key_value_ordering` takes from its fused products (two value heads per key
-    head, key and value heads of different widths)."""
+    head, key and value heads of different widths). transformers' own parameters (experts fused too)
+    load as save_pretrained's tensors do."""
     torch, _ = families.hf_modules("qwen3_next")
+    from safetensors.torch import save_file
+
     from dflash_jax import load_target
 
-    model = families.make_hf("qwen3_next", tmp_path)
-    target = load_target(tmp_path, tokenizer=False, layout="stacked")
+    model = families.make_hf("qwen3_next", tmp_path / "saved")
+    target = load_target(tmp_path / "saved", tokenizer=False, layout="stacked")
+    state = {n: p.detach().contiguous() for n, p in model.state_dict().items()}
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in state)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "config.json").write_text((tmp_path / "saved" / "config.json").read_text())
+    save_file(state, tmp_path / "state" / "model.safetensors", metadata={"format": "pt"})
+    jax.tree_util.tree_map(np.testing.assert_array_equal,
+                           load_target(tmp_path / "state", tokenizer=False, layout="stacked").params, target.params)
     cfg, lin = target.config, target.config.linear
     assert cfg.layer_types[0] == "linear_attention" and lin.num_value_heads == 2 * lin.num_key_heads
     hf_layer = model.model.layers[0].linear_attn

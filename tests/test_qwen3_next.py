@@ -105,6 +105,21 @@ def _fused_by_reshape(params, lin):
     return qkvz.reshape(-1, qkvz.shape[-1]), ba.reshape(-1, ba.shape[-1])
 
 
+def save_tiny_dir(target, directory, extra=None) -> dict:
+    """An HF directory of our tiny target (the row's config.json, its export plus `extra` tensors) -> the
+    exported tensors."""
+    from dflash_jax.loading.names import params_to_hf, target_rules
+    from dflash_jax.loading.safetensors_io import save_safetensors
+
+    cfg = target.config
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"architectures": [ROW.hf_class], **ROW.config,
+                                                       **ROW.decode_overrides}))
+    exported = params_to_hf(target_rules(cfg), target.params, cfg.num_layers)
+    save_safetensors({**exported, **(extra or {})}, directory / "model.safetensors")
+    return exported
+
+
 def test_export_writes_the_fused_tensors_and_loads_back(tmp_path, caplog):
     """Without torch: our target's export holds the fused tensors (as the reshapes of `_fused_by_reshape`
     build them, no unfused name), a directory of them (with a multi-token prediction head, which is
@@ -112,7 +127,6 @@ def test_export_writes_the_fused_tensors_and_loads_back(tmp_path, caplog):
     is refused."""
     from dflash_jax import load_target
     from dflash_jax.loading.names import params_to_hf, target_rules
-    from dflash_jax.loading.safetensors_io import save_safetensors
 
     target = families.tiny_target("qwen3_next")
     cfg = target.config
@@ -122,10 +136,8 @@ def test_export_writes_the_fused_tensors_and_loads_back(tmp_path, caplog):
     np.testing.assert_array_equal(exported["model.layers.0.linear_attn.in_proj_qkvz.weight"], qkvz)
     np.testing.assert_array_equal(exported["model.layers.0.linear_attn.in_proj_ba.weight"], ba)
 
-    hf = {"architectures": [ROW.hf_class], **ROW.config, **ROW.decode_overrides}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
     mtp = {"mtp.fc.weight": np.ones((cfg.hidden_size, 2 * cfg.hidden_size), np.float32)}
-    save_safetensors({**exported, **mtp}, tmp_path / "model.safetensors")
+    save_tiny_dir(target, tmp_path, mtp)
     with caplog.at_level(logging.INFO, logger="dflash_jax"):
         loaded = load_target(tmp_path, tokenizer=False, layout="stacked")
     assert "multi-token prediction" in caplog.text
@@ -135,7 +147,7 @@ def test_export_writes_the_fused_tensors_and_loads_back(tmp_path, caplog):
     for name, value in again.items():
         assert value.tobytes() == exported[name].tobytes(), name
 
-    save_safetensors({**exported, "model.extra.weight": np.ones((2, 2), np.float32)}, tmp_path / "model.safetensors")
+    save_tiny_dir(target, tmp_path, {"model.extra.weight": np.ones((2, 2), np.float32)})
     with pytest.raises(CheckpointError, match="model.extra.weight"):
         load_target(tmp_path, tokenizer=False)
 
@@ -264,40 +276,53 @@ def test_random_benchmark_target_has_the_released_shapes():
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]]
 
 
+MESHES = {"data4_tensor2": dict(data=4, tensor=2), "data2_expert2_tensor2": dict(data=2, expert=2, tensor=2)}
+
+
 def sharded_run(out: str, tmp: str) -> None:
-    """The tiny target exported, loaded shard by shard onto a (data 4, tensor 2) mesh (the fused rows
-    read per device block), and its greedy decoding there -> `out`: whether the placed params equal
-    one device's, the one-device and the mesh's tokens."""
+    """The tiny target exported, then on each of `MESHES`: loaded shard by shard (the fused rows read
+    per device block) and decoded greedily -> `out`: one device's tokens and, per mesh, whether the
+    placed params equal one device's, whether the Gated DeltaNet's and the experts' weights are split,
+    and the tokens."""
     from pathlib import Path
 
     from dflash_jax import load_target, sharding
     from dflash_jax._speculative import Generator
-    from dflash_jax.loading.names import params_to_hf, target_rules
-    from dflash_jax.loading.safetensors_io import save_safetensors
 
     target = families.tiny_target("qwen3_next")
-    cfg, directory = target.config, Path(tmp)
-    (directory / "config.json").write_text(json.dumps({"architectures": [ROW.hf_class], **ROW.config,
-                                                       **ROW.decode_overrides}))
-    save_safetensors(params_to_hf(target_rules(cfg), target.params, cfg.num_layers), directory / "model.safetensors")
-    mesh = sharding.make_mesh(data=4, tensor=2)
-    loaded = load_target(directory, tokenizer=False, mesh=mesh)
-    same = jax.tree_util.tree_all(jax.tree_util.tree_map(
-        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), loaded.params, target.params))
-    split = any(any(entry is not None for entry in leaf.sharding.spec)
-                for leaf in jax.tree_util.tree_leaves(loaded.params["layers"]["layer_0"]["linear_attn"]))
-    found = {"same_params": same, "linear_split": split,
-             "one_device": Generator(target, None, backend="xla").generate(PROMPTS, max_new_tokens=12,
-                                                                            stop_token_ids=()).tokens,
-             "mesh": Generator(loaded, None, mesh=mesh).generate(PROMPTS, max_new_tokens=12, stop_token_ids=()).tokens}
+    directory = Path(tmp)
+    save_tiny_dir(target, directory)
+    found = {"one_device": Generator(target, None, backend="xla").generate(PROMPTS, max_new_tokens=12,
+                                                                            stop_token_ids=()).tokens}
+    split = lambda tree: any(any(entry is not None for entry in leaf.sharding.spec)  # noqa: E731
+                             for leaf in jax.tree_util.tree_leaves(tree))
+    for name, sizes in MESHES.items():
+        mesh = sharding.make_mesh(**sizes)
+        loaded = load_target(directory, tokenizer=False, mesh=mesh)
+        layer = loaded.params["layers"]["layer_0"]
+        found[name] = {
+            "same_params": jax.tree_util.tree_all(jax.tree_util.tree_map(
+                lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), loaded.params, target.params)),
+            "linear_split": split(layer["linear_attn"]),
+            "experts_split": [list(layer["mlp"][p].sharding.spec) + [None] * (4 - len(layer["mlp"][p].sharding.spec))
+                              for p in ("gate_proj", "down_proj")],
+            "tokens": Generator(loaded, None, mesh=mesh).generate(PROMPTS, max_new_tokens=12,
+                                                                  stop_token_ids=()).tokens}
     Path(out).write_text(json.dumps(found))
 
 
 def test_sharded_load_and_greedy_decoding_equal_one_device():
-    """On 8 devices (data 4 x tensor 2): the fused tensors load shard by shard to one device's params, the
-    Gated DeltaNet's weights split over `tensor`, and greedy decoding gives one device's tokens."""
+    """On 8 devices (data 4 x tensor 2; data 2 x expert 2 x tensor 2): the fused tensors load shard by
+    shard to one device's params, the Gated DeltaNet's weights split over `tensor`, the experts over
+    `expert` (where it is in the mesh) and their width over `tensor`, and greedy decoding gives one
+    device's tokens."""
     from support.devices import run_8_devices
 
     found = run_8_devices("sharded_run({out}, {tmp})", "test_qwen3_next")
-    assert found["same_params"] and found["linear_split"]
-    assert found["mesh"] == found["one_device"]
+    for name in MESHES:
+        case = found[name]
+        assert case["same_params"] and case["linear_split"], name
+        assert case["tokens"] == found["one_device"], name
+    # gate_proj [L, E, D, I], down_proj [L, E, I, D]
+    assert found["data2_expert2_tensor2"]["experts_split"] == [[None, "expert", None, "tensor"],
+                                                               [None, "expert", "tensor", None]]

@@ -326,3 +326,52 @@ def test_sharded_load_and_greedy_decoding_equal_one_device():
     # gate_proj [L, E, D, I], down_proj [L, E, I, D]
     assert found["data2_expert2_tensor2"]["experts_split"] == [[None, "expert", None, "tensor"],
                                                                [None, "expert", "tensor", None]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Training a drafter for it
+
+def _train_config(target_dir, data, out_dir, **data_extra):
+    from train.config import config_from_dict
+
+    return config_from_dict({
+        "model": {"target": str(target_dir), "num_layers": 1, "intermediate_size": 32, "block_size": 4,
+                  "target_layer_ids": [0, 3], "mask_token_id": ROW.config["vocab_size"] - 1},
+        "data": {"path": str(data), "max_length": 32, "batch_size": 4, "seed": 3, **data_extra},
+        "optim": {"learning_rate": 3e-3, "warmup_ratio": 0.05},
+        "run": {"out_dir": str(out_dir), "steps": 2, "num_anchors": 4, "log_every": 1, "checkpoint_every": 2,
+                "async_checkpointing": False, "shard_target": True}})
+
+
+@pytest.mark.slow  # make test-all: the training path is every target's, run by default in test_moe_train
+def test_cache_features_and_training_online_and_offline(tmp_path):
+    """`train.cache_features` stores the target's features as a forward computes them at every real
+    position of ragged rows; `train.train` runs from the feature cache (offline) and from the target's
+    checkpoint directory (online)."""
+    from dflash_jax import load_target
+    from train.cache_features import cache_features
+    from train.data import DataConfig, load_token_records, make_iterator
+    from train.train import train
+
+    save_tiny_dir(families.tiny_target("qwen3_next"), tmp_path / "target")
+    target = load_target(tmp_path / "target", tokenizer=False)
+    rng = np.random.default_rng(6)
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for n in rng.integers(12, 32, size=8):
+            f.write(json.dumps({"tokens": rng.integers(0, 90, size=int(n)).tolist(),
+                                "loss_mask": [0] * 4 + [1] * (int(n) - 4)}) + "\n")
+    records = load_token_records(tmp_path / "train.jsonl", None, 32)
+    layers = (0, 3)
+    cache_features(target, records, tmp_path / "cache", layers, batch_size=4, buckets=(32,), progress=False)
+    forward = jax.jit(lambda params, tokens: target.forward(params, tokens, capture=layers))
+    config = DataConfig(str(tmp_path / "cache"), max_length=32, batch_size=4, buckets=(32,), num_epochs=1)
+    batch = next(iter(make_iterator(config, process_index=0, process_count=1)))
+    _, online, _ = forward(target.params, batch["tokens"])
+    for row, n in enumerate(batch["lengths"]):
+        np.testing.assert_allclose(batch["features"][row, :n].astype(np.float32), np.asarray(online[row, :n]),
+                                   rtol=1e-2, atol=1e-2)
+    offline = train(_train_config(tmp_path / "target", tmp_path / "cache", tmp_path / "offline", buckets=[32]),
+                    target=target)
+    online_run = train(_train_config(tmp_path / "target", tmp_path / "train.jsonl", tmp_path / "online"))
+    for last in (offline, online_run):
+        assert last["step"] == 2 and np.isfinite(last["loss"])

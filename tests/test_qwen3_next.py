@@ -2,7 +2,8 @@
 what is theirs alone: the fused input projections of the Gated DeltaNet (`in_proj_qkvz`, `in_proj_ba`,
 grouped per key head) against transformers' own split, their export back to the same bytes, the
 multi-token prediction head left unread, the rollback of the recurrent state after a verify, the
-config's defaults and refusals, and the released shapes of the random benchmark target. Parity with
+config's defaults and refusals, the released shapes of the random benchmark target, a sharded load
+and decode on 8 devices, and training a drafter for it. Parity with
 transformers, the cached ragged prefill, greedy and speculative decoding are the conformance
 suite's (test_family_conformance.py, the qwen3_next row of support/families.py)."""
 import json

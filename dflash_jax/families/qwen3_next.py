@@ -68,8 +68,8 @@ class Qwen3Next(Qwen3_5):
         """The config with Qwen3NextConfig's defaults where it is silent (`DEFAULTS`; a quarter of each
         head rotated). Refuses an activation other than SiLU (`hidden_act`)."""
         hf = fields.hf
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
+        act = hf.get("hidden_act")
+        if act not in (None, "silu"):
             raise fields.error(f"hidden_act {act!r} is not supported for qwen3_next (silu is)")
         out = dict(DEFAULTS)
         rope = [hf.get("rope_parameters"), hf.get("rope_scaling")]

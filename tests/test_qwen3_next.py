@@ -222,6 +222,7 @@ def test_config_reads_the_released_fields_and_transformers_defaults():
                                       "norm_topk_prob": False})
     assert cfg.moe.dense_layers == (0,) + tuple(range(2, 48, 2)) and not cfg.moe.norm_topk_prob
     assert ModelConfig.from_hf_config({**RELEASED, "num_experts": 0}).mlp_kinds == ("dense",) * 48
+    assert ModelConfig.from_hf_config({**RELEASED, "hidden_act": None}).arch == "qwen3_next"  # null: absent
 
 
 @pytest.mark.parametrize("change, match", [

@@ -273,8 +273,8 @@ def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers
     for at in itertools.product(*[range(len(r)) for r in stacked]):
         position = tuple(r[i] for r, i in zip(stacked, at))
         name = names[position[0] * rule.experts + position[1] if rule.experts else (position[0] if position else 0)]
-        if inner and not rule.transpose and rule.rows is None:  # the first axis cut before the tensor is read
-            # (an MXFP4 one's experts)
+        # the first axis cut before the tensor is read (an MXFP4 one's experts)
+        if inner and not rule.transpose and rule.rows is None:
             value = _read_tensor(rule, tensors, name, need, source, inner[0])
             block[at] = value[(slice(None), *inner[1:])].astype(dtype)
         else:

@@ -200,3 +200,34 @@ def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array, *, axis: i
     for row in range(rows):
         buffer = write(row, buffer)
     return buffer
+
+
+@struct.dataclass
+class RingKVCache(KVCache):
+    """A KVCache that keeps only the last `capacity` positions of each row: position p in slot
+    p % capacity (its keys carry their rotary phase, so a slot's place in the buffer means nothing
+    to attention). `lengths` count every position appended. A drafter's context cache bounded for
+    long contexts: readers see the last `window` positions (static; <= capacity, which may be
+    rounded up for kernels' tiles; `_masks.drafter_cached` with ring_window=window)."""
+
+    window: int = struct.field(pytree_node=False, default=0)
+
+    @classmethod
+    def for_window(cls, config, batch: int, window: int, capacity: int, dtype=jnp.float32,
+                   kv_replicas: int = 1) -> "RingKVCache":
+        if not 0 < window <= capacity:
+            raise ValueError(f"a ring cache's window must lie in [1, capacity={capacity}], got {window}")
+        return cls.for_model(config, batch, capacity, dtype, kv_replicas).replace(window=window)
+
+    def append(self, k_new: jax.Array, v_new: jax.Array, num_new) -> "RingKVCache":
+        """Write the first num_new[b] positions of k_new, v_new [L, B, T, Hkv, Dh] of each row; of
+        more than `capacity` new positions only the last `capacity` land (nothing past num_new is
+        written, so no slot a reader still sees is overwritten by garbage)."""
+        b, t = k_new.shape[1], k_new.shape[2]
+        num_new = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), (b,))
+        offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+        kept = (offsets < num_new[:, None]) & (offsets >= num_new[:, None] - self.capacity)
+        slots = jnp.where(kept, (self.lengths[:, None] + offsets) % self.capacity, self.capacity)  # [B, T]
+        rows = jnp.arange(b)[:, None]
+        write = lambda buffer, new: buffer.at[:, rows, slots].set(new.astype(buffer.dtype), mode="drop")
+        return self.replace(k=write(self.k, k_new), v=write(self.v, v_new), lengths=self.lengths + num_new)

@@ -51,6 +51,9 @@ class GenerationConfig:
     # True: a cycle verifies its drafts only where some live row's first draft is likely enough
     # (SamplingParams.min_draft_probability), else the anchor alone (`_verify_anchor`)
     gate_drafts: bool = False
+    # > 0: the drafter's context cache keeps (and the drafter sees) only each row's last draft_context
+    # positions, a ring buffer (`RingKVCache`); 0: the whole context
+    draft_context: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -63,6 +66,8 @@ class GenerationConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.lookup == 1 or self.lookup < 0:
             raise ValueError(f"lookup must be 0 (off) or >= 2 (the longest match), got {self.lookup}")
+        if self.draft_context < 0:
+            raise ValueError(f"draft_context must be >= 0 (0: the whole context), got {self.draft_context}")
 
 
 @struct.dataclass
@@ -140,7 +145,10 @@ def prefill(target, drafter, cfg: GenerationConfig, target_params, drafter_param
     tokens = write_rows(tokens, first[:, None], prompt_lengths)
     draft_cache = None
     if drafter is not None:
-        draft_cache = drafter.init_cache(b, cache_capacity)
+        if cfg.draft_context and cfg.draft_context < cache_capacity:
+            draft_cache = drafter.init_cache(b, round_up(cfg.draft_context, KEY_TILE), window=cfg.draft_context)
+        else:
+            draft_cache = drafter.init_cache(b, cache_capacity)
         draft_cache = drafter.append_context(drafter_params, draft_cache, features, num_new=prompt_lengths)
     lengths = prompt_lengths + 1
     done = _finished(cfg, params, first[:, None], jnp.ones_like(lengths), lengths, prompt_lengths)
@@ -170,13 +178,16 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
     """
     mask = jnp.full((anchors.shape[0], cfg.block_size - 1), drafter.config.mask_token_id, jnp.int32)
     block = jnp.concatenate([anchors[:, None], mask], axis=1)
-    hidden = drafter.draft_hidden(drafter_params, target.embed(target_params, block), draft_cache)[:, 1:]
+    dc = drafter.config
+    embeds = dc.block_embeddings(target.embed(target_params, block))
+    hidden = drafter.draft_hidden(drafter_params, embeds, draft_cache)[:, 1:]
     exact = cfg.sampling and cfg.acceptance == "exact"
-    reduced = drafter.config.draft_vocab_size is not None
+    reduced = dc.draft_vocab_size is not None
     if reduced:
         logits = drafter.draft_head_logits(drafter_params, hidden)  # [B, G-1, Vd] float32
     else:
         logits = target.logits(target_params, hidden)
+    logits = dc.draft_logits(logits)
     if exact:
         probs = _target_probs(cfg, params, logits)
         drafts = sampling.sample(key, probs)

@@ -3,8 +3,11 @@
 context = hidden_norm(fc(concat(target features)))                      [B, C, D]
 each layer: q from the (input-normed) block states; k, v from the SAME k_proj/v_proj applied to
 the context (not normed by input_layernorm) and to the block states; k_norm on both; RoPE at each
-token's own position; non-causal attention over [visible context ; block]; pre-norm residual
-attention + SwiGLU MLP. The output goes through `norm`, then the TARGET's LM head.
+token's own position; attention over [visible context ; block] (a sliding layer: each query's own
+window, causal inside the block unless the config's is_causal says otherwise; `_masks`); pre-norm
+residual attention + SwiGLU MLP. The block embeddings enter times input_embedding_scale; the output
+goes through `norm`, then the TARGET's LM head (or a reduced vocabulary's own), times
+output_multiplier, softcapped (`DrafterConfig.draft_logits`).
 
 Two entry points share the layers:
 * inference: `append_context` projects the features of newly committed tokens into every layer's
@@ -27,7 +30,7 @@ import numpy as np
 
 from dflash_jax import backends, _masks as masks
 from dflash_jax._attention import attention, cache_attention
-from dflash_jax._cache import KVCache
+from dflash_jax._cache import KVCache, RingKVCache
 from dflash_jax._draft_vocab import DraftVocab
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._layers import MLP, AttentionProjections, RMSNorm, Rotary, make_dense, run_layers
@@ -86,16 +89,15 @@ class DrafterLayer(nn.Module):
 
     def decode(self, hidden, layer_xs, shared):
         """Inference: hidden [B, G, D]; layer_xs (layer index, windowed flag); shared (cos, sin,
-        context cache, full ranges, windowed ranges) over keys [cache slots ; block]. The cache
-        is only read (`cache_attention`), never concatenated with the block."""
+        context cache, full ranges, windowed ranges), each ranges a pair (over the cache's slots,
+        over the block's keys: `_masks.drafter_cached`). The cache is only read
+        (`cache_attention`), never concatenated with the block."""
         cos, sin, cache, full_ranges, windowed_ranges = shared
         layer, windowed = layer_xs
         q, k_blk, v_blk = self._block_qkv(hidden, cos, sin)
-        ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
-        slots = cache.capacity
-        attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, slots), k_blk, v_blk,
-                                   ranges.segment(slots, slots + k_blk.shape[1]), impl=self.attn_impl,
-                                   backend=self.backend)
+        cache_ranges, block_ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
+        attended = cache_attention(q, cache.k, cache.v, layer, cache_ranges, k_blk, v_blk, block_ranges,
+                                   impl=self.attn_impl, backend=self.backend)
         return self._residual(hidden, attended), None
 
 
@@ -159,8 +161,8 @@ class DrafterModel(nn.Module):
         return self.norm(hidden)
 
     def cached_blocks(self, block_embeds, positions, cache: KVCache, full_ranges, windowed_ranges):
-        """block_embeds [B, G, D] at positions [B, G] against the context cache; ranges over keys
-        [cache slots ; block] -> hidden [B, G, D]."""
+        """block_embeds [B, G, D] at positions [B, G] against the context cache; ranges: pairs (over
+        the cache's slots, over the block) -> hidden [B, G, D]."""
         cos, sin = self.rotary(positions)
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         hidden, _ = self._run_layers("decode", block_embeds.astype(self.dtype), (layers, self._windowed_layers()),
@@ -229,8 +231,12 @@ class DrafterSpec:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def init_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty context cache of `capacity` positions (the block never goes into it)."""
+    def init_cache(self, batch: int, capacity: int, window: int = 0) -> KVCache:
+        """An empty context cache of `capacity` positions (the block never goes into it); window > 0:
+        a `RingKVCache` of `capacity` slots of which the drafter sees the last `window` positions of
+        any context (a bounded context for long inputs)."""
+        if window:
+            return RingKVCache.for_window(self.config, batch, window, capacity, self.dtype, self.kv_replicas)
         return KVCache.for_model(self.config, batch, capacity, self.dtype, kv_replicas=self.kv_replicas)
 
     def append_context(self, params, cache: KVCache, features, num_new=None) -> KVCache:
@@ -249,8 +255,11 @@ class DrafterSpec:
         params: `loop_params`."""
         g = block_embeds.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
-        full = masks.drafter_inference(cache.lengths, cache.capacity, g)
-        windowed = masks.drafter_inference(cache.lengths, cache.capacity, g, self.config.sliding_window)
+        cfg, ring = self.config, cache.window if isinstance(cache, RingKVCache) else 0
+        full = masks.drafter_cached(cache.lengths, cache.capacity, g, causal=cfg.full_layers_causal,
+                                    ring_window=ring)
+        windowed = masks.drafter_cached(cache.lengths, cache.capacity, g, cfg.sliding_window,
+                                        causal=cfg.sliding_layers_causal, ring_window=ring)
         return self.module_for(params).apply({"params": self.module_params(params)}, block_embeds,
                                              positions, cache, full, windowed, method="cached_blocks")
 
@@ -268,8 +277,10 @@ class DrafterSpec:
             raise ValueError(f"block_embeds length {block_embeds.shape[1]} is not N={n} blocks")
         positions = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
         block_positions = (anchors[:, :, None] + jnp.arange(g, dtype=jnp.int32)).reshape(b, n * g)
-        full = masks.drafter_training(anchors, block_valid, c, g)
-        windowed = masks.drafter_training(anchors, block_valid, c, g, self.config.sliding_window)
+        cfg = self.config
+        full = masks.drafter_training(anchors, block_valid, c, g, causal=cfg.full_layers_causal)
+        windowed = masks.drafter_training(anchors, block_valid, c, g, cfg.sliding_window,
+                                          causal=cfg.sliding_layers_causal)
         return self._module_reading(params).apply({"params": params}, features, positions, block_embeds,
                                                   block_positions, full, windowed)
 

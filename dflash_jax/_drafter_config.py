@@ -3,6 +3,7 @@ check that a drafter fits a target (`validate_pair`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dflash_jax._config import ConfigFields, LayerLayout, decoder_fields
 from dflash_jax._errors import DrafterMismatchError
@@ -57,6 +58,13 @@ class DrafterConfig(LayerLayout):
     # A reduced draft vocabulary (EAGLE-3 layout: `lm_head.weight`, `d2t`, `t2d` in the weights):
     # the drafter's own head predicts draft_vocab_size target ids. None: the target's LM head.
     draft_vocab_size: int | None = None
+    # The authors' current reference (`dflash/model.py`): None = a sliding layer is causal inside the
+    # block and a full layer is not (kept None only where the layers mix both kinds; otherwise that
+    # default is resolved to the bool); a bool makes every layer causal or not (`layer_causal`).
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0  # times the block's token embeddings
+    output_multiplier: float = 1.0  # times the draft logits, then
+    final_logit_softcapping: float = 0.0  # > 0: c * tanh(logits / c)
 
     def __post_init__(self):
         self._validate_sizes("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -73,10 +81,48 @@ class DrafterConfig(LayerLayout):
             raise ValueError(f"draft_vocab_size must lie in [1, vocab_size={self.vocab_size}], "
                              f"got {self.draft_vocab_size}")
         self._validate_layer_types()
+        if self.is_causal is None and len(set(self.layer_types)) == 1:  # one value says it: say it
+            object.__setattr__(self, "is_causal", self.layer_types[0] == "sliding_attention")
+        if self.final_logit_softcapping < 0:
+            raise ValueError(f"final_logit_softcapping must be >= 0 (0: none), got {self.final_logit_softcapping}")
+        for name in ("input_embedding_scale", "output_multiplier"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) == 0:
+                raise ValueError(f"{name} must be a finite nonzero number, got {getattr(self, name)}")
 
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def layer_causal(self) -> tuple[bool, ...]:
+        """Per layer: whether a block query sees only the block keys at or before its own position."""
+        if self.is_causal is not None:
+            return (self.is_causal,) * self.num_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def full_layers_causal(self) -> bool:
+        """Whether the full-attention layers are causal (one value for all of them, as for sliding ones)."""
+        return bool(self.is_causal)
+
+    @property
+    def sliding_layers_causal(self) -> bool:
+        return self.is_causal is not False
+
+    def block_embeddings(self, embeds):
+        """The block's token embeddings as the layers read them (times input_embedding_scale)."""
+        return embeds if self.input_embedding_scale == 1.0 else embeds * self.input_embedding_scale
+
+    def draft_logits(self, logits):
+        """The head's logits as the drafter's distribution: times output_multiplier, then softcapped."""
+        import jax.numpy as jnp
+
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.final_logit_softcapping > 0:
+            cap = self.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
 
     @classmethod
     def from_hf_config(cls, hf: dict, tokenizer=None, source: str = "config.json") -> "DrafterConfig":
@@ -97,6 +143,10 @@ class DrafterConfig(LayerLayout):
         mask_token_id = dflash.int("mask_token_id", None)
         if mask_token_id is not None or tokenizer is not None:
             mask_token_id = resolve_mask_token_id(mask_token_id, tokenizer, vocab_size)
+        # as the reference reads them: dflash_config first, then the top level
+        scaled = {name: dflash.float(name, fields.float(name, default))
+                  for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                                        ("final_logit_softcapping", 0.0))}
         return fields.build(
             cls,
             **decoder_fields(fields, default_max_positions=40960),
@@ -107,6 +157,8 @@ class DrafterConfig(LayerLayout):
             mask_token_id=mask_token_id,
             attention_bias=fields.bool("attention_bias", False),
             draft_vocab_size=fields.int("draft_vocab_size", None),
+            is_causal=fields.bool("is_causal", None),
+            **scaled,
         )
 
     def to_hf_config(self, base: dict | None = None, dtype_name: str = "bfloat16") -> dict:
@@ -140,6 +192,11 @@ class DrafterConfig(LayerLayout):
                 hf.pop(name, None)
             else:
                 hf[name] = getattr(self, name)
+        # is_causal written out wherever one value says it (None: mixed layers, the readers' default)
+        if self.is_causal is None:
+            hf.pop("is_causal", None)
+        else:
+            hf["is_causal"] = self.is_causal
         hf.pop("torch_dtype", None)  # older name of `dtype`; never leave a stale one behind
         hf.pop("rope_parameters", None)
         dflash = dict(hf.get("dflash_config") or {})
@@ -148,6 +205,13 @@ class DrafterConfig(LayerLayout):
             dflash["mask_token_id"] = self.mask_token_id
         if "block_size" in dflash:
             dflash["block_size"] = self.block_size
+        for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                              ("final_logit_softcapping", 0.0)):
+            hf.pop(name, None)  # one place for them: dflash_config, which the reference reads first
+            if getattr(self, name) != default:
+                dflash[name] = getattr(self, name)
+            else:
+                dflash.pop(name, None)
         hf["dflash_config"] = dflash
         return hf
 

@@ -139,9 +139,9 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
         if soft is not None:
             *soft, soft_weights = objective.draft_distributions(*soft, soft_weights, to_draft)
         kernel = params["draft_head"].astype(dtype)
-        head = lambda h: jnp.einsum("bmd,dv->bmv", h, kernel).astype(jnp.float32)
+        head = lambda h: config.draft_logits(jnp.einsum("bmd,dv->bmv", h, kernel).astype(jnp.float32))
     else:
-        head = lambda h: target.logits(target_params, h)
+        head = lambda h: config.draft_logits(target.logits(target_params, h))
     loss_weights = weights if soft is None else soft_weights
     return objective.weighted_block_loss(head, hidden, labels, loss_weights, counted, spec.logits_chunk,
                                          soft=None if soft is None else tuple(soft), scorable=weights > 0)

@@ -185,16 +185,18 @@ def resolve_layer_types(fields: ConfigFields, num_layers: int, hybrid: bool = Fa
 
 
 def decoder_fields(fields: ConfigFields, default_max_positions: int, hybrid: bool = False,
-                   default_intermediate_size=REQUIRED) -> dict:
+                   default_intermediate_size=REQUIRED, partial_rotary: bool = False) -> dict:
     """The decoder-stack fields that target and drafter configs share (same dataclass field names):
     sizes, norm epsilon, RoPE, and per-layer attention windows. hybrid: a family with Gated DeltaNet
     layers (partial rotary and "linear_attention" layer types allowed; the caller adds the
     partial_rotary_factor this returns under that key). default_intermediate_size: where the family's
-    configs may lack `intermediate_size` (Qwen3.5-MoE)."""
+    configs may lack `intermediate_size` (Qwen3.5-MoE). partial_rotary: a family that is not hybrid but
+    rotates a part of each head (GLM-4 MoE, MiniMax-M2): the partial_rotary_factor is read and returned."""
     num_layers = fields.int("num_hidden_layers")
     num_heads = fields.int("num_attention_heads")
     hidden_size = fields.int("hidden_size")
-    theta, scaling, partial_rotary = rope_settings(fields, partial=hybrid)
+    partial = hybrid or partial_rotary
+    theta, scaling, partial_rotary = rope_settings(fields, partial=partial)
     layer_types = resolve_layer_types(fields, num_layers, hybrid)
     return dict(
         hidden_size=hidden_size,
@@ -209,7 +211,7 @@ def decoder_fields(fields: ConfigFields, default_max_positions: int, hybrid: boo
         max_position_embeddings=fields.int("max_position_embeddings", default_max_positions),
         layer_types=layer_types,
         sliding_window=fields.int("sliding_window", 0) if "sliding_attention" in layer_types else 0,
-        **({"partial_rotary_factor": partial_rotary} if hybrid else {}),
+        **({"partial_rotary_factor": partial_rotary} if partial else {}),
     )
 
 

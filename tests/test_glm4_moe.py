@@ -128,9 +128,9 @@ def test_every_weight_has_a_sharding_rule():
 
 
 def sharded_findings(out: str) -> None:
-    """In an 8-device process: greedy speculative and plain tokens of a tiny GLM target (and a random drafter)
-    on one device and on an expert x tensor x data mesh of 2 x 2 x 2, and on a tensor axis of 4 over the 2 kv
-    heads (each replicated twice) -> `out`."""
+    """In an 8-device process: greedy tokens of a tiny GLM target on one device (plain), on an expert x tensor
+    x data mesh of 2 x 2 x 2 (speculative, a random drafter) and on a tensor axis of 4 over the 2 kv heads
+    (each replicated twice; plain) -> `out`."""
     from dflash_jax._speculative import Generator
     from support.speculative import tiny_drafter
 
@@ -138,11 +138,12 @@ def sharded_findings(out: str) -> None:
     drafter = tiny_drafter(target, block_size=4)
     prompts = [[3, 9, 4, 7], [5, 5, 20, 31, 2, 8, 11]]
     found = {}
-    for name, mesh in (("one", None), ("expert2_tensor2_data2", sharding.make_mesh(data=2, tensor=2, expert=2)),
-                       ("tensor4_data2", sharding.make_mesh(data=2, tensor=4))):
-        for kind, pair in (("speculative", drafter), ("plain", None)):
-            generator = Generator(target, pair, mesh=mesh, **({"backend": "xla"} if mesh is None else {}))
-            found[f"{name}/{kind}"] = generator.generate(prompts, max_new_tokens=12, stop_token_ids=()).tokens
+    for name, mesh, pair in (("one/plain", None, None),
+                             ("expert2_tensor2_data2/speculative", sharding.make_mesh(data=2, tensor=2, expert=2),
+                              drafter),
+                             ("tensor4_data2/plain", sharding.make_mesh(data=2, tensor=4), None)):
+        generator = Generator(target, pair, mesh=mesh, **({"backend": "xla"} if mesh is None else {}))
+        found[name] = generator.generate(prompts, max_new_tokens=12, stop_token_ids=()).tokens
     with open(out, "w") as f:
         json.dump(found, f)
 
@@ -150,7 +151,7 @@ def sharded_findings(out: str) -> None:
 def test_sharded_generation_equals_one_device():
     found = run_8_devices("sharded_findings({out})", "test_glm4_moe")
     reference = found.pop("one/plain")
-    assert found.pop("one/speculative") == reference
+    assert len(found) == 2
     for key, tokens in found.items():
         assert tokens == reference, key
 

@@ -1,7 +1,8 @@
 """GLM-4 MoE targets, what is theirs alone: reading config.json (the partial rotary default, q/k norms, the
 dense prefix, the router's fields, what is refused by name), a released checkpoint's multi-token prediction
 layers left unread, fused experts read as per-expert ones, every weight's sharding rule and an 8-device
-sharded generation equal to one device's, and the glm-4.5-air random-target preset. Parity with transformers,
+sharded generation equal to one device's, the glm-4.5-air random-target preset, and (slow) drafter training
+with a GLM target online and offline. Parity with transformers,
 the cached ragged prefill, speculative decoding with rejections and sampling are the conformance suite's
 (the glm4_moe row of support/families.py)."""
 import json
@@ -173,3 +174,44 @@ def test_random_target_preset_builds_cut_to_a_few_layers():
     assert drafter.num_target_layers == 3 and drafter.mask_token_id == 151551
     full, _ = random_configs("glm-4.5-air", None, None)
     assert full.num_layers == 46 and full.moe.dense_layers == (0,)
+
+
+@pytest.mark.slow  # the training machinery is every family's; test_moe_train runs it by default
+def test_drafter_training_online_and_from_cached_features(tmp_path):
+    """`train.train` with a GLM target (a dense prefix, then the sigmoid-routed MoE): online from its
+    checkpoint directory (the target sharded by the training rules), and offline from `train.cache_features`."""
+    from dflash_jax import load_target
+    from dflash_jax.loading.names import params_to_hf, target_rules
+    from dflash_jax.loading.safetensors_io import save_safetensors
+    from support import fitted_models
+    from train.cache_features import cache_features
+    from train.config import config_from_dict
+    from train.data import load_token_records
+    from train.train import train
+
+    built = families.tiny_target("glm4_moe")
+    cfg = built.config
+    target_dir = tmp_path / "target"
+    target_dir.mkdir()
+    save_safetensors(params_to_hf(target_rules(cfg), built.params, cfg.num_layers), target_dir / "model.safetensors")
+    (target_dir / "config.json").write_text(json.dumps(GLM))
+    target = load_target(target_dir, tokenizer=False)
+    prompts = fitted_models.pattern_batch(np.random.default_rng(1), 10, 4).tolist()
+    data = tmp_path / "train.jsonl"
+    fitted_models.write_self_continuations(target, data, prompts, 8, 12)
+
+    def config(path, out, steps, **extra):
+        return config_from_dict({
+            "model": {"target": str(target_dir), "num_layers": 1, "intermediate_size": 64, "block_size": 4,
+                      "target_layer_ids": [0, 2], "mask_token_id": cfg.vocab_size - 1},
+            "data": {"path": str(path), "max_length": 32, "batch_size": 4, "seed": 3, **extra},
+            "optim": {"learning_rate": 3e-3, "warmup_ratio": 0.05},
+            "run": {"out_dir": str(out), "steps": steps, "num_anchors": 8, "log_every": steps,
+                    "checkpoint_every": steps, "async_checkpointing": False, "shard_target": True}})
+
+    online = train(config(data, tmp_path / "online", 3))
+    assert online["step"] == 3 and np.isfinite(online["loss"])
+    records = load_token_records(data, None, 32)
+    cache_features(target, records, tmp_path / "cache", (0, 2), batch_size=4, buckets=(32,), progress=False)
+    offline = train(config(tmp_path / "cache", tmp_path / "offline", 2, buckets=[32]), target=target)
+    assert offline["step"] == 2 and np.isfinite(offline["loss"])

@@ -56,6 +56,8 @@ def test_config_reads_the_family_fields():
     ({"n_group": 3}, r"n_group \(3\) must be >= 1 and divide num_experts"),
     ({"topk_group": 5}, "topk_group must be in"),
     ({"n_shared_experts": -1}, "n_shared_experts must be >= 0"),
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"], "sliding_window": 4},
+     "sliding_attention layers are not supported for glm4_moe"),
 ])
 def test_config_refuses_what_it_cannot_compute(fields, message):
     with pytest.raises(ConfigError, match=message):

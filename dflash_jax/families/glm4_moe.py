@@ -160,6 +160,9 @@ class SigmoidMoeFamily(Family):
                              "biases or a clamped SwiGLU")
         if config.attention_sinks or config.mlp_bias or config.linear is not None:
             raise ValueError(f"a {self.name} target has no attention sinks, MLP biases or linear attention")
+        if "sliding_attention" in config.layer_types:
+            raise ValueError(f"sliding_attention layers are not supported for {self.name}: every layer attends to "
+                             "the whole context")
 
 
 class Glm4Moe(SigmoidMoeFamily):

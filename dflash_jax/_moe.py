@@ -190,7 +190,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, d)
         logits = router(flat)
         if sigmoid:
-            correction = self.param("e_score_correction_bias", nn.initializers.zeros, (e,), self.dtype)
+            # float32 whatever the model's dtype (transformers keeps it so): it decides between close scores
+            correction = self.param("e_score_correction_bias", nn.initializers.zeros, (e,), jnp.float32)
             weights, experts = route_sigmoid_grouped(
                 logits, correction, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
                 normalize=self.normalize, scaling=self.routed_scaling_factor, norm_eps=self.norm_eps)

@@ -96,6 +96,27 @@ def test_the_multi_token_prediction_layers_are_not_read(tmp_path):
         load_target(stray, tokenizer=False, layout="stacked")
 
 
+def test_a_bfloat16_load_keeps_the_correction_bias_in_float32(tmp_path):
+    """The routers' correction bias decides between close scores: loaded in bfloat16, the model keeps it in
+    float32 (as transformers does), bit for bit the checkpoint's; every other weight is bfloat16."""
+    import jax.numpy as jnp
+
+    from dflash_jax import load_target
+
+    target, directory = _saved(tmp_path)
+    loaded = load_target(directory, "bfloat16", tokenizer=False, layout="stacked")
+    moe = loaded.params["layers_1"]["layer_0"]["mlp"]
+    assert moe["e_score_correction_bias"].dtype == jnp.float32
+    np.testing.assert_array_equal(moe["e_score_correction_bias"],
+                                  target.params["layers_1"]["layer_0"]["mlp"]["e_score_correction_bias"])
+    others = [leaf.dtype for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.params)
+              if "e_score_correction_bias" not in jax.tree_util.keystr(path)]
+    assert set(others) == {jnp.dtype(jnp.bfloat16)}
+    tokens = jnp.asarray([[3, 9, 4, 7, 1]], jnp.int32)
+    hidden, _, _ = loaded.forward(loaded.params, tokens, loaded.init_cache(1, 8))
+    assert hidden.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(hidden)))
+
+
 def test_fused_experts_read_as_per_expert_ones(tmp_path):
     """transformers' in-memory layout (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj`
     [E, D, I]) loads to the same params as the released per-expert tensors."""

@@ -74,6 +74,21 @@ RANDOM_TARGETS = {
                      "max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": 199998,
                      "eos_token_id": 200002, "pad_token_id": 199999},
                     201087),
+    # Qwen3-Coder-Next (Qwen3-Next-80B-A3B's shapes): 48 layers, 12 x (3 Gated DeltaNet, 1 gated full attention),
+    # each with an MoE of 512 experts (10 per token) and a shared expert; a quarter of each 256-wide attention
+    # head rotated. rope_theta: Qwen3-Next-80B-A3B's. Mask id: the Qwen3 tokenizer's first unused id, as for the
+    # Qwen3 targets (random weights; no official drafter config is read here).
+    "qwen3-coder-next": ({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+                          "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+                          "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                          "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                          "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+                          "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                          "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                          "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
+                          "partial_rotary_factor": 0.25, "max_position_embeddings": 262144,
+                          "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
+                         151669),
     # GLM-4.5-Air (zai-org/GLM-4.5-Air config.json): 46 layers, the first with a dense MLP (10,944 wide), the
     # others an MoE of 128 experts (8 per token, the sigmoid router with its correction bias, one group, not
     # scaled) and one shared expert of 1,408; 96 query heads of 128 over 8 kv heads, q/k/v biases, no q/k

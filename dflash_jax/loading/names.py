@@ -20,6 +20,16 @@ from dflash_jax._errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
+class Rows:
+    """Rows of a fused checkpoint tensor of `total` rows (its first axis): a param holds rows `index` of
+    it, in that order; the rules of one tensor share it, their rows together covering it once
+    (Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head, `families.qwen3_next`)."""
+
+    index: tuple[int, ...]
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     hf: str  # Hugging Face name; "{i}" marks the layer index
     path: tuple[str, ...]  # Flax param path
@@ -32,6 +42,8 @@ class Rule:
     # (start, step): the param is the checkpoint tensor's last-axis columns start::step (gpt-oss's
     # gate and up columns interleaved in one tensor); two rules with steps 2 share the tensor
     columns: tuple[int, int] | None = None
+    # the param's output features are these rows of a fused checkpoint tensor (`Rows`)
+    rows: Rows | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -215,6 +227,8 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
         need = tuple(reversed(layer_shape)) if rule.transpose else layer_shape  # as the checkpoint holds it
         if rule.columns:  # the whole tensor, of which the param is every step-th column
             need = (*need[:-1], need[-1] * rule.columns[1])
+        if rule.rows:  # the whole fused tensor, of which the param is some rows
+            need = (rule.rows.total, *need[1:])
         if rule.path in skip:
             for name in rule.hf_names(num_layers):
                 if tuple(shape_of(name)) != need:
@@ -268,7 +282,8 @@ def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers
     for at in itertools.product(*[range(len(r)) for r in stacked]):
         position = tuple(r[i] for r, i in zip(stacked, at))
         name = names[position[0] * rule.experts + position[1] if rule.experts else (position[0] if position else 0)]
-        if inner and not rule.transpose:  # the first axis cut before the tensor is read (an MXFP4 one's experts)
+        # the first axis cut before the tensor is read (an MXFP4 one's experts)
+        if inner and not rule.transpose and rule.rows is None:
             value = _read_tensor(rule, tensors, name, need, source, inner[0])
             block[at] = value[(slice(None), *inner[1:])].astype(dtype)
         else:
@@ -281,7 +296,7 @@ def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers
 def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str, first: slice = slice(None)) -> np.ndarray:
     """Checkpoint tensor `name` as `rule` reads it (before any transpose): its shape checked against
     `need` (the whole tensor's), then the rows `first` of its first axis and its columns
-    (`Rule.columns`) picked. A lazy tensor (an MXFP4 one, `loading.mxfp4`) is read only here, and
+    (`Rule.columns`) or rows (`Rule.rows`) picked. A lazy tensor (an MXFP4 one, `loading.mxfp4`) is read only here, and
     only the part asked for."""
     value = tensors[name]
     value = value if hasattr(value, "shape") else np.asarray(value)
@@ -289,6 +304,8 @@ def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str, first
         raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {need}")
     if first != slice(None):
         value = value.first_axis(first) if hasattr(value, "first_axis") else np.asarray(value)[first]
+    if rule.rows:
+        return np.asarray(value)[np.asarray(rule.rows.index)]
     return _columns(value, rule.columns) if rule.columns else np.asarray(value)
 
 
@@ -321,6 +338,9 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
                 start, step = rule.columns
                 whole = out.setdefault(name, np.zeros((*layer.shape[:-1], layer.shape[-1] * step), layer.dtype))
                 whole[..., start::step] = layer
+            elif rule.rows:  # into its rows of the shared fused tensor
+                whole = out.setdefault(name, np.zeros((rule.rows.total, *layer.shape[1:]), layer.dtype))
+                whole[np.asarray(rule.rows.index)] = layer
             else:
                 out[name] = np.ascontiguousarray(layer)
     return out

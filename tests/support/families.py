@@ -134,6 +134,12 @@ QWEN3_5_MOE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_atten
                    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                    linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12,
                    shared_expert_intermediate_size=20, rms_norm_eps=1e-6, max_position_embeddings=512)
+# key and value heads of different widths, two value heads per key head: the fused projections' groups
+QWEN3_NEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=12, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=12, shared_expert_intermediate_size=20, rms_norm_eps=1e-6,
+                  max_position_embeddings=512)
 # hidden and expert widths multiples of 32 (an MXFP4 block); a window of 4 under 12-token prompts; a
 # small swiglu_limit so that the clamps bite
 GPT_OSS = dict(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -211,6 +217,20 @@ FAMILIES = {row.name: row for row in [
            # 6 tokens per chunk: windows across chunks
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6), max_new_tokens=40,
            slow=frozenset({"speculative", "sampling", "decode_loop_hlo"})),
+    Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig", QWEN3_NEXT,
+           lambda name, p, torch: _hybrid_init(name, p, torch, router_scale=5.0), variants={
+               DEFAULT: {},  # the default pattern (3 linear, 1 full), every MLP an MoE block, top k renormalised
+               # every other layer full; dense MLPs by decoder_sparse_step (layers 0, 2) and mlp_only_layers (3);
+               # the top k not renormalised; 3 experts per token; tied head
+               "dense-raw-topk": dict(full_attention_interval=2, decoder_sparse_step=2, mlp_only_layers=[3],
+                                      norm_topk_prob=False, num_experts_per_tok=3, tie_word_embeddings=True)},
+           parity_tokens=77,  # two chunks of the delta rule
+           prefill=dict(lengths=(100, 41, 5), capacity=128, chunk_size=None), router="mlp.gate",
+           # the hybrid's rejections, sampling and decode HLO are the qwen3_5 / qwen3_5_moe rows' (the same
+           # layers); test_qwen3_next checks the rollback of this row's recurrent state
+           slow=frozenset({"prefill[dense-raw-topk]", "greedy[dense-raw-topk]", "rejections", "sampling",
+                           "decode_step_hlo", "decode_loop_hlo"}),
+           decode_overrides=dict(full_attention_interval=2)),
     Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig", GLM4_MOE, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40, variants={
                DEFAULT: {},  # q/k norms, groups, scaling, a dense prefix of 1

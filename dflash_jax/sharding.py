@@ -216,6 +216,7 @@ declare_param_axes({
     ("mlp", "down_bias"): ("expert", "embed"),
     ("router", "kernel"): ("embed", "router"), ("router", "bias"): ("router",),
     ("shared_expert_gate", "kernel"): ("embed", "router"),
+    ("e_score_correction_bias",): ("router",),  # the sigmoid router's correction bias [E] (DeepSeek-V3, GLM, MiniMax)
     # vocabulary tables, the drafter's fc
     ("embed_tokens", "embedding"): ("vocab", "embed"), ("lm_head", "kernel"): ("embed", "vocab"),
     ("draft_head", "kernel"): ("embed", "vocab"),

@@ -89,6 +89,34 @@ RANDOM_TARGETS = {
                           "partial_rotary_factor": 0.25, "max_position_embeddings": 262144,
                           "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
                          151669),
+    # GLM-4.5-Air (zai-org/GLM-4.5-Air config.json): 46 layers, the first with a dense MLP (10,944 wide), the
+    # others an MoE of 128 experts (8 per token, the sigmoid router with its correction bias, one group, not
+    # scaled) and one shared expert of 1,408; 96 query heads of 128 over 8 kv heads, q/k/v biases, no q/k
+    # norms, RoPE on half of each head. Its multi-token prediction layer is not part of the target. Mask
+    # id: the last one (random weights; no official drafter config is read here).
+    "glm-4.5-air": ({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552,
+                     "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+                     "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+                     "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False,
+                     "moe_intermediate_size": 1408, "n_routed_experts": 128, "num_experts_per_tok": 8,
+                     "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                     "norm_topk_prob": True, "first_k_dense_replace": 1, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1000000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                     "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338]},
+                    151551),
+    # MiniMax-M2 (MiniMaxAI/MiniMax-M2 config.json): 62 layers, each an MoE of 256 experts of 1,536 (8 per
+    # token, the sigmoid router with its correction bias); 48 query heads of 128 over 8 kv heads, q and k
+    # each RMS-normalised over all heads, RoPE on 64 of each head's 128 dims. Released in FP8; here random
+    # floats of the dequantised shapes. The drafter here gets the config's intermediate_size (the experts'
+    # width; no official drafter config is read). Mask id: the last one.
+    "minimax-m2": ({"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 200064,
+                    "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
+                    "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64,
+                    "num_local_experts": 256, "num_experts_per_tok": 8, "use_qk_norm": True,
+                    "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True,
+                    "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "max_position_embeddings": 196608,
+                    "tie_word_embeddings": False, "bos_token_id": 200034, "eos_token_id": 200020},
+                   200063),
 }
 RANDOM_DRAFT_LAYERS = 5  # the official DFlash drafters of these targets
 

@@ -24,6 +24,7 @@ class Family:
     model_types: tuple[str, ...] = ()  # `model_type`s it reads when a config lists no architectures
     qk_norm: bool = False  # RMSNorm of each head's query and key
     hybrid: bool = False  # Gated DeltaNet layers and partial rotary allowed
+    partial_rotary: bool = False  # partial rotary allowed (partial_rotary_factor < 1) without being hybrid
     default_max_positions: int = 4096
     checkpoint_prefixes: tuple[str, ...] = ("model.",)  # the text model's prefix, the first one present
 
@@ -47,7 +48,8 @@ class Family:
             arch=self.name,
             vocab_size=fields.int("vocab_size"),
             **decoder_fields(fields, self.default_max_positions, hybrid=self.hybrid,
-                             default_intermediate_size=self.default_intermediate_size(fields)),
+                             default_intermediate_size=self.default_intermediate_size(fields),
+                             partial_rotary=self.partial_rotary),
             tie_word_embeddings=fields.bool("tie_word_embeddings", False),
             qk_norm=self.qk_norm,
             attention_bias=fields.bool("attention_bias", False),
@@ -62,7 +64,7 @@ class Family:
         """ValueError for what this family's configs cannot hold (called by ModelConfig)."""
         if config.linear is not None and not self.hybrid:
             raise ValueError(f"a {self.name} target has no linear-attention layers")
-        if config.partial_rotary_factor != 1.0 and not self.hybrid:
+        if config.partial_rotary_factor != 1.0 and not (self.hybrid or self.partial_rotary):
             raise ValueError(f"partial_rotary_factor != 1 is not supported for {self.name}")
 
     # ---- the model

@@ -221,6 +221,8 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     assemble = getattr(place, "assemble", None)
     for rule in rules:
         want = _get(shapes, rule.path).shape
+        # a param the model keeps in float32 whatever its dtype (a sigmoid router's correction bias) stays so
+        leaf_dtype = np.dtype(np.float32) if _keeps_float32(_get(shapes, rule.path)) else np_dtype
         layer_shape = tuple(want[rule.stacked_axes:])
         need = tuple(reversed(layer_shape)) if rule.transpose else layer_shape  # as the checkpoint holds it
         if rule.columns:  # the whole tensor, of which the param is every step-th column
@@ -233,20 +235,20 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
                     raise CheckpointError(f"{source}: tensor {name} has shape {tuple(shape_of(name))}, expected {need}")
             continue
         if assemble is not None:  # a sharded load: each device's block read on its own
-            read = functools.partial(_read_block, rule, tensors, tuple(want), need, np_dtype, num_layers, source)
+            read = functools.partial(_read_block, rule, tensors, tuple(want), need, leaf_dtype, num_layers, source)
             _set(params, rule.path, assemble(rule.path, tuple(want), read))
             for name in rule.hf_names(num_layers):
                 if progress:
                     progress(name)
             continue
-        out = host_arrays.empty(want, np_dtype)
+        out = host_arrays.empty(want, leaf_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
             value = _read_tensor(rule, tensors, name, need, source)
             value = value.T if rule.transpose else value
             if rule.per_layer:
-                out[rule.index(i)] = value.astype(np_dtype)
+                out[rule.index(i)] = value.astype(leaf_dtype)
             else:
-                out[...] = value.astype(np_dtype)
+                out[...] = value.astype(leaf_dtype)
             if progress:
                 progress(name)
         _set(params, rule.path, host_arrays.adopt(out) if place is None else place(rule.path, out))
@@ -256,6 +258,13 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     if unfilled:
         raise ValueError(f"name table leaves params unfilled: {unfilled}")
     return params
+
+
+def _keeps_float32(template) -> bool:
+    """Whether a param's template (a ShapeDtypeStruct of `shapes`) is float32: the model keeps it so
+    whatever the dtype asked for (`_moe.MoE`'s correction bias, as transformers keeps it)."""
+    dtype = getattr(template, "dtype", None)
+    return dtype is not None and np.dtype(dtype) == np.float32
 
 
 def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers: int, source: str,

@@ -50,6 +50,23 @@ def _gpt_oss_init(name, p, torch):
         p.copy_(0.1 * torch.randn_like(p))
 
 
+def _sigmoid_moe_init(name, p, torch):
+    """GLM-4 MoE, MiniMax-M2: as Qwen3-MoE, the routers' logits far apart (no near-tie in the top k)."""
+    if "norm" in name:
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+    elif name.endswith("gate.weight"):
+        p.copy_(torch.randn_like(p))
+    else:
+        p.copy_(0.1 * torch.randn_like(p))
+
+
+def _correction_bias_init(name, b, torch):
+    """The sigmoid routers' correction bias (a buffer transformers starts at zero): random, so that it
+    changes which experts are chosen."""
+    if name.endswith("e_score_correction_bias"):
+        b.copy_(0.3 * torch.randn_like(b))
+
+
 # the vision tower of a multimodal (ConditionalGeneration) checkpoint: the smallest that builds
 _VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
 
@@ -79,6 +96,8 @@ class Family:
     # ("prefill[raw-topk]"), or every check of a variant (slow_variants); see `params`
     slow: frozenset = frozenset()
     slow_variants: frozenset = frozenset()
+    # (buffer name, buffer, torch) -> None: randomise transformers' persistent buffers in place (None: left)
+    init_buffers: Callable | None = None
 
     @property
     def default_variant(self) -> str:
@@ -126,6 +145,16 @@ QWEN3_NEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidde
 GPT_OSS = dict(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
                max_position_embeddings=256, swiglu_limit=0.5)
+# a dense first layer, then MoE layers of the sigmoid router (groups, scaling) and a shared expert; q/k/v
+# biases, partial rotary (GLM's default 0.5)
+GLM4_MOE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                norm_topk_prob=True, attention_bias=True, use_qk_norm=True, max_position_embeddings=256)
+# q and k normalised over all heads, rotary on 8 of 16 dims; bos / eos inside the tiny vocabulary
+MINIMAX_M2 = dict(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8,
+                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
 
 FAMILIES = {row.name: row for row in [
     Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", QWEN3, _dense_init, slow=_DENSE_SLOW | {
@@ -202,6 +231,20 @@ FAMILIES = {row.name: row for row in [
            slow=frozenset({"prefill[dense-raw-topk]", "greedy[dense-raw-topk]", "rejections", "sampling",
                            "decode_step_hlo", "decode_loop_hlo"}),
            decode_overrides=dict(full_attention_interval=2)),
+    Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig", GLM4_MOE, _sigmoid_moe_init,
+           init_buffers=_correction_bias_init, parity_tokens=40, variants={
+               DEFAULT: {},  # q/k norms, groups, scaling, a dense prefix of 1
+               # no q/k norms, a dense prefix of 2, one group, the top k not renormalised, 2 shared experts,
+               # a partial rotary factor stated in rope_parameters
+               "dense2-plain": dict(num_hidden_layers=4, first_k_dense_replace=2, use_qk_norm=False, n_group=1,
+                                    topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.25})},
+           slow=frozenset({"prefill[dense2-plain]", "greedy[dense2-plain]", "sampling", "decode_loop_hlo"})),
+    Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config", MINIMAX_M2, _sigmoid_moe_init,
+           init_buffers=_correction_bias_init, parity_tokens=40,
+           # the glm4_moe row's sampling, decode step and loop stand for these by default (the same layers)
+           slow=frozenset({"sampling", "decode_step_hlo", "decode_loop_hlo"})),
 ]}
 
 
@@ -233,6 +276,8 @@ def make_hf(family: str, out_dir=None, seed: int = 0, variant: str | None = None
     with torch.no_grad():
         for name, p in model.named_parameters():
             row.init(name, p, torch)
+        for name, b in model.named_buffers() if row.init_buffers else ():
+            row.init_buffers(name, b, torch)
     model.eval()
     if out_dir is not None:
         model.save_pretrained(out_dir)

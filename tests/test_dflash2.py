@@ -217,7 +217,7 @@ def test_the_selector_q_on_the_vocabulary_is_zero_off_the_candidates():
 
 
 TARGET = ModelConfig(arch="llama", vocab_size=V, hidden_size=D, intermediate_size=FF, num_layers=3, num_heads=H,
-                     num_kv_heads=KV, head_dim=HD, max_position_embeddings=128)
+                     num_kv_heads=KV, head_dim=HD, max_position_embeddings=2048)
 
 
 def test_greedy_speculative_equals_plain_decoding_with_a_ragged_batch():
@@ -234,6 +234,37 @@ def test_greedy_speculative_equals_plain_decoding_with_a_ragged_batch():
     assert result.tokens == [plain_greedy(target, p, 12) for p in prompts]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature, lookup, gate", [(0.0, 0, 0.0), (1.0, 3, 0.5)], ids=["greedy", "sampled"])
+def test_the_decode_loop_copies_no_cache(temperature, lookup, gate):
+    """The compiled decode loop with a DFlash2 drafter (its selector's scan inside, with lookup and
+    gated drafts where sampled) copies no whole cache buffer (`support.hlo`)."""
+    from dflash_jax import _speculative as speculative
+    from dflash_jax.kernels import KEY_TILE, round_up
+    from support.hlo import whole_buffer_ops
+
+    target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
+    cfg = config(block_size=4)
+    generator = speculative.Generator(target, Drafter(cfg, random_params(cfg)))
+    gen_cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=1000, temperature=temperature, top_k=0,
+                                          top_p=1.0, stop_token_ids=(), block_size=None, seed=0, acceptance="exact",
+                                          lookup=lookup, min_draft_probability=gate)
+    capacity = round_up(speculative.prompt_bucket(3) + 1000 + gen_cfg.block_size, KEY_TILE)
+    assert capacity == 1024
+    _, loop, _ = generator._executables(gen_cfg, args, "decode")
+    assert whole_buffer_ops(loop.as_text(), capacity) == []
+
+
+def test_every_dflash2_weight_has_declared_sharding_axes():
+    from dflash_jax import sharding
+
+    shapes = jax.eval_shape(lambda: init_drafter_params(config(), jax.random.PRNGKey(0)))
+    axes = {jax.tree_util.keystr(path): sharding.param_axes(tuple(k.key for k in path), s.shape)
+            for path, s in jax.tree_util.tree_leaves_with_path(shapes)}
+    assert axes["['candidate_selector']['predecessor_codebook']"] == ("vocab", "selector_rank")
+    assert axes["['layers']['mlp_conv']['base_kernel']"] == (None, "conv", "conv", "embed")
+
+
 # ---- sampling ------------------------------------------------------------------------------------
 
 def sampling_setup():
@@ -244,9 +275,12 @@ def sampling_setup():
     return target, Drafter(cfg, random_params(cfg, seed=5, codebook_scale=3.0))
 
 
+SELECT = decode_loop._select
+
+
 def plain_softmax_select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
     """The selector's drafts with the wrong q: the drafter's plain softmax over the vocabulary."""
-    drafts, _, first = decode_loop._select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
+    drafts, _, first = SELECT(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
     return drafts, decode_loop._target_probs(cfg, params, logits), first
 
 
@@ -262,15 +296,17 @@ def test_speculative_sampling_with_a_dflash2_drafter_matches_the_target_distribu
     assert result.tau > 1.05
 
 
-@pytest.mark.slow
 def test_the_chi_square_sees_a_plain_softmax_q(monkeypatch):
     """Power: the same run with the selector's drafts verified against the plain softmax instead of
-    the selector's own q is detected."""
+    the selector's own q is detected (a Generator of its own: `generate`'s would reuse the loop the
+    test above compiled)."""
     from support.sampling import PROMPT, SAMPLES, chi_square_pvalue, exact_joint
+
+    from dflash_jax._speculative import Generator
 
     target, drafter = sampling_setup()
     monkeypatch.setattr(decode_loop, "_select", plain_softmax_select)
-    result = generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, stop_token_ids=(), seed=21,
+    result = Generator(target, drafter).generate([PROMPT] * SAMPLES, max_new_tokens=3, stop_token_ids=(), seed=21,
                       temperature=1.0)
     assert chi_square_pvalue([tuple(t) for t in result.tokens], exact_joint(target)) < 1e-6
 

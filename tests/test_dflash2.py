@@ -403,3 +403,42 @@ def test_load_and_export_are_bit_exact_both_ways(tmp_path, dtype):
     assert written["architectures"] == ["DFlash2DraftModel"]
     assert {k: written["dflash_config"][k] for k in DFlash2Config.FIELDS} == {
         "conv_kernel_size": T, "conv_group_size": GROUP, "selector_rank": RANK, "selector_top_k": TOP_K}
+
+
+# ---- on a mesh -----------------------------------------------------------------------------------
+
+def sharded_findings(out):
+    """In a process with 8 CPU devices: greedy and sampled output of a DFlash2 drafter on a mesh
+    (tensor 2, data 4: codebooks split over the vocabulary, heads and the fc output over tensor) and
+    on one device, and the compiled drafter params' shardings against the rules."""
+    from dflash_jax import sharding
+    from dflash_jax._speculative import Generator
+
+    target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
+    cfg = config(block_size=4)
+    drafter = Drafter(cfg, random_params(cfg, seed=3, codebook_scale=1.5))
+    rng = np.random.default_rng(2)
+    prompts = [list(map(int, rng.integers(0, V - 1, size=n))) for n in (1, 4, 9, 2)]
+    mesh = sharding.make_mesh(data=4, tensor=2)
+    found = {}
+    for name, kw in (("greedy", {}), ("sampled", dict(temperature=0.9, seed=3))):
+        one = Generator(target, drafter).generate(prompts, max_new_tokens=10, stop_token_ids=(), **kw).tokens
+        generator = Generator(target, drafter, mesh=mesh)
+        found[name] = [one, generator.generate(prompts, max_new_tokens=10, stop_token_ids=(), **kw).tokens]
+    rules = sharding.param_shardings(mesh, generator._drafter_params, cfg)
+    placed = jax.tree_util.tree_map(lambda a, r: a.sharding.is_equivalent_to(r, a.ndim),
+                                    generator._drafter_params, rules)
+    found["placed"] = all(jax.tree_util.tree_leaves(placed))
+    found["codebook"] = str(rules["candidate_selector"]["successor_codebook"].spec)
+    with open(out, "w") as f:
+        json.dump(found, f)
+
+
+@pytest.mark.slow
+def test_on_a_mesh_the_output_equals_one_device():
+    from support.devices import run_8_devices
+
+    found = run_8_devices("sharded_findings({out})", "test_dflash2")
+    assert found["greedy"][0] == found["greedy"][1]
+    assert found["sampled"][0] == found["sampled"][1]
+    assert found["placed"] and "tensor" in found["codebook"]

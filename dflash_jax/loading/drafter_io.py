@@ -29,7 +29,7 @@ DRAFT_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")  # read only when config.
 
 def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: str = "auto",
                  decode_weights: str = "stored", mesh=None) -> Drafter:
-    """Read an official DFlash drafter directory; validate it against `target` when given (before
+    """Read an official DFlash (or DFlash2) drafter directory; validate it against `target` when given (before
     any tensor is read). decode_weights: what a CPU drafts with, "stored" (the weights as loaded)
     or "q8_0" (8-bit blocks, fewer bytes per cycle; `DrafterSpec`). Bad input raises one exception
     naming the file: FileNotFoundError, ConfigError, CheckpointError, TorchRequiredError,

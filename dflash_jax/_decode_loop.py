@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax import _sampling as sampling, sharding
+from dflash_jax import _dflash2 as dflash2, _sampling as sampling, sharding
 from dflash_jax._cache import KVCache, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
 from dflash_jax._lookup import lookup_drafts, merge_lookup
@@ -188,6 +188,8 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
     else:
         logits = target.logits(target_params, hidden)
     logits = dc.draft_logits(logits)
+    if dc.dflash2 is not None:
+        return _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
     if exact:
         probs = _target_probs(cfg, params, logits)
         drafts = sampling.sample(key, probs)
@@ -201,6 +203,23 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
     if exact:
         probs = jnp.zeros((*probs.shape[:-1], drafter.config.vocab_size), probs.dtype).at[..., to_target].set(probs)
     return to_target[drafts], probs, first
+
+
+def _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
+    """`_propose`'s outputs for a DFlash2 drafter: its candidate selector's walk over the top-K
+    candidates of every slot (`_dflash2.select`), the argmax walk when greedy, else each slot drawn
+    from softmax(score / temperature) over its K candidates (top_k and top_p filter the target's
+    distribution only, as in the reference). The draft distribution the exact rule reads is that
+    K-way q scattered on the candidate ids, zero elsewhere: min(1, p/q) and the residual
+    max(0, p - q) keep it lossless. The first draft's probability (`gate_drafts`) is its q, at
+    temperature 1 when greedy."""
+    temperature = params.temperature if cfg.sampling else None
+    drafts, candidates, index, q = drafter.select(drafter_params, hidden, logits, anchors, temperature, key)
+    probs = None
+    if cfg.sampling and cfg.acceptance == "exact":
+        probs = dflash2.scatter_q(q, candidates, drafter.config.vocab_size)
+    first = jnp.take_along_axis(q[:, 0], index[:, :1], axis=-1)[:, 0] if cfg.gate_drafts else None
+    return drafts, probs, first
 
 
 def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, key, params):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import backends, _masks as masks
+from dflash_jax import backends, _dflash2 as dflash2, _masks as masks
 from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import KVCache, RingKVCache
 from dflash_jax._draft_vocab import DraftVocab
@@ -61,31 +61,47 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.backend)
+        if cfg.dflash2 is not None:  # DFlash2: a convolution around each sublayer (`_dflash2`)
+            conv = dict(hidden_size=cfg.hidden_size, kernel_size=cfg.dflash2.conv_kernel_size,
+                        group_size=cfg.dflash2.conv_group_size, dtype=self.dtype,
+                        backend=self.backend)
+            self.attention_conv = dflash2.GroupedDynamicCausalConv(**conv)
+            self.mlp_conv = dflash2.GroupedDynamicCausalConv(**conv)
 
     def context_kv(self, carry, _, shared):
         """shared (context [B, C, D], cos, sin) -> per-layer context keys/values [B, C, Hkv, Dh]."""
         context, cos, sin = shared
         return carry, self.self_attn.keys_values(context, cos, sin)
 
-    def _block_qkv(self, hidden, cos, sin):
-        """Block states [B, Tq, D] -> queries [B, Tq, H, Dh], keys, values [B, Tq, Hkv, Dh]."""
+    def _block_qkv(self, hidden, cos, sin, block):
+        """Block states [B, Tq, D] (blocks of `block` positions) -> (queries [B, Tq, H, Dh], keys,
+        values [B, Tq, Hkv, Dh]), and for DFlash2 the attention output's convolution kernel (None
+        otherwise)."""
         x = self.input_layernorm(hidden)
-        return (self.self_attn.queries(x, cos, sin), *self.self_attn.keys_values(x, cos, sin))
+        dyn = None
+        if self.config.dflash2 is not None:
+            x, dyn = self.attention_conv.prepare(x, block)
+        return (self.self_attn.queries(x, cos, sin), *self.self_attn.keys_values(x, cos, sin)), dyn
 
-    def _residual(self, hidden, attended):
-        hidden = hidden + self.self_attn.output(attended)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def _residual(self, hidden, attended, dyn, block):
+        if self.config.dflash2 is None:
+            hidden = hidden + self.self_attn.output(attended)
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.attention_conv.finish(self.self_attn.output(attended), dyn, block)
+        x, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(hidden), block)
+        return hidden + self.mlp_conv.finish(self.mlp(x), dyn, block)
 
     def __call__(self, hidden, layer_xs, shared):
         """Training: hidden [B, Tq, D]; layer_xs (context k, context v [B, C, Hkv, Dh], windowed
         flag); shared (cos, sin, full ranges, windowed ranges) over keys [context ; blocks]."""
         cos, sin, full_ranges, windowed_ranges = shared
         k_ctx, v_ctx, windowed = layer_xs
-        q, k_blk, v_blk = self._block_qkv(hidden, cos, sin)
+        block = self.config.block_size  # packed blocks of the config's size (`DrafterSpec.train_hidden`)
+        (q, k_blk, v_blk), dyn = self._block_qkv(hidden, cos, sin, block)
         k = jnp.concatenate([k_ctx.astype(k_blk.dtype), k_blk], axis=1)
         v = jnp.concatenate([v_ctx.astype(v_blk.dtype), v_blk], axis=1)
         ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
-        return self._residual(hidden, attention(q, k, v, ranges, impl=self.attn_impl)), None
+        return self._residual(hidden, attention(q, k, v, ranges, impl=self.attn_impl), dyn, block), None
 
     def decode(self, hidden, layer_xs, shared):
         """Inference: hidden [B, G, D]; layer_xs (layer index, windowed flag); shared (cos, sin,
@@ -94,11 +110,12 @@ class DrafterLayer(nn.Module):
         (`cache_attention`), never concatenated with the block."""
         cos, sin, cache, full_ranges, windowed_ranges = shared
         layer, windowed = layer_xs
-        q, k_blk, v_blk = self._block_qkv(hidden, cos, sin)
+        block = hidden.shape[1]  # one block per row
+        (q, k_blk, v_blk), dyn = self._block_qkv(hidden, cos, sin, block)
         cache_ranges, block_ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
         attended = cache_attention(q, cache.k, cache.v, layer, cache_ranges, k_blk, v_blk, block_ranges,
                                    impl=self.attn_impl, backend=self.backend)
-        return self._residual(hidden, attended), None
+        return self._residual(hidden, attended, dyn, block), None
 
 
 class DrafterModel(nn.Module):
@@ -118,6 +135,8 @@ class DrafterModel(nn.Module):
         self._make_layers()
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.rotary = Rotary(cfg)
+        if cfg.dflash2 is not None:  # its weights; the walk is `_dflash2.select` over them
+            self.candidate_selector = dflash2.CandidateSelector(cfg.vocab_size, cfg.dflash2.selector_rank, self.dtype)
 
     def _make_layers(self):
         """All layers as one scanned module: params stacked [L, ...] under "layers"."""
@@ -172,7 +191,10 @@ class DrafterModel(nn.Module):
     def __call__(self, features, positions, block_embeds, block_positions, full_ranges, windowed_ranges):
         """Context K/V and blocks in one call (used by `init` and by training)."""
         k, v = self.context_kv(features, positions)
-        return self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
+        hidden = self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
+        if self.config.dflash2 is not None and self.is_initializing():
+            self.candidate_selector(hidden)  # creates the selector's weights
+        return hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +285,15 @@ class DrafterSpec:
         return self.module_for(params).apply({"params": self.module_params(params)}, block_embeds,
                                              positions, cache, full, windowed, method="cached_blocks")
 
+    def select(self, params, hidden, logits, anchors, temperature=None, key=None):
+        """A DFlash2 drafter's candidate-selector walk over the proposal slots (`_dflash2.select`:
+        hidden [B, S, D], draft logits [B, S, V], anchors [B]; temperature None: greedy) -> (drafts,
+        candidates, chosen indices, q over the candidates). params: `loop_params`."""
+        if self.config.dflash2 is None:
+            raise ValueError("select: this drafter is not a DFlash2 drafter (config.dflash2 is None)")
+        return dflash2.select(self.module_params(params)["candidate_selector"], hidden, logits, anchors,
+                              self.config.dflash2.selector_top_k, temperature, key)
+
     def train_hidden(self, params, features, block_embeds, anchors, block_valid):
         """Packed training forward.
 
@@ -275,6 +306,9 @@ class DrafterSpec:
         g = block_embeds.shape[1] // n
         if g * n != block_embeds.shape[1]:
             raise ValueError(f"block_embeds length {block_embeds.shape[1]} is not N={n} blocks")
+        if self.config.dflash2 is not None and g != self.config.block_size:
+            raise ValueError(f"a DFlash2 drafter's convolutions run over blocks of block_size="
+                             f"{self.config.block_size}; got blocks of {g}")
         positions = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
         block_positions = (anchors[:, :, None] + jnp.arange(g, dtype=jnp.int32)).reshape(b, n * g)
         cfg = self.config
@@ -352,6 +386,7 @@ class Drafter:
     append_context = on_spec("append_context")
     draft_hidden = on_spec("draft_hidden")
     train_hidden = on_spec("train_hidden")
+    select = on_spec("select")
     draft_head_logits = on_spec("draft_head_logits")
 
 

@@ -1,5 +1,6 @@
 """The DFlash drafter config, read from / written to the official `config.json` layout, and the
-check that a drafter fits a target (`validate_pair`)."""
+check that a drafter fits a target (`validate_pair`). A DFlash2 drafter (`DFlash2DraftModel`) is the
+same config with its `dflash2` fields set (`DFlash2Config`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,44 @@ def resolve_mask_token_id(explicit: int | None, tokenizer=None, vocab_size: int 
                      "dflash_config.mask_token_id and no tokenizer was given")
 
 
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlash2Config:
+    """What a DFlash2 drafter adds to DFlash (the authors' `DFlash2DraftModel`): a grouped dynamic
+    causal convolution of kernel size T = `conv_kernel_size` over groups of `conv_group_size`
+    channels before and after every attention and MLP sublayer, and a candidate selector that walks
+    the block through the top `selector_top_k` candidates of each position with a pairwise term of
+    rank `selector_rank` (`dflash_jax._dflash2`)."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+
+    FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+    def __post_init__(self):
+        for name in self.FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"dflash_config.{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_fields(cls, dflash, fields) -> "DFlash2Config":
+        """Each field from dflash_config first, then the top level (as the reference reads them); a
+        field in neither is an error naming it."""
+        values = {}
+        for name in cls.FIELDS:
+            value = dflash.int(name, None)
+            values[name] = fields.int(name, None) if value is None else value
+            if values[name] is None:
+                raise fields.error(f"a DFlash2DraftModel config needs dflash_config.{name} (or a top-level "
+                                   f"{name}); it has neither")
+        return cls(**values)
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig(LayerLayout):
     hidden_size: int
@@ -65,6 +104,7 @@ class DrafterConfig(LayerLayout):
     input_embedding_scale: float = 1.0  # times the block's token embeddings
     output_multiplier: float = 1.0  # times the draft logits, then
     final_logit_softcapping: float = 0.0  # > 0: c * tanh(logits / c)
+    dflash2: DFlash2Config | None = None  # set: a DFlash2 drafter (convolutions and candidate selector)
 
     def __post_init__(self):
         self._validate_sizes("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -88,6 +128,24 @@ class DrafterConfig(LayerLayout):
         for name in ("input_embedding_scale", "output_multiplier"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) == 0:
                 raise ValueError(f"{name} must be a finite nonzero number, got {getattr(self, name)}")
+        if self.dflash2 is not None:
+            self._validate_dflash2()
+
+    def _validate_dflash2(self):
+        d2 = self.dflash2
+        if self.hidden_size % d2.conv_group_size:
+            raise ValueError(f"DFlash2: conv_group_size {d2.conv_group_size} must divide hidden_size "
+                             f"{self.hidden_size}")
+        if d2.selector_top_k > self.vocab_size:
+            raise ValueError(f"DFlash2: selector_top_k {d2.selector_top_k} exceeds vocab_size {self.vocab_size}")
+        if self.draft_vocab_size is not None:
+            raise ValueError("DFlash2: a reduced draft vocabulary (draft_vocab_size) is not supported: the "
+                             "selector's codebooks index the whole vocabulary")
+
+    @property
+    def architecture(self) -> str:
+        """The config.json architecture this config is: DFlashDraftModel or DFlash2DraftModel."""
+        return ARCHITECTURES[self.dflash2 is not None]
 
     @property
     def num_features(self) -> int:
@@ -129,10 +187,12 @@ class DrafterConfig(LayerLayout):
         """From the official config.json dict; `source` (the file) is named in every error."""
         fields = ConfigFields(hf, source)
         archs = fields.str_list("architectures", ())
-        if archs and "DFlashDraftModel" not in archs:
+        known = [a for a in archs if a in ARCHITECTURES]
+        if archs and not known:
             raise fields.error(f"not a DFlash drafter config: architectures={list(archs)} "
-                               "(expected ['DFlashDraftModel'])")
+                               f"(expected one of {list(ARCHITECTURES)})")
         dflash = fields.section("dflash_config")
+        dflash2 = DFlash2Config.from_fields(dflash, fields) if "DFlash2DraftModel" in known else None
         num_target_layers = fields.int("num_target_layers", None)
         layer_ids = dflash.int_list("target_layer_ids", None)
         if layer_ids is None:
@@ -158,6 +218,7 @@ class DrafterConfig(LayerLayout):
             attention_bias=fields.bool("attention_bias", False),
             draft_vocab_size=fields.int("draft_vocab_size", None),
             is_causal=fields.bool("is_causal", None),
+            dflash2=dflash2,
             **scaled,
         )
 
@@ -167,7 +228,7 @@ class DrafterConfig(LayerLayout):
         rope = dict(self.rope_scaling)
         rope_type = rope.pop("rope_type", "default")
         hf.update(
-            architectures=["DFlashDraftModel"],
+            architectures=[self.architecture],
             model_type="qwen3",
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -212,6 +273,12 @@ class DrafterConfig(LayerLayout):
                 dflash[name] = getattr(self, name)
             else:
                 dflash.pop(name, None)
+        for name in DFlash2Config.FIELDS:  # in dflash_config, where the reference reads them first
+            hf.pop(name, None)
+            if self.dflash2 is None:
+                dflash.pop(name, None)
+            else:
+                dflash[name] = getattr(self.dflash2, name)
         hf["dflash_config"] = dflash
         return hf
 

@@ -171,6 +171,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "linear_v": "tensor",  # Gated DeltaNet value heads x Dv
     "linear_heads": "tensor",  # Gated DeltaNet value heads
     "expert": "expert",  # an MoE layer's experts
+    "conv_dynamic": None,  # a DFlash2 drafter's projected conv kernel: 2 x taps x channel groups
+    "selector_rank": None,  # a DFlash2 drafter's candidate-selector rank
 }
 _LINEAR = ("linear_qkv", "linear_v", "linear_heads")
 _UNITS = {"mlp": "MLP channels", "draft_hidden": "output columns", "expert": "experts"}

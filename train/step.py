@@ -161,6 +161,9 @@ def make_train_step(target, config: DrafterConfig, spec: StepSpec, optimizer: op
     Anchors are drawn for the whole batch from fold_in(state.rng, state.step), then gradients are
     averaged over spec.grad_accum micro-batches. metrics: loss, slot_accuracy [G-1] (slots 1..G-1), tau_estimate,
     grad_norm, learning_rate."""
+    if config.dflash2 is not None:
+        raise NotImplementedError("training a DFlash2 drafter (its selector's loss) is not implemented; "
+                                  "DFlash2 drafters are for inference here")
 
     def step(state: TrainState, frozen, batch):
         anchors, valid = objective.sample_anchors(jax.random.fold_in(state.rng, state.step),

@@ -346,9 +346,21 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
     return out
 
 
-def drafter_rules(attention_bias: bool = False) -> list[Rule]:
-    """The official DFlash drafter layout (no `model.` prefix, no embeddings, no LM head)."""
+def drafter_rules(attention_bias: bool = False, dflash2: bool = False) -> list[Rule]:
+    """The official DFlash drafter layout (no `model.` prefix, no embeddings, no LM head); dflash2:
+    with a DFlash2 drafter's convolutions and candidate selector (its codebooks stored without
+    ".weight")."""
     rules = [Rule("fc.weight", ("fc", "kernel"), transpose=True),
              Rule("hidden_norm.weight", ("hidden_norm", "scale")),
              Rule("norm.weight", ("norm", "scale"))]
-    return rules + decoder_layer_rules("layers.{i}", True, attention_bias, False)
+    rules += decoder_layer_rules("layers.{i}", True, attention_bias, False)
+    if dflash2:
+        for conv in ("attention_conv", "mlp_conv"):
+            rules += [Rule(f"layers.{{i}}.{conv}.base_kernel", ("layers", conv, "base_kernel")),
+                      Rule(f"layers.{{i}}.{conv}.kernel_projection.weight", ("layers", conv, "kernel_projection",
+                                                                              "kernel"), transpose=True)]
+        rules += [Rule(f"candidate_selector.{name}", ("candidate_selector", name))
+                  for name in ("predecessor_codebook", "successor_codebook")]
+        rules.append(Rule("candidate_selector.hidden_projection.weight",
+                          ("candidate_selector", "hidden_projection", "kernel"), transpose=True))
+    return rules

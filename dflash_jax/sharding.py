@@ -171,6 +171,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "linear_v": "tensor",  # Gated DeltaNet value heads x Dv
     "linear_heads": "tensor",  # Gated DeltaNet value heads
     "expert": "expert",  # an MoE layer's experts
+    "latent": None,  # multi-head latent attention's low-rank q and kv latents (DeepSeek-V3)
 }
 _LINEAR = ("linear_qkv", "linear_v", "linear_heads")
 _UNITS = {"mlp": "MLP channels", "draft_hidden": "output columns", "expert": "experts"}

@@ -155,6 +155,12 @@ GLM4_MOE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_interme
 MINIMAX_M2 = dict(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8,
                   max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+# MLA with a low-rank q path and interleaved rope; every layer dense (first_k_dense_replace = the layers;
+# no routed experts); no EOS (DeepseekV3Config says 1, which min_new_tokens would suppress in generate)
+DEEPSEEK_V3 = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                   v_head_dim=8, first_k_dense_replace=3, n_routed_experts=0, rope_interleave=True,
+                   max_position_embeddings=256, rms_norm_eps=1e-6, eos_token_id=None)
 
 FAMILIES = {row.name: row for row in [
     Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", QWEN3, _dense_init, slow=_DENSE_SLOW | {
@@ -245,6 +251,14 @@ FAMILIES = {row.name: row for row in [
            init_buffers=_correction_bias_init, parity_tokens=40,
            # the glm4_moe row's sampling, decode step and loop stand for these by default (the same layers)
            slow=frozenset({"sampling", "decode_step_hlo", "decode_loop_hlo"})),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK_V3, _moe_init, variants={
+        DEFAULT: {},
+        # a plain q_proj, rope dims not interleaved, biases (kv_a_proj_with_mqa, o_proj), YaRN whose
+        # mscale_all_dim scales the softmax (and, unequal to its mscale, the cos and sin)
+        "plain-q-yarn": dict(q_lora_rank=None, rope_interleave=False, attention_bias=True,
+                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                              "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0})},
+           slow=frozenset({"greedy[plain-q-yarn]", "sampling", "decode_loop_hlo"})),
 ]}
 
 

@@ -1,5 +1,8 @@
 """DeepSeek-V3 and Kimi-K2 / K2.5 (`DeepseekV3ForCausalLM`, transformers `deepseek_v3`): multi-head
-latent attention (MLA) in every layer, a dense SwiGLU MLP in the first `first_k_dense_replace` layers.
+latent attention (MLA) in every layer, a dense SwiGLU MLP in the first `first_k_dense_replace` layers
+and the MoE block after them (`DeepseekV3MoE`: sigmoid scores, `e_score_correction_bias` for the
+choice only, group-limited top k, renormalised where `norm_topk_prob`, times `routed_scaling_factor`;
+`n_shared_experts` ungated shared experts: `dflash_jax._moe`'s "sigmoid_grouped" routing).
 
 MLA (`DeepseekV3Attention`). Queries: `q_proj`, or the low-rank path `q_b_proj(q_a_layernorm(q_a_proj(x)))`
 where `q_lora_rank` is set, each head `qk_nope_head_dim` plain dims then `qk_rope_head_dim` rotary
@@ -31,11 +34,12 @@ import jax.numpy as jnp
 from dflash_jax import _masks as masks
 from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import LatentCache
-from dflash_jax._config import ConfigFields, MLAConfig, ModelConfig
+from dflash_jax._config import ConfigFields, MLAConfig, ModelConfig, MoEConfig
 from dflash_jax._layers import MLP, RMSNorm, apply_rotary, capture_into, make_dense
+from dflash_jax._moe import moe_block
 from dflash_jax.families import register
 from dflash_jax.families.base import MLP_PROJECTIONS, Family
-from dflash_jax.loading.names import Rule, _linear_rules
+from dflash_jax.loading.names import Rule, _linear_rules, moe_layer_rules
 from dflash_jax.sharding import declare_param_axes
 
 log = logging.getLogger(__name__)
@@ -146,10 +150,10 @@ class DeepseekV3Layer(nn.Module):
             x, positions, window, cos, sin, cache, layer)
         hidden = hidden + mixed
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        mlp = cfg.mlp_kinds[0] if self.mlp == "auto" else self.mlp
-        if mlp == "moe":
-            raise NotImplementedError("DeepSeek-V3's MoE block is not implemented")  # refused by `validate`
-        hidden = hidden + MLP(cfg.intermediate_size, False, self.dtype, self.backend, name="mlp")(x)
+        if (cfg.mlp_kinds[0] if self.mlp == "auto" else self.mlp) == "moe":
+            hidden = hidden + moe_block(cfg.moe, self.dtype, self.backend)(x)
+        else:
+            hidden = hidden + MLP(cfg.intermediate_size, False, self.dtype, self.backend, name="mlp")(x)
         return (hidden, capture_into(features, slot, hidden)), (None if cache is None else (rows, None))
 
 
@@ -191,10 +195,26 @@ class DeepseekV3(Family):
             rope_interleave=fields.bool("rope_interleave", True))
         num_layers = fields.int("num_hidden_layers")
         dense_prefix = fields.int("first_k_dense_replace", 3)
-        if dense_prefix < num_layers:
-            raise fields.error(f"first_k_dense_replace ({dense_prefix}) < num_hidden_layers ({num_layers}): "
-                               "DeepSeek-V3's MoE layers are not supported yet")
-        return dict(mla=mla)
+        experts = fields.int("n_routed_experts", None)
+        experts = fields.int("num_local_experts", 256) if experts is None else experts
+        if dense_prefix >= num_layers or not experts:
+            return dict(mla=mla)
+        if dense_prefix < 0:
+            raise fields.error(f"first_k_dense_replace must be >= 0, got {dense_prefix}")
+        for name, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+            value = fields.hf.get(name)
+            if value is not None and value != allowed:
+                raise fields.error(f"{name} {value!r} is not supported for deepseek_v3 (only {allowed!r}: "
+                                   "DeepSeek-V3's router)")
+        width = fields.int("moe_intermediate_size", 2048)
+        moe = fields.build(
+            MoEConfig, num_experts=experts, num_experts_per_tok=fields.int("num_experts_per_tok", 8),
+            intermediate_size=width, norm_topk_prob=fields.bool("norm_topk_prob", True),
+            shared_expert_intermediate_size=width * fields.int("n_shared_experts", 1), router="sigmoid_grouped",
+            n_group=fields.int("n_group", 8) or 1, topk_group=fields.int("topk_group", 4) or 1,
+            routed_scaling_factor=fields.float("routed_scaling_factor", 2.5), norm_topk_eps=1e-20,
+            shared_expert_gate=False, dense_layers=tuple(range(dense_prefix)))
+        return dict(mla=mla, moe=moe)
 
     def validate(self, config):
         super().validate(config)
@@ -209,8 +229,12 @@ class DeepseekV3(Family):
                              f"got {config.num_kv_heads}")
         if config.qk_norm or config.mlp_bias or config.attention_sinks or config.sliding_window:
             raise ValueError("a deepseek_v3 target has no q/k norms, MLP biases, attention sinks or sliding windows")
-        if config.moe is not None:
-            raise ValueError("DeepSeek-V3's MoE layers are not supported yet")
+        moe = config.moe
+        if moe is not None and (moe.router != "sigmoid_grouped" or moe.shared_expert_gate or moe.router_bias
+                                or moe.expert_bias or moe.swiglu_limit
+                                or moe.dense_layers != tuple(range(len(moe.dense_layers)))):
+            raise ValueError("a deepseek_v3 MoE layer is routed by the grouped sigmoid router, its shared experts "
+                             "ungated, without biases, after a dense prefix")
 
     def layer_module(self, mixer: str):
         return DeepseekV3Layer
@@ -233,7 +257,14 @@ class DeepseekV3(Family):
                 + _linear_rules(prefix, attn, ("o_proj",), bias, ids))
 
     def mlp_rules(self, config, mlp, hf, path, ids):
-        return _linear_rules(f"{hf}.mlp", path, MLP_PROJECTIONS, False, ids)
+        """A dense SwiGLU, or the MoE block (`DeepseekV3MoE`): the router `mlp.gate` [E, D] and its
+        `e_score_correction_bias` [E], each expert's projections (per expert, or fused: `unfuse_experts`),
+        the shared experts `mlp.shared_experts.*` (one SwiGLU of n_shared_experts x the expert width)."""
+        if mlp != "moe":
+            return _linear_rules(f"{hf}.mlp", path, MLP_PROJECTIONS, False, ids)
+        return (moe_layer_rules(hf, config.num_experts, path, ids)
+                + [Rule(f"{hf}.mlp.gate.e_score_correction_bias", (*path, "e_score_correction_bias"), layer_ids=ids)]
+                + _linear_rules(f"{hf}.mlp.shared_experts", (*path, "shared_expert"), MLP_PROJECTIONS, False, ids))
 
     def allow_extra(self, config, tensors, source, prefix):
         """Beside the base rule: the multi-token prediction layers a checkpoint stores after the model's

@@ -1,0 +1,153 @@
+"""DeepSeek-V3 / Kimi-K2 (`dflash_jax.families.deepseek_v3`): what only this family has. Multi-head latent
+attention read from a latent cache step by step against transformers' materialised keys and values,
+the cache's size, the softmax scale, the config fields it refuses, the multi-token prediction layers a
+checkpoint carries, its sharding declarations. The conformance suite (tests/support/families.py's
+deepseek_v3 row) covers the parity, prefill, greedy and speculative checks."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from support import families
+from support.families import DEEPSEEK_V3
+
+from dflash_jax._cache import Cache, LatentCache
+from dflash_jax._config import ModelConfig
+from dflash_jax._errors import ConfigError
+from support.tolerance import assert_model_close
+
+ARCH = {"architectures": ["DeepseekV3ForCausalLM"]}
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 16], ids=["plain-q", "q-lora"])
+def test_latent_cache_decode_equals_transformers_step_by_step(q_lora_rank, tmp_path):
+    """A prompt through the cache, then one token at a time: each step's logits equal transformers'
+    cached decoding, whose cache expands the latent into every head's keys and values."""
+    import torch
+
+    from dflash_jax import load_target
+
+    model = families.make_hf("deepseek_v3", tmp_path, q_lora_rank=q_lora_rank)
+    target = load_target(tmp_path, tokenizer=False)
+    assert (target.config.mla.q_lora_rank or None) == q_lora_rank
+    ids = np.random.default_rng(2).integers(0, 96, size=(1, 16))
+    hidden, _, cache = target.forward(target.params, jnp.asarray(ids[:, :6], jnp.int32), target.init_cache(1, 32))
+    assert isinstance(cache, LatentCache)
+    ours = [np.asarray(target.logits(target.params, hidden))[0]]
+    for i in range(6, 16):
+        hidden, _, cache = target.forward(target.params, jnp.asarray(ids[:, i:i + 1], jnp.int32), cache)
+        ours.append(np.asarray(target.logits(target.params, hidden))[0])
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(ids[:, :6]), use_cache=True)
+        theirs, past = [out.logits[0].numpy()], out.past_key_values
+        for i in range(6, 16):
+            out = model(input_ids=torch.as_tensor(ids[:, i:i + 1]), cache=past, use_cache=True)
+            theirs.append(out.logits[0].numpy())
+            past = out.past_key_values
+    assert_model_close(np.concatenate(ours), np.concatenate(theirs), target.config, tokens=16)
+
+
+def test_cache_bytes_per_token_are_the_latents():
+    """Per layer and token the cache holds kv_lora_rank + qk_rope_head_dim values: 576 for DeepSeek-V3's
+    shapes, where materialised heads would hold 128 x (192 + 128)."""
+    config = families.target_config("deepseek_v3")
+    cache = families.tiny_target("deepseek_v3").init_cache(2, 64)
+    mla = config.mla
+    assert cache.kv.shape == (config.num_layers, 2, 64, 1, mla.kv_lora_rank + mla.qk_rope_head_dim)
+    assert cache.kv.nbytes == config.num_layers * 2 * 64 * (16 + 4) * 4
+    real = ModelConfig.from_hf_config({**ARCH, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                                       "num_hidden_layers": 61, "num_attention_heads": 128,
+                                       "moe_intermediate_size": 2048, "n_routed_experts": 256})
+    shape = jax.eval_shape(lambda: LatentCache.for_model(real, 1, 1024, jnp.bfloat16)).kv.shape
+    assert shape == (61, 1, 1024, 1, 576)
+    assert real.num_heads * (real.mla.qk_head_dim + real.mla.v_head_dim) == 40960  # materialised: 71 x more
+
+
+def test_latent_cache_is_a_cache_and_rolls_back_by_length():
+    from jax.sharding import Mesh
+
+    from dflash_jax.sharding import cache_shardings
+
+    cache = LatentCache.for_model(families.target_config("deepseek_v3"), 3, 16)
+    assert isinstance(cache, Cache)
+    rows = jnp.asarray(np.random.default_rng(0).normal(size=(3, 3, 4, 1, 20)), jnp.float32)
+    committed = cache.commit((rows, None), jnp.asarray([4, 2, 0]))
+    assert committed.lengths.tolist() == [4, 2, 0] and committed.capacity == 16
+    np.testing.assert_array_equal(np.asarray(committed.kv[:, 0, :4]), np.asarray(rows[:, 0]))
+    assert committed.with_lengths(jnp.asarray([1, 1, 1])).lengths.tolist() == [1, 1, 1]
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "expert", "tensor"))
+    placed = cache_shardings(mesh, cache)
+    assert jax.tree_util.tree_structure(placed) == jax.tree_util.tree_structure(cache)
+
+
+def test_softmax_scale_is_transformers_scaling():
+    """qk_head_dim^-0.5 times YaRN's mscale(factor, mscale_all_dim)^2 (`yarn_apply_mscale`), as
+    `DeepseekV3Attention.scaling`; the plain rope's is qk_head_dim^-0.5."""
+    transformers = pytest.importorskip("transformers")
+    from dflash_jax.families.deepseek_v3 import softmax_scale
+
+    rope = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32,
+            "beta_slow": 1, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    for extra in ({}, {"rope_parameters": rope}):
+        hf = {**DEEPSEEK_V3, **extra}
+        attn = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**hf)).model.layers[0].self_attn
+        assert softmax_scale(ModelConfig.from_hf_config({**ARCH, **hf})) == pytest.approx(attn.scaling, rel=1e-12)
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"index_topk": 2048, "index_n_heads": 64}, "index_topk, index_n_heads"),
+    ({"quantization_config": {"quant_method": "awq"}}, "'awq'"),
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ({"topk_method": "greedy"}, "topk_method 'greedy'"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_configs_it_cannot_run_are_refused_by_name(extra, named):
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig.from_hf_config({**ARCH, **DEEPSEEK_V3, **extra})
+
+
+def test_config_reads_transformers_fields():
+    """head_dim is the rotary part, kv heads are the query heads (whatever num_key_value_heads says), the
+    router's fields, a dense prefix, no MoE where every layer is dense."""
+    config = ModelConfig.from_hf_config({**ARCH, **DEEPSEEK_V3, "num_key_value_heads": 1})
+    assert (config.head_dim, config.num_kv_heads, config.mla.q_lora_rank) == (4, 4, 16)
+    moe = config.moe
+    assert (moe.router, moe.n_group, moe.topk_group, moe.routed_scaling_factor) == ("sigmoid_grouped", 4, 2, 2.5)
+    assert moe.dense_layers == (0,) and moe.shared_expert_intermediate_size == 16 and not moe.shared_expert_gate
+    assert config.mlp_kinds == ("dense", "moe", "moe")
+    dense = ModelConfig.from_hf_config({**ARCH, **DEEPSEEK_V3, "first_k_dense_replace": 3})
+    assert dense.moe is None and dense.mlp_kinds == ("dense",) * 3
+
+
+def test_multi_token_prediction_layers_are_not_read(tmp_path):
+    """A checkpoint's layers past num_hidden_layers (DeepSeek-V3's MTP module, `model.layers.61.*`) are
+    skipped; any other extra tensor still fails."""
+    from safetensors.numpy import load_file, save_file
+
+    from dflash_jax import load_target
+    from dflash_jax._errors import CheckpointError
+
+    families.make_hf("deepseek_v3", tmp_path, variant="dense")
+    tensors = load_file(tmp_path / "model.safetensors")
+    extra = {"model.layers.3.eh_proj.weight": np.ones((4, 4), np.float32),
+             "model.layers.3.self_attn.kv_b_proj.weight": np.ones((4, 4), np.float32)}
+    save_file({**tensors, **extra}, tmp_path / "model.safetensors")
+    target = load_target(tmp_path, tokenizer=False)
+    assert target.config.num_layers == 3
+    save_file({**tensors, **extra, "model.extra.weight": np.ones((2,), np.float32)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.extra.weight"):
+        load_target(tmp_path, tokenizer=False)
+
+
+def test_every_weight_has_a_sharding_rule():
+    """MLA's projections are declared: the low-rank ones replicated, q_b_proj / kv_b_proj split by query
+    heads, as q_proj and o_proj; the correction bias replicated."""
+    from dflash_jax.sharding import param_axes
+
+    target = families.tiny_target("deepseek_v3")
+    axes = {"/".join(str(k.key) for k in path): param_axes(path, leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(target.params)}
+    assert axes["layers_1/layer_0/self_attn/kv_b_proj/kernel"] == (None, "latent", "q_heads")
+    assert axes["layers_1/layer_0/self_attn/q_b_proj/kernel"] == (None, "latent", "q_heads")
+    assert axes["layers_1/layer_0/self_attn/kv_a_proj_with_mqa/kernel"] == (None, "embed", "latent")
+    assert axes["layers_1/layer_0/mlp/e_score_correction_bias"] == (None, "router")

@@ -97,6 +97,7 @@ def test_softmax_scale_is_transformers_scaling():
 @pytest.mark.parametrize("extra, named", [
     ({"index_topk": 2048, "index_n_heads": 64}, "index_topk, index_n_heads"),
     ({"quantization_config": {"quant_method": "awq"}}, "'awq'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}, "weight_block_size"),
     ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
     ({"topk_method": "greedy"}, "topk_method 'greedy'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -151,3 +152,104 @@ def test_every_weight_has_a_sharding_rule():
     assert axes["layers_1/layer_0/self_attn/q_b_proj/kernel"] == (None, "latent", "q_heads")
     assert axes["layers_1/layer_0/self_attn/kv_a_proj_with_mqa/kernel"] == (None, "embed", "latent")
     assert axes["layers_1/layer_0/mlp/e_score_correction_bias"] == (None, "router")
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek's block-scaled FP8 checkpoints
+
+
+def _fp8_quantise(weight: np.ndarray, block: int = 128):
+    """(float8_e4m3fn weight, float32 scale_inv [ceil(R / block), ceil(C / block)]) of a float32 matrix:
+    each block scaled so its largest value is e4m3's largest (448), as DeepSeek's checkpoints are."""
+    import ml_dtypes
+
+    rows, cols = weight.shape
+    grid = (-(-rows // block), -(-cols // block))
+    scale = np.zeros(grid, np.float32)
+    quantised = np.zeros(weight.shape, ml_dtypes.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            part = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = max(float(np.abs(part).max()), 1e-12) / 448.0
+            quantised[i * block:(i + 1) * block, j * block:(j + 1) * block] = (part / scale[i, j]).astype(
+                ml_dtypes.float8_e4m3fn)
+    return quantised, scale
+
+
+def _float64_dequant(weight, scale, block: int = 128) -> np.ndarray:
+    """The format in float64: every value times its block's scale, rounded once to float32."""
+    out = np.zeros(weight.shape, np.float64)
+    for i in range(weight.shape[0]):
+        for j in range(weight.shape[1]):
+            out[i, j] = float(weight[i, j]) * float(scale[i // block, j // block])
+    return out.astype(np.float32)
+
+
+def test_fp8_block_dequantisation_is_the_reference_bit_for_bit():
+    """Random e4m3 weights (every finite code, edge blocks partial both ways) and random float32 scales:
+    the dequantised float32 equals the float64 product rounded once, whole or a few rows at a time."""
+    import ml_dtypes
+
+    from dflash_jax.loading.fp8_block import Fp8BlockTensor
+
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, size=(300, 200), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaN codes
+    weight = codes.view(ml_dtypes.float8_e4m3fn)
+    scale = (rng.random((3, 2)) * 2.0 ** rng.integers(-20, 5, size=(3, 2))).astype(np.float32)
+    expected = _float64_dequant(weight, scale)
+    tensor = Fp8BlockTensor(weight, scale, "w")
+    np.testing.assert_array_equal(np.asarray(tensor).view(np.uint32), expected.view(np.uint32))
+    for rows in (slice(0, 128), slice(130, 290), slice(256, 300), slice(5, 6)):
+        np.testing.assert_array_equal(tensor.first_axis(rows).view(np.uint32), expected[rows].view(np.uint32))
+
+
+def test_fp8_checkpoint_loads_dequantised(tmp_path):
+    """A checkpoint whose Linear weights are block-scaled FP8 (quantization_config fp8, 128 x 128; the tiny
+    model's blocks all partial) loads each weight as its dequantised values, whole and through a mesh's
+    per-device placement, and the router, norms, embedding and head as saved."""
+    import json
+
+    from jax.sharding import Mesh
+    from safetensors.numpy import load_file, save_file
+
+    from dflash_jax import load_target
+    from dflash_jax.loading.fp8_block import dequantize_block_fp8
+    from dflash_jax.loading.names import params_to_hf, target_rules
+
+    families.make_hf("deepseek_v3", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    quantised, expected = {}, dict(tensors)
+    for name, value in tensors.items():
+        if value.ndim == 2 and ("self_attn." in name or "experts" in name) and name.endswith("proj.weight"):
+            weight, scale = _fp8_quantise(value)
+            quantised[name], quantised[name.replace(".weight", ".weight_scale_inv")] = weight, scale
+            expected[name] = dequantize_block_fp8(weight, scale)
+    assert len(quantised) > 20
+    save_file({**tensors, **quantised}, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "expert", "tensor"))
+    for target in (load_target(tmp_path, tokenizer=False), load_target(tmp_path, tokenizer=False, mesh=mesh)):
+        exported = params_to_hf(target_rules(target.config), target.params, target.config.num_layers)
+        assert sorted(exported) == sorted(expected)
+        for name, value in exported.items():
+            np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+@pytest.mark.parametrize("tensor, scheme", [("model.layers.0.mlp.down_proj.qweight", "GPTQ / AWQ"),
+                                            ("model.layers.1.mlp.experts.0.up_proj.weight_packed",
+                                             "compressed-tensors pack-quantized")])
+def test_a_quantisation_scheme_it_does_not_read_is_named(tmp_path, tensor, scheme):
+    from safetensors.numpy import load_file, save_file
+
+    from dflash_jax import load_target
+    from dflash_jax._errors import CheckpointError
+
+    families.make_hf("deepseek_v3", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, tensor: np.zeros((2, 2), np.int32)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{tensor} is quantised as {scheme}"):
+        load_target(tmp_path, tokenizer=False)

@@ -36,9 +36,11 @@ from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import LatentCache
 from dflash_jax._config import ConfigFields, MLAConfig, ModelConfig, MoEConfig
 from dflash_jax._layers import MLP, RMSNorm, apply_rotary, capture_into, make_dense
+from dflash_jax._errors import CheckpointError
 from dflash_jax._moe import moe_block
 from dflash_jax.families import register
 from dflash_jax.families.base import MLP_PROJECTIONS, Family
+from dflash_jax.loading import fp8_block
 from dflash_jax.loading.names import Rule, _linear_rules, moe_layer_rules
 from dflash_jax.sharding import declare_param_axes
 
@@ -47,7 +49,13 @@ log = logging.getLogger(__name__)
 # config.json fields of models built on DeepSeek-V3 whose math this family does not implement, refused
 # by name: DeepSeek-V3.2's sparse-attention indexer (DSA)
 REFUSED_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
-QUANT_METHODS = (None,)  # the quantised checkpoints this family reads (`quantization_config.quant_method`)
+# the quantised checkpoints this family reads (`quantization_config.quant_method`): DeepSeek's block-scaled
+# FP8 (`loading.fp8_block`)
+QUANT_METHODS = (None, "fp8")
+# tensor name endings of quantisation schemes this family does not read -> the scheme, named in the error
+UNREAD_SCHEMES = {".weight_packed": "compressed-tensors pack-quantized", ".weight_zero_point": "compressed-tensors",
+                  ".qweight": "GPTQ / AWQ", ".qzeros": "GPTQ / AWQ", ".g_idx": "GPTQ", ".weight_blocks": "MXFP4",
+                  ".input_scale": "FP8 with static activation scales", ".weight_scale": "per-channel FP8 / INT8"}
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -176,10 +184,18 @@ class DeepseekV3(Family):
         refused = [name for name in REFUSED_FIELDS if hf.get(name) is not None]
         if refused:
             raise fields.error(f"{', '.join(refused)}: DeepSeek-V3.2's sparse-attention indexer is not supported")
-        quant = fields.section("quantization_config").hf.get("quant_method")
-        if quant not in QUANT_METHODS:
-            raise fields.error(f"quantization_config.quant_method {quant!r} is not supported for deepseek_v3 "
+        quant = fields.section("quantization_config")
+        method = quant.hf.get("quant_method")
+        if method not in QUANT_METHODS:
+            raise fields.error(f"quantization_config.quant_method {method!r} is not supported for deepseek_v3 "
                                f"(supported: {[m for m in QUANT_METHODS if m]})")
+        if method == "fp8":
+            for name, allowed in (("weight_block_size", [fp8_block.BLOCK] * 2), ("fmt", "e4m3"),
+                                  ("activation_scheme", "dynamic")):
+                value = quant.hf.get(name)
+                if value is not None and value != allowed:
+                    raise fields.error(f"quantization_config.{name} {value!r} is not supported for an fp8 "
+                                       f"deepseek_v3 checkpoint (DeepSeek's is {allowed!r})")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise fields.error(f"hidden_act {act!r} is not supported for deepseek_v3 (silu is)")
@@ -265,6 +281,17 @@ class DeepseekV3(Family):
         return (moe_layer_rules(hf, config.num_experts, path, ids)
                 + [Rule(f"{hf}.mlp.gate.e_score_correction_bias", (*path, "e_score_correction_bias"), layer_ids=ids)]
                 + _linear_rules(f"{hf}.mlp.shared_experts", (*path, "shared_expert"), MLP_PROJECTIONS, False, ids))
+
+    def adapt_tensors(self, config, tensors, source):
+        """Block-scaled FP8 weights dequantised as read (`loading.fp8_block`), fused experts per expert;
+        the tensors of a quantisation scheme not read here are a CheckpointError naming the scheme and
+        the tensor."""
+        for name in tensors:
+            scheme = next((s for end, s in UNREAD_SCHEMES.items() if name.endswith(end)), None)
+            if scheme is not None:
+                raise CheckpointError(f"{source}: tensor {name} is quantised as {scheme}, which deepseek_v3 "
+                                      "checkpoints are not read in (block-scaled FP8 and unquantised ones are)")
+        return super().adapt_tensors(config, fp8_block.dequantized(tensors, source), source)
 
     def allow_extra(self, config, tensors, source, prefix):
         """Beside the base rule: the multi-token prediction layers a checkpoint stores after the model's

@@ -253,3 +253,15 @@ def test_a_quantisation_scheme_it_does_not_read_is_named(tmp_path, tensor, schem
     save_file({**tensors, tensor: np.zeros((2, 2), np.int32)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"{tensor} is quantised as {scheme}"):
         load_target(tmp_path, tokenizer=False)
+
+
+@pytest.mark.parametrize("name, heads, experts, dense", [("deepseek-v3", 128, 256, 3), ("kimi-k2.5", 64, 384, 1)])
+def test_random_target_presets_have_the_released_shapes(name, heads, experts, dense):
+    """`--random-target deepseek-v3` / `kimi-k2.5` cut to 4 layers: MLA of the released sizes (a 576-value
+    latent cache per token and layer), the dense prefix, the routed experts."""
+    from dflash_jax.cli.bench_random import random_configs
+
+    config, drafter = random_configs(name, 4, None)
+    assert (config.num_heads, config.num_experts, config.moe.dense_layers) == (heads, experts, tuple(range(dense)))
+    assert config.mla.latent_dim == 576 and config.mla.q_lora_rank == 1536 and config.hidden_size == 7168
+    assert drafter.hidden_size == 7168 and drafter.num_target_layers == 4

@@ -265,3 +265,37 @@ def test_random_target_presets_have_the_released_shapes(name, heads, experts, de
     assert (config.num_heads, config.num_experts, config.moe.dense_layers) == (heads, experts, tuple(range(dense)))
     assert config.mla.latent_dim == 576 and config.mla.q_lora_rank == 1536 and config.hidden_size == 7168
     assert drafter.hidden_size == 7168 and drafter.num_target_layers == 4
+
+
+def test_kimi_k2_5_checkpoint_reads_its_language_model(tmp_path):
+    """Kimi-K2.5's multimodal checkpoint (`KimiK25ForConditionalGeneration`): the config's text_config, the
+    text model under `language_model.model.` with its head `language_model.lm_head.weight`, the vision tower
+    and projector not read; the logits are the text model's."""
+    import json
+
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    from dflash_jax import load_target
+    from dflash_jax.loading.names import params_to_hf, target_rules
+
+    model = families.make_hf("deepseek_v3", tmp_path)
+    text = json.loads((tmp_path / "config.json").read_text())
+    tensors = {("language_model.lm_head.weight" if n == "lm_head.weight" else f"language_model.{n}"): v
+               for n, v in load_file(tmp_path / "model.safetensors").items()}
+    vision = {"vision_tower.patch_embed.proj.weight": np.ones((4, 3), np.float32),
+              "mm_projector.proj.0.weight": np.ones((4, 4), np.float32)}
+    save_file({**tensors, **vision}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+        "vision_config": {"patch_size": 14}, "tie_word_embeddings": False}))
+    target = load_target(tmp_path, tokenizer=False)
+    assert target.config.arch == "deepseek_v3" and target.config.num_experts == 8
+    ids = np.random.default_rng(3).integers(0, 96, size=(1, 12))
+    hidden, _, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32))
+    with torch.no_grad():
+        expected = model(input_ids=torch.as_tensor(ids)).logits.numpy()
+    assert_model_close(np.asarray(target.logits(target.params, hidden)), expected, target.config, tokens=12)
+    exported = params_to_hf(target_rules(target.config, "language_model.model."), target.params,
+                            target.config.num_layers)
+    assert sorted(exported) == sorted(tensors)

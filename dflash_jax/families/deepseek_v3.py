@@ -24,6 +24,7 @@ verify all read it this way; rolling back is setting lengths.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -45,6 +46,13 @@ from dflash_jax.loading.names import Rule, _linear_rules, moe_layer_rules
 from dflash_jax.sharding import declare_param_axes
 
 log = logging.getLogger(__name__)
+
+# Kimi-K2.5 (`KimiK25ForConditionalGeneration`): the text model's tensors under this prefix, its head
+# `language_model.lm_head.weight`; the vision tower and projector beside them are not read
+KIMI_PREFIX, KIMI_HEAD = "language_model.model.", "language_model.lm_head.weight"
+UNUSED = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+# a multimodal config's top-level fields that the text model's config reads too
+WRAPPER_FIELDS = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id", "quantization_config")
 
 # config.json fields of models built on DeepSeek-V3 whose math this family does not implement, refused
 # by name: DeepSeek-V3.2's sparse-attention indexer (DSA)
@@ -171,8 +179,10 @@ class DeepseekV3Layer(nn.Module):
 
 class DeepseekV3(Family):
     name = "deepseek_v3"
-    hf_classes = ("DeepseekV3ForCausalLM",)
-    model_types = ("deepseek_v3", "kimi_k2")
+    # the last: Kimi-K2.5's multimodal checkpoint, whose text model is read (`config_fields`, `KIMI_PREFIX`)
+    hf_classes = ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
+    model_types = ("deepseek_v3", "kimi_k2", "kimi_k25")
+    checkpoint_prefixes = ("model.", KIMI_PREFIX)
     latent_attention = True
     default_max_positions = 4096  # DeepseekV3Config's
 
@@ -180,6 +190,10 @@ class DeepseekV3(Family):
         """The config as transformers reads it: `head_dim` is the rotary part of a head
         (`DeepseekV3Config` sets it so), and there are as many kv heads as query heads. Refuses the fields
         of variants whose math is not here (`REFUSED_FIELDS`) and quantised checkpoints it cannot read."""
+        if isinstance(fields.hf.get("text_config"), dict):  # Kimi-K2.5: the text model's fields, the top's beside
+            top = {k: v for k, v in fields.hf.items() if k in WRAPPER_FIELDS and v is not None}
+            text = {k: v for k, v in fields.hf["text_config"].items() if v is not None}
+            fields = ConfigFields({**top, **text}, fields.source, "text_config.")
         hf = fields.hf
         refused = [name for name in REFUSED_FIELDS if hf.get(name) is not None]
         if refused:
@@ -282,6 +296,16 @@ class DeepseekV3(Family):
                 + [Rule(f"{hf}.mlp.gate.e_score_correction_bias", (*path, "e_score_correction_bias"), layer_ids=ids)]
                 + _linear_rules(f"{hf}.mlp.shared_experts", (*path, "shared_expert"), MLP_PROJECTIONS, False, ids))
 
+    def target_rules(self, config, prefix="model."):
+        """The family's table; in Kimi-K2.5's checkpoint the head is the language model's too."""
+        rules = super().target_rules(config, prefix)
+        if prefix != KIMI_PREFIX:
+            return rules
+        return [dataclasses.replace(r, hf=KIMI_HEAD) if r.hf == "lm_head.weight" else r for r in rules]
+
+    def unused_tensors(self, name):
+        return name.startswith(UNUSED)
+
     def adapt_tensors(self, config, tensors, source):
         """Block-scaled FP8 weights dequantised as read (`loading.fp8_block`), fused experts per expert;
         the tensors of a quantisation scheme not read here are a CheckpointError naming the scheme and
@@ -300,9 +324,10 @@ class DeepseekV3(Family):
         mtp = f"{prefix}layers."
         is_mtp = lambda n: n.startswith(mtp) and n[len(mtp):].split(".", 1)[0].isdigit() and int(  # noqa: E731
             n[len(mtp):].split(".", 1)[0]) >= config.num_layers
-        unused = sum(1 for n in tensors if is_mtp(n))
+        unused = sum(1 for n in tensors if is_mtp(n) or n.startswith(UNUSED))
         if unused:
-            log.info("%s: %d tensor(s) of the multi-token prediction layers are not read", source, unused)
+            log.info("%s: %d tensor(s) of the multi-token prediction layers / vision tower are not read (text "
+                     "model only)", source, unused)
         return lambda n: base(n) or is_mtp(n)
 
 

@@ -240,8 +240,8 @@ def test_fp8_checkpoint_loads_dequantised(tmp_path):
 
 
 @pytest.mark.parametrize("tensor, scheme", [("model.layers.0.mlp.down_proj.qweight", "GPTQ / AWQ"),
-                                            ("model.layers.1.mlp.experts.0.up_proj.weight_packed",
-                                             "compressed-tensors pack-quantized")])
+                                            ("model.layers.1.mlp.experts.0.up_proj.weight_zero_point",
+                                             r"compressed-tensors with zero points \(asymmetric\)")])
 def test_a_quantisation_scheme_it_does_not_read_is_named(tmp_path, tensor, scheme):
     from safetensors.numpy import load_file, save_file
 
@@ -299,3 +299,86 @@ def test_kimi_k2_5_checkpoint_reads_its_language_model(tmp_path):
     exported = params_to_hf(target_rules(target.config, "language_model.model."), target.params,
                             target.config.num_layers)
     assert sorted(exported) == sorted(tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kimi's compressed-tensors pack-quantized INT4 experts
+
+
+def _pack_int4(values: np.ndarray) -> np.ndarray:
+    """int [R, C] in -8 .. 7 -> int32 [R, ceil(C / 8)]: value c in word c // 8, bits 4 (c % 8) .., stored + 8."""
+    rows, cols = values.shape
+    words = np.zeros((rows, -(-cols // 8)), np.uint32)
+    for c in range(cols):
+        words[:, c // 8] |= (values[:, c].astype(np.int64) + 8).astype(np.uint32) << np.uint32(4 * (c % 8))
+    return words.view(np.int32)
+
+
+def _int4_quantise(weight: np.ndarray, group: int):
+    """(packed, bfloat16 scales [R, C / group], shape) of a float32 matrix, symmetric groups."""
+    import ml_dtypes
+
+    rows, cols = weight.shape
+    grouped = weight.reshape(rows, cols // group, group)
+    scale = (np.abs(grouped).max(-1) / 7.0 + 1e-8).astype(ml_dtypes.bfloat16)
+    values = np.clip(np.round(grouped / scale.astype(np.float32)[..., None]), -8, 7).reshape(rows, cols)
+    return _pack_int4(values), scale, np.asarray([rows, cols], np.int32)
+
+
+def test_int4_pack_dequantisation_is_the_reference_bit_for_bit():
+    """Random 4-bit values (a row length that leaves the last word part empty) and random bfloat16 group
+    scales: the dequantised weight equals the float64 product rounded once to bfloat16, whole or by rows."""
+    import ml_dtypes
+
+    from dflash_jax.loading.int4_pack import Int4PackedTensor
+
+    rng = np.random.default_rng(1)
+    values = rng.integers(-8, 8, size=(6, 70))
+    scale = (rng.standard_normal((6, 7)) * 2.0 ** rng.integers(-12, 4, size=(6, 7))).astype(ml_dtypes.bfloat16)
+    expected = (values * np.repeat(scale.astype(np.float64), 10, axis=1)).astype(ml_dtypes.bfloat16)
+    tensor = Int4PackedTensor(_pack_int4(values), scale, np.asarray([6, 70]), "w")
+    assert tensor.shape == (6, 70) and tensor.dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(tensor).view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(tensor.first_axis(slice(2, 5)).view(np.uint16), expected[2:5].view(np.uint16))
+
+
+def test_int4_expert_checkpoint_loads_dequantised(tmp_path):
+    """A checkpoint whose routed experts are compressed-tensors pack-quantized INT4 (groups of 8) loads
+    them as their dequantised values; a scheme with zero points is refused by name."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from dflash_jax import load_target
+    from dflash_jax.loading.int4_pack import dequantize_int4
+    from dflash_jax.loading.names import params_to_hf, target_rules
+
+    families.make_hf("deepseek_v3", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    stored, expected = {}, {}
+    for name, value in tensors.items():
+        if ".mlp.experts." in name and name.endswith(".weight"):
+            packed, scale, shape = _int4_quantise(value, 8)
+            base = name[:-len(".weight")]
+            stored.update({f"{base}.weight_packed": packed, f"{base}.weight_scale": scale,
+                           f"{base}.weight_shape": shape})
+            expected[name] = dequantize_int4(packed, scale, shape[1]).astype(np.float32)
+        else:
+            stored[name] = expected[name] = value
+    assert len(expected) < len(stored)
+    save_file(stored, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8}
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                   "input_activations": None}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    target = load_target(tmp_path, tokenizer=False)
+    exported = params_to_hf(target_rules(target.config), target.params, target.config.num_layers)
+    assert sorted(exported) == sorted(expected)
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    weights["symmetric"] = False
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="config_groups.group_0: compressed-tensors scheme {'symmetric': False}"):
+        load_target(tmp_path, tokenizer=False)

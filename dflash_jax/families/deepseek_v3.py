@@ -41,7 +41,7 @@ from dflash_jax._errors import CheckpointError
 from dflash_jax._moe import moe_block
 from dflash_jax.families import register
 from dflash_jax.families.base import MLP_PROJECTIONS, Family
-from dflash_jax.loading import fp8_block
+from dflash_jax.loading import fp8_block, int4_pack
 from dflash_jax.loading.names import Rule, _linear_rules, moe_layer_rules
 from dflash_jax.sharding import declare_param_axes
 
@@ -59,11 +59,31 @@ WRAPPER_FIELDS = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_to
 REFUSED_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 # the quantised checkpoints this family reads (`quantization_config.quant_method`): DeepSeek's block-scaled
 # FP8 (`loading.fp8_block`)
-QUANT_METHODS = (None, "fp8")
+QUANT_METHODS = (None, "fp8", "compressed-tensors")
 # tensor name endings of quantisation schemes this family does not read -> the scheme, named in the error
-UNREAD_SCHEMES = {".weight_packed": "compressed-tensors pack-quantized", ".weight_zero_point": "compressed-tensors",
+UNREAD_SCHEMES = {".weight_zero_point": "compressed-tensors with zero points (asymmetric)",
                   ".qweight": "GPTQ / AWQ", ".qzeros": "GPTQ / AWQ", ".g_idx": "GPTQ", ".weight_blocks": "MXFP4",
                   ".input_scale": "FP8 with static activation scales", ".weight_scale": "per-channel FP8 / INT8"}
+
+
+def check_compressed_tensors(fields: ConfigFields, quant: dict) -> None:
+    """A compressed-tensors `quantization_config` this family reads: every config group's weights symmetric
+    4-bit integers in groups, packed ("pack-quantized", `loading.int4_pack`), no activation quantisation.
+    ConfigError naming the group and what differs otherwise."""
+    groups = quant.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise fields.error("quantization_config: a compressed-tensors checkpoint without config_groups")
+    for name, group in groups.items():
+        weights = (group or {}).get("weights") or {}
+        scheme = {"format": group.get("format") or quant.get("format"), "num_bits": weights.get("num_bits"),
+                  "type": weights.get("type"), "symmetric": weights.get("symmetric"),
+                  "strategy": weights.get("strategy"), "input_activations": group.get("input_activations")}
+        wanted = {"format": "pack-quantized", "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                  "input_activations": None}
+        wrong = {k: v for k, v in scheme.items() if v != wanted[k]}
+        if wrong:
+            raise fields.error(f"quantization_config.config_groups.{name}: compressed-tensors scheme {wrong} is not "
+                               f"supported for deepseek_v3 (pack-quantized symmetric INT4 groups are: {wanted})")
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -210,6 +230,8 @@ class DeepseekV3(Family):
                 if value is not None and value != allowed:
                     raise fields.error(f"quantization_config.{name} {value!r} is not supported for an fp8 "
                                        f"deepseek_v3 checkpoint (DeepSeek's is {allowed!r})")
+        if method == "compressed-tensors":
+            check_compressed_tensors(fields, quant.hf)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise fields.error(f"hidden_act {act!r} is not supported for deepseek_v3 (silu is)")
@@ -310,11 +332,13 @@ class DeepseekV3(Family):
         """Block-scaled FP8 weights dequantised as read (`loading.fp8_block`), fused experts per expert;
         the tensors of a quantisation scheme not read here are a CheckpointError naming the scheme and
         the tensor."""
+        tensors = int4_pack.dequantized(tensors, source)
         for name in tensors:
             scheme = next((s for end, s in UNREAD_SCHEMES.items() if name.endswith(end)), None)
             if scheme is not None:
                 raise CheckpointError(f"{source}: tensor {name} is quantised as {scheme}, which deepseek_v3 "
-                                      "checkpoints are not read in (block-scaled FP8 and unquantised ones are)")
+                                      "checkpoints are not read in (block-scaled FP8, compressed-tensors "
+                                      "pack-quantized INT4 and unquantised ones are)")
         return super().adapt_tensors(config, fp8_block.dequantized(tensors, source), source)
 
     def allow_extra(self, config, tensors, source, prefix):

@@ -382,3 +382,44 @@ def test_int4_expert_checkpoint_loads_dequantised(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="config_groups.group_0: compressed-tensors scheme {'symmetric': False}"):
         load_target(tmp_path, tokenizer=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a device mesh
+
+
+def sharded_run(out: str) -> None:
+    """(In a subprocess with 8 CPU devices: `support.devices.run_8_devices`.) Greedy speculative tokens of
+    the row's tiny MoE target and a random drafter on one device and on two meshes (experts over `expert`,
+    heads over `tensor`, rows over `data`), and the latent cache's shardings -> JSON at `out`."""
+    import json
+
+    from dflash_jax import sharding
+    from dflash_jax._speculative import Generator
+    from support.speculative import tiny_drafter
+
+    target = families.tiny_target("deepseek_v3")
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [[3, 9, 4], [7, 1, 2, 5, 8, 6, 11], [12], [5, 5, 20, 31, 2]]
+    found = {"reference": Generator(target, drafter, backend="xla").generate(
+        prompts, max_new_tokens=12, stop_token_ids=()).tokens}
+    for name, axes in {"expert2_tensor2_data2": dict(expert=2, tensor=2, data=2),
+                       "tensor4_data2": dict(tensor=4, data=2)}.items():
+        mesh = sharding.make_mesh(**axes)
+        found[name] = Generator(target, drafter, mesh=mesh).generate(prompts, max_new_tokens=12,
+                                                                     stop_token_ids=()).tokens
+        placed = sharding.cache_shardings(mesh, target.init_cache(4, 32))
+        found[f"{name}_cache"] = [list(placed.kv.spec), list(placed.lengths.spec)]
+    with open(out, "w") as f:
+        json.dump(found, f)
+
+
+def test_sharded_greedy_equals_one_device():
+    """On 8 devices, experts split over `expert` and heads (q_b_proj, kv_b_proj, o_proj) over `tensor`, the
+    latent cache split by rows and replicated over `tensor`: the tokens of one device."""
+    from support.devices import run_8_devices
+
+    found = run_8_devices("sharded_run({out})", "test_deepseek_v3")
+    for name in ("expert2_tensor2_data2", "tensor4_data2"):
+        assert found[name] == found["reference"], name
+        assert found[f"{name}_cache"] == [[None, "data", None, None, None], ["data"]]

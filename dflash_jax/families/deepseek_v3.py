@@ -329,9 +329,9 @@ class DeepseekV3(Family):
         return name.startswith(UNUSED)
 
     def adapt_tensors(self, config, tensors, source):
-        """Block-scaled FP8 weights dequantised as read (`loading.fp8_block`), fused experts per expert;
-        the tensors of a quantisation scheme not read here are a CheckpointError naming the scheme and
-        the tensor."""
+        """Block-scaled FP8 weights (`loading.fp8_block`) and compressed-tensors pack-quantized INT4 ones
+        (`loading.int4_pack`) dequantised as read, fused experts shown per expert; the tensors of a
+        quantisation scheme not read here are a CheckpointError naming the scheme and the tensor."""
         tensors = int4_pack.dequantized(tensors, source)
         for name in tensors:
             scheme = next((s for end, s in UNREAD_SCHEMES.items() if name.endswith(end)), None)

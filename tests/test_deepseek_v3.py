@@ -239,10 +239,13 @@ def test_fp8_checkpoint_loads_dequantised(tmp_path):
             np.testing.assert_array_equal(value, expected[name], err_msg=name)
 
 
-@pytest.mark.parametrize("tensor, scheme", [("model.layers.0.mlp.down_proj.qweight", "GPTQ / AWQ"),
+@pytest.mark.parametrize("tensor, scheme", [("model.layers.0.mlp.down_proj.qweight", "is quantised as GPTQ / AWQ"),
                                             ("model.layers.1.mlp.experts.0.up_proj.weight_zero_point",
-                                             r"compressed-tensors with zero points \(asymmetric\)")])
+                                             r"is quantised as compressed-tensors with zero points \(asymmetric\)"),
+                                            ("model.layers.0.self_attn.indexer.wq_b.weight",
+                                             "belongs to DeepSeek-V3.2's sparse-attention indexer")])
 def test_a_quantisation_scheme_it_does_not_read_is_named(tmp_path, tensor, scheme):
+    """So are DeepSeek-V3.2's indexer tensors."""
     from safetensors.numpy import load_file, save_file
 
     from dflash_jax import load_target
@@ -251,7 +254,7 @@ def test_a_quantisation_scheme_it_does_not_read_is_named(tmp_path, tensor, schem
     families.make_hf("deepseek_v3", tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     save_file({**tensors, tensor: np.zeros((2, 2), np.int32)}, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=f"{tensor} is quantised as {scheme}"):
+    with pytest.raises(CheckpointError, match=f"{tensor} {scheme}"):
         load_target(tmp_path, tokenizer=False)
 
 

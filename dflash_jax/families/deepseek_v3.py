@@ -334,6 +334,9 @@ class DeepseekV3(Family):
         quantisation scheme not read here are a CheckpointError naming the scheme and the tensor."""
         tensors = int4_pack.dequantized(tensors, source)
         for name in tensors:
+            if ".self_attn.indexer." in name:
+                raise CheckpointError(f"{source}: tensor {name} belongs to DeepSeek-V3.2's sparse-attention indexer, "
+                                      "which is not supported")
             scheme = next((s for end, s in UNREAD_SCHEMES.items() if name.endswith(end)), None)
             if scheme is not None:
                 raise CheckpointError(f"{source}: tensor {name} is quantised as {scheme}, which deepseek_v3 "

@@ -426,3 +426,16 @@ def test_sharded_greedy_equals_one_device():
     for name in ("expert2_tensor2_data2", "tensor4_data2"):
         assert found[name] == found["reference"], name
         assert found[f"{name}_cache"] == [[None, "data", None, None, None], ["data"]]
+
+
+def test_benchmark_reports_the_latent_caches_bytes_per_token():
+    """The benchmark's `cache_bytes_per_token`: DeepSeek-V3's 576 values per layer (bfloat16), where
+    materialised keys and values would be 128 heads x (192 + 128)."""
+    from dflash_jax._target import TargetSpec
+    from dflash_jax.cli.bench_memory import cache_bytes_per_token
+    from dflash_jax.cli.bench_random import random_configs
+
+    config, _ = random_configs("deepseek-v3", 4, None)
+    assert cache_bytes_per_token(TargetSpec(config, jnp.bfloat16)) == 4 * 576 * 2
+    qwen3 = families.target_config("qwen3")  # 4 layers, 2 kv heads of 16
+    assert cache_bytes_per_token(TargetSpec(qwen3)) == 4 * 2 * 2 * 16 * 4

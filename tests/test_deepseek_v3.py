@@ -439,3 +439,17 @@ def test_benchmark_reports_the_latent_caches_bytes_per_token():
     assert cache_bytes_per_token(TargetSpec(config, jnp.bfloat16)) == 4 * 576 * 2
     qwen3 = families.target_config("qwen3")  # 4 layers, 2 kv heads of 16
     assert cache_bytes_per_token(TargetSpec(qwen3)) == 4 * 2 * 2 * 16 * 4
+
+
+def test_training_features_through_the_latent_cache_equal_one_pass():
+    """`train.cache_features` runs the target as prefill does (through its cache, here the latent one):
+    the captured features are one uncached pass's (training's online path, `train.step`)."""
+    from train.cache_features import _feature_fn
+
+    target = families.tiny_target("deepseek_v3")
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 96, size=(2, 20)), jnp.int32)
+    features, next_tokens = _feature_fn(target, (0, 2))(target.params, tokens)
+    hidden, expected, _ = target.forward(target.params, tokens, capture=(0, 2))
+    np.testing.assert_allclose(np.asarray(features, np.float32), np.asarray(expected.astype(jnp.bfloat16), np.float32),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(target.logits(target.params, hidden).argmax(-1)))

@@ -453,3 +453,19 @@ def test_training_features_through_the_latent_cache_equal_one_pass():
     np.testing.assert_allclose(np.asarray(features, np.float32), np.asarray(expected.astype(jnp.bfloat16), np.float32),
                                rtol=1e-2, atol=1e-2)
     np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(target.logits(target.params, hidden).argmax(-1)))
+
+
+def test_a_float16_latent_cache_decodes_speculatively_as_plainly():
+    """`kv_cache_dtype="float16"` under a float32 model: the latent cache holds float16 (half the bytes),
+    and speculative greedy decoding with a random drafter equals plain decoding through the same cache."""
+    import dataclasses
+
+    from dflash_jax._speculative import generate
+    from support.speculative import tiny_drafter
+
+    target = dataclasses.replace(families.tiny_target("deepseek_v3"), kv_cache_dtype="float16")
+    assert target.init_cache(1, 8).kv.dtype == jnp.float16
+    prompts = [[3, 9, 4], [7, 1, 2, 5, 8, 6, 11, 40, 2]]
+    plain = generate(target, None, prompts, max_new_tokens=16, stop_token_ids=()).tokens
+    assert generate(target, tiny_drafter(target, block_size=4), prompts, max_new_tokens=16,
+                    stop_token_ids=()).tokens == plain

@@ -231,3 +231,43 @@ class RingKVCache(KVCache):
         rows = jnp.arange(b)[:, None]
         write = lambda buffer, new: buffer.at[:, rows, slots].set(new.astype(buffer.dtype), mode="drop")
         return self.replace(k=write(self.k, k_new), v=write(self.v, v_new), lengths=self.lengths + num_new)
+
+
+@struct.dataclass
+class LatentCache:
+    """A multi-head latent attention target's cache (DeepSeek-V3, `ModelConfig.mla`): per layer and
+    token, the normed kv latent and the rotated shared key side by side, `kv` [L, B, S, 1, R + Dr]
+    (kv_lora_rank + qk_rope_head_dim values, one "head" that every query head reads), lengths [B].
+    The attention reads it as the keys of one kv head and its first R entries as the values, with
+    the key half of kv_b_proj absorbed into the queries and the value half applied after
+    (`dflash_jax.families.deepseek_v3`): nothing per head is stored. Rolling back is setting lengths."""
+
+    kv: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32) -> "LatentCache":
+        """An empty cache for a model config with `mla` (fields num_layers, mla.latent_dim)."""
+        shape = (config.num_layers, batch, capacity, 1, config.mla.latent_dim)
+        return cls(kv=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[2]
+
+    def with_lengths(self, lengths) -> "LatentCache":
+        return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+    def commit(self, pending, num_new) -> "LatentCache":
+        """Write a forward's pending (kv_new [L, B, T, 1, R + Dr], None) at each row's length; lengths +=
+        num_new ([B] or a scalar; slots past a row's num_new are garbage, overwritten later)."""
+        kv_new, _ = pending
+        return LatentCache(kv=write_rows(self.kv, kv_new, self.lengths, axis=1),
+                           lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
+
+    def shardings(self, mesh) -> "LatentCache":
+        """kv [L, B, S, 1, R + Dr] over `data` on B (where it divides), replicated over `tensor` (every
+        device's query heads read the whole latent); lengths over `data`."""
+        rows = _rows(mesh, self.kv.shape[1])
+        return self.replace(kv=NamedSharding(mesh, P(None, rows, None, None, None)),
+                            lengths=NamedSharding(mesh, P(rows)))

@@ -367,6 +367,41 @@ class LinearAttentionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V3's `DeepseekV3Attention`): keys and values come from a
+    per-token latent of `kv_lora_rank` (normed) through `kv_b_proj` into `qk_nope_head_dim` key and
+    `v_head_dim` value dims per head, beside one rotary key of `qk_rope_head_dim` shared by every
+    head; the queries through a low-rank path of `q_lora_rank` (0: a plain q_proj). `rope_interleave`:
+    the rotary dims are stored in interleaved pairs (x0, x1), (x2, x3), ..."""
+
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    q_lora_rank: int = 0
+    rope_interleave: bool = True
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank < 0:
+            raise ValueError(f"q_lora_rank must be positive (or absent), got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A query's (and a materialised key's) dims per head: the non-rotary then the rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """The values per token and layer a latent cache holds: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig(LayerLayout):
     """A decoder-only target of one family (`arch`, a name of the `dflash_jax.families` registry, whose
     module reads config.json into this and checks what its family allows). The fields every family
@@ -399,6 +434,7 @@ class ModelConfig(LayerLayout):
     attention_sinks: bool = False  # one learned logit per query head in each softmax (gpt-oss)
     moe: MoEConfig | None = None
     linear: LinearAttentionConfig | None = None
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3), None: q/k/v heads
 
     def __post_init__(self):
         from dflash_jax import families  # the registry imports this module

@@ -173,6 +173,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "expert": "expert",  # an MoE layer's experts
     "conv_dynamic": None,  # a DFlash2 drafter's projected conv kernel: 2 x taps x channel groups
     "selector_rank": None,  # a DFlash2 drafter's candidate-selector rank
+    "latent": None,  # multi-head latent attention's low-rank q and kv latents (DeepSeek-V3)
 }
 _LINEAR = ("linear_qkv", "linear_v", "linear_heads")
 _UNITS = {"mlp": "MLP channels", "draft_hidden": "output columns", "expert": "experts"}

@@ -117,6 +117,40 @@ RANDOM_TARGETS = {
                     "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "max_position_embeddings": 196608,
                     "tie_word_embeddings": False, "bos_token_id": 200034, "eos_token_id": 200020},
                    200063),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): 61 layers of multi-head latent attention (128 heads,
+    # q through a 1536 low-rank path, a 512 kv latent + a 64-dim shared rotary key: 576 cached values per
+    # token and layer), the first 3 with a dense MLP, then MoE layers of 256 experts (8 per token from 4 of 8
+    # groups, sigmoid scores with a correction bias, x 2.5) and one shared expert; YaRN (factor 40 from 4,096,
+    # mscale_all_dim 1 in the softmax scale). Its released weights are block-scaled FP8; here random floats.
+    # --layers 4 keeps one MoE layer. head_dim and num_key_value_heads: the drafter's (the target reads
+    # qk_rope_head_dim and one key per head). Mask id: the last one (no official drafter config is read).
+    "deepseek-v3": ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+                     "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                     "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "head_dim": 128,
+                     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                     "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+                     "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                     "first_k_dense_replace": 3, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                     "rms_norm_eps": 1e-6, "rope_theta": 10000, "max_position_embeddings": 163840,
+                     "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+                     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1},
+                    129279),
+    # Kimi-K2.5's text model (DeepSeek-V3's architecture; Kimi-K2's shapes): 64 heads, 384 experts in one
+    # group (8 per token, x 2.827), one dense layer first, rope theta 50,000 with YaRN (factor 64 from 4,096).
+    # Its released routed experts are compressed-tensors INT4; here random floats. Mask id: the last one.
+    "kimi-k2.5": ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+                   "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                   "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128,
+                   "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                   "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+                   "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827, "norm_topk_prob": True,
+                   "first_k_dense_replace": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                   "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "max_position_embeddings": 262144,
+                   "rope_scaling": {"type": "yarn", "factor": 64.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+                   "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585},
+                  163839),
 }
 RANDOM_DRAFT_LAYERS = 5  # the official DFlash drafters of these targets
 

@@ -19,6 +19,7 @@ import importlib
 # The family modules, imported on the first lookup (each registers its families).
 MODULES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_next")
 MODULES += ("glm4_moe", "minimax_m2")
+MODULES += ("deepseek_v3",)
 
 _FAMILIES: dict[str, object] = {}
 _loaded = False

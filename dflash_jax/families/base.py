@@ -25,6 +25,7 @@ class Family:
     qk_norm: bool = False  # RMSNorm of each head's query and key
     hybrid: bool = False  # Gated DeltaNet layers and partial rotary allowed
     partial_rotary: bool = False  # partial rotary allowed (partial_rotary_factor < 1) without being hybrid
+    latent_attention: bool = False  # multi-head latent attention (`ModelConfig.mla`) allowed
     default_max_positions: int = 4096
     checkpoint_prefixes: tuple[str, ...] = ("model.",)  # the text model's prefix, the first one present
 
@@ -66,6 +67,8 @@ class Family:
             raise ValueError(f"a {self.name} target has no linear-attention layers")
         if config.partial_rotary_factor != 1.0 and not (self.hybrid or self.partial_rotary):
             raise ValueError(f"partial_rotary_factor != 1 is not supported for {self.name}")
+        if config.mla is not None and not self.latent_attention:
+            raise ValueError(f"a {self.name} target has no multi-head latent attention (mla=)")
 
     # ---- the model
 
@@ -77,6 +80,12 @@ class Family:
         from dflash_jax._target import TargetLayer
 
         return TargetLayer
+
+    def init_cache(self, config: ModelConfig, batch: int, capacity: int, dtype, *, kv_replicas: int = 1,
+                   groups: int = 1):
+        """An empty decode cache (`dflash_jax._cache.Cache`) of a family whose layers keep something other
+        than the stack's default (a `KVCache`, or a hybrid's `HybridCache`); None: the default."""
+        return None
 
     norm_scale_in_float32: bool = False  # RMSNorm scaled in float32 before the cast (gpt-oss)
 

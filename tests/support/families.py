@@ -155,6 +155,15 @@ GLM4_MOE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_interme
 MINIMAX_M2 = dict(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8,
                   max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+# MLA with a low-rank q path and interleaved rope; a dense first layer, then MoE layers of the grouped
+# sigmoid router (4 groups, the best 2 kept, scaling) and a shared expert; no EOS (DeepseekV3Config says 1,
+# which min_new_tokens would suppress in transformers' generate)
+DEEPSEEK_V3 = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                   v_head_dim=8, rope_interleave=True, first_k_dense_replace=1, n_routed_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=4, topk_group=2,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6,
+                   eos_token_id=None)
 
 FAMILIES = {row.name: row for row in [
     Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", QWEN3, _dense_init, slow=_DENSE_SLOW | {
@@ -245,6 +254,22 @@ FAMILIES = {row.name: row for row in [
            init_buffers=_correction_bias_init, parity_tokens=40,
            # the glm4_moe row's sampling, decode step and loop stand for these by default (the same layers)
            slow=frozenset({"sampling", "decode_step_hlo", "decode_loop_hlo"})),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK_V3, _sigmoid_moe_init,
+           init_buffers=_correction_bias_init, parity_tokens=40, variants={
+               DEFAULT: {},  # q low-rank path, interleaved rope, groups, a dense prefix of 1
+               # a plain q_proj, rope dims not interleaved, biases (kv_a_proj_with_mqa, o_proj), YaRN whose
+               # mscale_all_dim scales the softmax (and, unequal to its mscale, the cos and sin); a dense prefix
+               # of 2, one group, the top k not renormalised, 2 shared experts
+               "plain-q-yarn-dense2": dict(
+                   num_hidden_layers=4, first_k_dense_replace=2, n_group=1, topk_group=1, norm_topk_prob=False,
+                   n_shared_experts=2, routed_scaling_factor=1.5, q_lora_rank=None, rope_interleave=False,
+                   attention_bias=True, rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                         "mscale_all_dim": 0.8, "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 64}),
+               # every layer dense (no routed or shared experts)
+               "dense": dict(first_k_dense_replace=3, n_routed_experts=0, n_shared_experts=0)},
+           slow=frozenset({"prefill[dense]", "greedy[dense]", "greedy[plain-q-yarn-dense2]", "sampling",
+                           "decode_loop_hlo"})),
 ]}
 
 

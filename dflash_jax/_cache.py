@@ -228,3 +228,74 @@ def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array, *, axis: i
     for row in range(rows):
         buffer = write(row, buffer)
     return buffer
+
+
+@struct.dataclass
+class RingKVCache(KVCache):
+    """A KVCache that keeps only the last `capacity` positions of each row: position p in slot
+    p % capacity (its keys carry their rotary phase, so a slot's place in the buffer means nothing
+    to attention). `lengths` count every position appended. A drafter's context cache bounded for
+    long contexts: readers see the last `window` positions (static; <= capacity, which may be
+    rounded up for kernels' tiles; `_masks.drafter_cached` with ring_window=window)."""
+
+    window: int = struct.field(pytree_node=False, default=0)
+
+    @classmethod
+    def for_window(cls, config, batch: int, window: int, capacity: int, dtype=jnp.float32,
+                   kv_replicas: int = 1) -> "RingKVCache":
+        if not 0 < window <= capacity:
+            raise ValueError(f"a ring cache's window must lie in [1, capacity={capacity}], got {window}")
+        return cls.for_model(config, batch, capacity, dtype, kv_replicas).replace(window=window)
+
+    def append(self, k_new: jax.Array, v_new: jax.Array, num_new) -> "RingKVCache":
+        """Write the first num_new[b] positions of k_new, v_new [L, B, T, Hkv, Dh] of each row; of
+        more than `capacity` new positions only the last `capacity` land (nothing past num_new is
+        written, so no slot a reader still sees is overwritten by garbage)."""
+        b, t = k_new.shape[1], k_new.shape[2]
+        num_new = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), (b,))
+        offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+        kept = (offsets < num_new[:, None]) & (offsets >= num_new[:, None] - self.capacity)
+        slots = jnp.where(kept, (self.lengths[:, None] + offsets) % self.capacity, self.capacity)  # [B, T]
+        rows = jnp.arange(b)[:, None]
+        write = lambda buffer, new: buffer.at[:, rows, slots].set(new.astype(buffer.dtype), mode="drop")
+        return self.replace(k=write(self.k, k_new), v=write(self.v, v_new), lengths=self.lengths + num_new)
+
+
+@struct.dataclass
+class LatentCache:
+    """A multi-head latent attention target's cache (DeepSeek-V3, `ModelConfig.mla`): per layer and
+    token, the normed kv latent and the rotated shared key side by side, `kv` [L, B, S, 1, R + Dr]
+    (kv_lora_rank + qk_rope_head_dim values, one "head" that every query head reads), lengths [B].
+    The attention reads it as the keys of one kv head and its first R entries as the values, with
+    the key half of kv_b_proj absorbed into the queries and the value half applied after
+    (`dflash_jax.families.deepseek_v3`): nothing per head is stored. Rolling back is setting lengths."""
+
+    kv: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32) -> "LatentCache":
+        """An empty cache for a model config with `mla` (fields num_layers, mla.latent_dim)."""
+        shape = (config.num_layers, batch, capacity, 1, config.mla.latent_dim)
+        return cls(kv=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[2]
+
+    def with_lengths(self, lengths) -> "LatentCache":
+        return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+    def commit(self, pending, num_new) -> "LatentCache":
+        """Write a forward's pending (kv_new [L, B, T, 1, R + Dr], None) at each row's length; lengths +=
+        num_new ([B] or a scalar; slots past a row's num_new are garbage, overwritten later)."""
+        kv_new, _ = pending
+        return LatentCache(kv=write_rows(self.kv, kv_new, self.lengths, axis=1),
+                           lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
+
+    def shardings(self, mesh) -> "LatentCache":
+        """kv [L, B, S, 1, R + Dr] over `data` on B (where it divides), replicated over `tensor` (every
+        device's query heads read the whole latent); lengths over `data`."""
+        rows = _rows(mesh, self.kv.shape[1])
+        return self.replace(kv=NamedSharding(mesh, P(None, rows, None, None, None)),
+                            lengths=NamedSharding(mesh, P(rows)))

@@ -13,6 +13,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 LINEAR = "linear_attention"
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MOE_ROUTERS = ("softmax_topk", "topk_softmax")  # Qwen3-MoE: top k of the softmax; gpt-oss: softmax of the top k
+# DeepSeek-V3, GLM-4 MoE, MiniMax-M2: sigmoid scores, a correction bias for choosing, group-limited top k
+MOE_ROUTERS += ("sigmoid_grouped",)
 REQUIRED = object()  # ConfigFields default: the field must be present
 
 
@@ -183,16 +185,18 @@ def resolve_layer_types(fields: ConfigFields, num_layers: int, hybrid: bool = Fa
 
 
 def decoder_fields(fields: ConfigFields, default_max_positions: int, hybrid: bool = False,
-                   default_intermediate_size=REQUIRED) -> dict:
+                   default_intermediate_size=REQUIRED, partial_rotary: bool = False) -> dict:
     """The decoder-stack fields that target and drafter configs share (same dataclass field names):
     sizes, norm epsilon, RoPE, and per-layer attention windows. hybrid: a family with Gated DeltaNet
     layers (partial rotary and "linear_attention" layer types allowed; the caller adds the
     partial_rotary_factor this returns under that key). default_intermediate_size: where the family's
-    configs may lack `intermediate_size` (Qwen3.5-MoE)."""
+    configs may lack `intermediate_size` (Qwen3.5-MoE). partial_rotary: a family that is not hybrid but
+    rotates a part of each head (GLM-4 MoE, MiniMax-M2): the partial_rotary_factor is read and returned."""
     num_layers = fields.int("num_hidden_layers")
     num_heads = fields.int("num_attention_heads")
     hidden_size = fields.int("hidden_size")
-    theta, scaling, partial_rotary = rope_settings(fields, partial=hybrid)
+    partial = hybrid or partial_rotary
+    theta, scaling, partial_rotary = rope_settings(fields, partial=partial)
     layer_types = resolve_layer_types(fields, num_layers, hybrid)
     return dict(
         hidden_size=hidden_size,
@@ -207,7 +211,7 @@ def decoder_fields(fields: ConfigFields, default_max_positions: int, hybrid: boo
         max_position_embeddings=fields.int("max_position_embeddings", default_max_positions),
         layer_types=layer_types,
         sliding_window=fields.int("sliding_window", 0) if "sliding_attention" in layer_types else 0,
-        **({"partial_rotary_factor": partial_rotary} if hybrid else {}),
+        **({"partial_rotary_factor": partial_rotary} if partial else {}),
     )
 
 
@@ -267,7 +271,14 @@ class MoEConfig:
     `shared_expert_intermediate_size` > 0 (Qwen3.5-MoE); expert biases and the clamped SwiGLU of
     gpt-oss (`swiglu_limit` 0: plain SwiGLU). `dense_layers`: the layers whose MLP is the dense one
     of the model's `intermediate_size` instead (Qwen3-MoE's `mlp_only_layers` and
-    `decoder_sparse_step`)."""
+    `decoder_sparse_step`; DeepSeek-V3's `first_k_dense_replace`).
+
+    router "sigmoid_grouped" (DeepSeek-V3, GLM-4 MoE, MiniMax-M2; `_moe.route_sigmoid_grouped`): the
+    experts chosen by sigmoid(logits) + a correction bias among the best `topk_group` of `n_group`
+    groups, weighted by their unbiased scores (renormalised where `norm_topk_prob`, with `norm_topk_eps`
+    added to the sum) times `routed_scaling_factor`. `shared_expert_gate` False: the shared expert is
+    added ungated (DeepSeek-V3's and GLM's `shared_experts`, of width moe_intermediate_size x
+    n_shared_experts)."""
 
     num_experts: int
     num_experts_per_tok: int
@@ -280,6 +291,11 @@ class MoEConfig:
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
     dense_layers: tuple[int, ...] = ()
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_eps: float = 0.0
+    shared_expert_gate: bool = True
 
     def __post_init__(self):
         for name in ("num_experts", "num_experts_per_tok", "intermediate_size"):
@@ -297,6 +313,31 @@ class MoEConfig:
             raise ValueError(f"swiglu_limit must be >= 0 and swiglu_alpha > 0, got {self.swiglu_limit} and "
                              f"{self.swiglu_alpha}")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+        self._validate_sigmoid_router()
+
+    def _validate_sigmoid_router(self):
+        grouped = (self.n_group, self.topk_group, self.routed_scaling_factor, self.norm_topk_eps) != (1, 1, 1.0, 0.0)
+        if self.router != "sigmoid_grouped":
+            if grouped:
+                raise ValueError(f"n_group, topk_group, routed_scaling_factor and norm_topk_eps belong to the "
+                                 f"sigmoid_grouped router, not {self.router!r}")
+            return
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must be >= 1 and divide num_experts ({self.num_experts})")
+        per_group = self.num_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(f"each of the n_group ({self.n_group}) groups needs >= 2 experts (a group is scored "
+                             f"by its 2 best), got {per_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
+                             f"topk_group ({self.topk_group}) groups kept ({self.topk_group * per_group})")
+        if not self.routed_scaling_factor > 0 or self.norm_topk_eps < 0:
+            raise ValueError(f"routed_scaling_factor must be > 0 and norm_topk_eps >= 0, got "
+                             f"{self.routed_scaling_factor} and {self.norm_topk_eps}")
+        if self.router_bias:
+            raise ValueError("the sigmoid_grouped router has a correction bias, not a router_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +364,41 @@ class LinearAttentionConfig:
     def conv_dim(self) -> int:
         """Channels of the causal conv: q, k (key heads) and v (value heads)."""
         return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V3's `DeepseekV3Attention`): keys and values come from a
+    per-token latent of `kv_lora_rank` (normed) through `kv_b_proj` into `qk_nope_head_dim` key and
+    `v_head_dim` value dims per head, beside one rotary key of `qk_rope_head_dim` shared by every
+    head; the queries through a low-rank path of `q_lora_rank` (0: a plain q_proj). `rope_interleave`:
+    the rotary dims are stored in interleaved pairs (x0, x1), (x2, x3), ..."""
+
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    q_lora_rank: int = 0
+    rope_interleave: bool = True
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank < 0:
+            raise ValueError(f"q_lora_rank must be positive (or absent), got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A query's (and a materialised key's) dims per head: the non-rotary then the rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """The values per token and layer a latent cache holds: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +436,7 @@ class ModelConfig(LayerLayout):
     linear: LinearAttentionConfig | None = None
     final_logit_softcapping: float = 0.0  # c > 0: the target's logits are c * tanh(z / c) (Gemma 4)
     family_options: Any = None  # a family's own frozen, hashable config (its module defines it; Gemma 4's)
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3), None: q/k/v heads
 
     def __post_init__(self):
         from dflash_jax import families  # the registry imports this module

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax import _sampling as sampling, sharding
+from dflash_jax import _dflash2 as dflash2, _sampling as sampling, sharding
 from dflash_jax._cache import KVCache, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
 from dflash_jax._lookup import lookup_drafts, merge_lookup
@@ -51,6 +51,9 @@ class GenerationConfig:
     # True: a cycle verifies its drafts only where some live row's first draft is likely enough
     # (SamplingParams.min_draft_probability), else the anchor alone (`_verify_anchor`)
     gate_drafts: bool = False
+    # > 0: the drafter's context cache keeps (and the drafter sees) only each row's last draft_context
+    # positions, a ring buffer (`RingKVCache`); 0: the whole context
+    draft_context: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -63,6 +66,8 @@ class GenerationConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.lookup == 1 or self.lookup < 0:
             raise ValueError(f"lookup must be 0 (off) or >= 2 (the longest match), got {self.lookup}")
+        if self.draft_context < 0:
+            raise ValueError(f"draft_context must be >= 0 (0: the whole context), got {self.draft_context}")
 
 
 @struct.dataclass
@@ -140,7 +145,10 @@ def prefill(target, drafter, cfg: GenerationConfig, target_params, drafter_param
     tokens = write_rows(tokens, first[:, None], prompt_lengths)
     draft_cache = None
     if drafter is not None:
-        draft_cache = drafter.init_cache(b, cache_capacity)
+        if cfg.draft_context and cfg.draft_context < cache_capacity:
+            draft_cache = drafter.init_cache(b, round_up(cfg.draft_context, KEY_TILE), window=cfg.draft_context)
+        else:
+            draft_cache = drafter.init_cache(b, cache_capacity)
         draft_cache = drafter.append_context(drafter_params, draft_cache, features, num_new=prompt_lengths)
     lengths = prompt_lengths + 1
     done = _finished(cfg, params, first[:, None], jnp.ones_like(lengths), lengths, prompt_lengths)
@@ -170,13 +178,18 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
     """
     mask = jnp.full((anchors.shape[0], cfg.block_size - 1), drafter.config.mask_token_id, jnp.int32)
     block = jnp.concatenate([anchors[:, None], mask], axis=1)
-    hidden = drafter.draft_hidden(drafter_params, target.embed(target_params, block), draft_cache)[:, 1:]
+    dc = drafter.config
+    embeds = dc.block_embeddings(target.embed(target_params, block))
+    hidden = drafter.draft_hidden(drafter_params, embeds, draft_cache)[:, 1:]
     exact = cfg.sampling and cfg.acceptance == "exact"
-    reduced = drafter.config.draft_vocab_size is not None
+    reduced = dc.draft_vocab_size is not None
     if reduced:
         logits = drafter.draft_head_logits(drafter_params, hidden)  # [B, G-1, Vd] float32
     else:
         logits = target.logits(target_params, hidden)
+    logits = dc.draft_logits(logits)
+    if dc.dflash2 is not None:
+        return _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
     if exact:
         probs = _target_probs(cfg, params, logits)
         drafts = sampling.sample(key, probs)
@@ -190,6 +203,23 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
     if exact:
         probs = jnp.zeros((*probs.shape[:-1], drafter.config.vocab_size), probs.dtype).at[..., to_target].set(probs)
     return to_target[drafts], probs, first
+
+
+def _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
+    """`_propose`'s outputs for a DFlash2 drafter: its candidate selector's walk over the top-K
+    candidates of every slot (`_dflash2.select`), the argmax walk when greedy, else each slot drawn
+    from softmax(score / temperature) over its K candidates (top_k and top_p filter the target's
+    distribution only, as in the reference). The draft distribution the exact rule reads is that
+    K-way q scattered on the candidate ids, zero elsewhere: min(1, p/q) and the residual
+    max(0, p - q) keep it lossless. The first draft's probability (`gate_drafts`) is its q, at
+    temperature 1 when greedy."""
+    temperature = params.temperature if cfg.sampling else None
+    drafts, candidates, index, q = drafter.select(drafter_params, hidden, logits, anchors, temperature, key)
+    probs = None
+    if cfg.sampling and cfg.acceptance == "exact":
+        probs = dflash2.scatter_q(q, candidates, drafter.config.vocab_size)
+    first = jnp.take_along_axis(q[:, 0], index[:, :1], axis=-1)[:, 0] if cfg.gate_drafts else None
+    return drafts, probs, first
 
 
 def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, key, params):

@@ -3,8 +3,11 @@
 context = hidden_norm(fc(concat(target features)))                      [B, C, D]
 each layer: q from the (input-normed) block states; k, v from the SAME k_proj/v_proj applied to
 the context (not normed by input_layernorm) and to the block states; k_norm on both; RoPE at each
-token's own position; non-causal attention over [visible context ; block]; pre-norm residual
-attention + SwiGLU MLP. The output goes through `norm`, then the TARGET's LM head.
+token's own position; attention over [visible context ; block] (a sliding layer: each query's own
+window, causal inside the block unless the config's is_causal says otherwise; `_masks`); pre-norm
+residual attention + SwiGLU MLP. The block embeddings enter times input_embedding_scale; the output
+goes through `norm`, then the TARGET's LM head (or a reduced vocabulary's own), times
+output_multiplier, softcapped (`DrafterConfig.draft_logits`).
 
 Two entry points share the layers:
 * inference: `append_context` projects the features of newly committed tokens into every layer's
@@ -25,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import backends, _masks as masks
+from dflash_jax import backends, _dflash2 as dflash2, _masks as masks
 from dflash_jax._attention import attention, cache_attention
-from dflash_jax._cache import KVCache
+from dflash_jax._cache import KVCache, RingKVCache
 from dflash_jax._draft_vocab import DraftVocab
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._layers import MLP, AttentionProjections, RMSNorm, Rotary, make_dense, run_layers
@@ -58,45 +61,61 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.backend)
+        if cfg.dflash2 is not None:  # DFlash2: a convolution around each sublayer (`_dflash2`)
+            conv = dict(hidden_size=cfg.hidden_size, kernel_size=cfg.dflash2.conv_kernel_size,
+                        group_size=cfg.dflash2.conv_group_size, dtype=self.dtype,
+                        backend=self.backend)
+            self.attention_conv = dflash2.GroupedDynamicCausalConv(**conv)
+            self.mlp_conv = dflash2.GroupedDynamicCausalConv(**conv)
 
     def context_kv(self, carry, _, shared):
         """shared (context [B, C, D], cos, sin) -> per-layer context keys/values [B, C, Hkv, Dh]."""
         context, cos, sin = shared
         return carry, self.self_attn.keys_values(context, cos, sin)
 
-    def _block_qkv(self, hidden, cos, sin):
-        """Block states [B, Tq, D] -> queries [B, Tq, H, Dh], keys, values [B, Tq, Hkv, Dh]."""
+    def _block_qkv(self, hidden, cos, sin, block):
+        """Block states [B, Tq, D] (blocks of `block` positions) -> (queries [B, Tq, H, Dh], keys,
+        values [B, Tq, Hkv, Dh]), and for DFlash2 the attention output's convolution kernel (None
+        otherwise)."""
         x = self.input_layernorm(hidden)
-        return (self.self_attn.queries(x, cos, sin), *self.self_attn.keys_values(x, cos, sin))
+        dyn = None
+        if self.config.dflash2 is not None:
+            x, dyn = self.attention_conv.prepare(x, block)
+        return (self.self_attn.queries(x, cos, sin), *self.self_attn.keys_values(x, cos, sin)), dyn
 
-    def _residual(self, hidden, attended):
-        hidden = hidden + self.self_attn.output(attended)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def _residual(self, hidden, attended, dyn, block):
+        if self.config.dflash2 is None:
+            hidden = hidden + self.self_attn.output(attended)
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.attention_conv.finish(self.self_attn.output(attended), dyn, block)
+        x, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(hidden), block)
+        return hidden + self.mlp_conv.finish(self.mlp(x), dyn, block)
 
     def __call__(self, hidden, layer_xs, shared):
         """Training: hidden [B, Tq, D]; layer_xs (context k, context v [B, C, Hkv, Dh], windowed
         flag); shared (cos, sin, full ranges, windowed ranges) over keys [context ; blocks]."""
         cos, sin, full_ranges, windowed_ranges = shared
         k_ctx, v_ctx, windowed = layer_xs
-        q, k_blk, v_blk = self._block_qkv(hidden, cos, sin)
+        block = self.config.block_size  # packed blocks of the config's size (`DrafterSpec.train_hidden`)
+        (q, k_blk, v_blk), dyn = self._block_qkv(hidden, cos, sin, block)
         k = jnp.concatenate([k_ctx.astype(k_blk.dtype), k_blk], axis=1)
         v = jnp.concatenate([v_ctx.astype(v_blk.dtype), v_blk], axis=1)
         ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
-        return self._residual(hidden, attention(q, k, v, ranges, impl=self.attn_impl)), None
+        return self._residual(hidden, attention(q, k, v, ranges, impl=self.attn_impl), dyn, block), None
 
     def decode(self, hidden, layer_xs, shared):
         """Inference: hidden [B, G, D]; layer_xs (layer index, windowed flag); shared (cos, sin,
-        context cache, full ranges, windowed ranges) over keys [cache slots ; block]. The cache
-        is only read (`cache_attention`), never concatenated with the block."""
+        context cache, full ranges, windowed ranges), each ranges a pair (over the cache's slots,
+        over the block's keys: `_masks.drafter_cached`). The cache is only read
+        (`cache_attention`), never concatenated with the block."""
         cos, sin, cache, full_ranges, windowed_ranges = shared
         layer, windowed = layer_xs
-        q, k_blk, v_blk = self._block_qkv(hidden, cos, sin)
-        ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
-        slots = cache.capacity
-        attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, slots), k_blk, v_blk,
-                                   ranges.segment(slots, slots + k_blk.shape[1]), impl=self.attn_impl,
-                                   backend=self.backend)
-        return self._residual(hidden, attended), None
+        block = hidden.shape[1]  # one block per row
+        (q, k_blk, v_blk), dyn = self._block_qkv(hidden, cos, sin, block)
+        cache_ranges, block_ranges = _select_ranges(windowed, windowed_ranges, full_ranges)
+        attended = cache_attention(q, cache.k, cache.v, layer, cache_ranges, k_blk, v_blk, block_ranges,
+                                   impl=self.attn_impl, backend=self.backend)
+        return self._residual(hidden, attended, dyn, block), None
 
 
 class DrafterModel(nn.Module):
@@ -116,6 +135,8 @@ class DrafterModel(nn.Module):
         self._make_layers()
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.rotary = Rotary(cfg)
+        if cfg.dflash2 is not None:  # its weights; the walk is `_dflash2.select` over them
+            self.candidate_selector = dflash2.CandidateSelector(cfg.vocab_size, cfg.dflash2.selector_rank, self.dtype)
 
     def _make_layers(self):
         """All layers as one scanned module: params stacked [L, ...] under "layers"."""
@@ -159,8 +180,8 @@ class DrafterModel(nn.Module):
         return self.norm(hidden)
 
     def cached_blocks(self, block_embeds, positions, cache: KVCache, full_ranges, windowed_ranges):
-        """block_embeds [B, G, D] at positions [B, G] against the context cache; ranges over keys
-        [cache slots ; block] -> hidden [B, G, D]."""
+        """block_embeds [B, G, D] at positions [B, G] against the context cache; ranges: pairs (over
+        the cache's slots, over the block) -> hidden [B, G, D]."""
         cos, sin = self.rotary(positions)
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         hidden, _ = self._run_layers("decode", block_embeds.astype(self.dtype), (layers, self._windowed_layers()),
@@ -170,7 +191,10 @@ class DrafterModel(nn.Module):
     def __call__(self, features, positions, block_embeds, block_positions, full_ranges, windowed_ranges):
         """Context K/V and blocks in one call (used by `init` and by training)."""
         k, v = self.context_kv(features, positions)
-        return self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
+        hidden = self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
+        if self.config.dflash2 is not None and self.is_initializing():
+            self.candidate_selector(hidden)  # creates the selector's weights
+        return hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +253,12 @@ class DrafterSpec:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def init_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty context cache of `capacity` positions (the block never goes into it)."""
+    def init_cache(self, batch: int, capacity: int, window: int = 0) -> KVCache:
+        """An empty context cache of `capacity` positions (the block never goes into it); window > 0:
+        a `RingKVCache` of `capacity` slots of which the drafter sees the last `window` positions of
+        any context (a bounded context for long inputs)."""
+        if window:
+            return RingKVCache.for_window(self.config, batch, window, capacity, self.dtype, self.kv_replicas)
         return KVCache.for_model(self.config, batch, capacity, self.dtype, kv_replicas=self.kv_replicas)
 
     def append_context(self, params, cache: KVCache, features, num_new=None) -> KVCache:
@@ -249,10 +277,22 @@ class DrafterSpec:
         params: `loop_params`."""
         g = block_embeds.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]
-        full = masks.drafter_inference(cache.lengths, cache.capacity, g)
-        windowed = masks.drafter_inference(cache.lengths, cache.capacity, g, self.config.sliding_window)
+        cfg, ring = self.config, cache.window if isinstance(cache, RingKVCache) else 0
+        full = masks.drafter_cached(cache.lengths, cache.capacity, g, causal=cfg.full_layers_causal,
+                                    ring_window=ring)
+        windowed = masks.drafter_cached(cache.lengths, cache.capacity, g, cfg.sliding_window,
+                                        causal=cfg.sliding_layers_causal, ring_window=ring)
         return self.module_for(params).apply({"params": self.module_params(params)}, block_embeds,
                                              positions, cache, full, windowed, method="cached_blocks")
+
+    def select(self, params, hidden, logits, anchors, temperature=None, key=None):
+        """A DFlash2 drafter's candidate-selector walk over the proposal slots (`_dflash2.select`:
+        hidden [B, S, D], draft logits [B, S, V], anchors [B]; temperature None: greedy) -> (drafts,
+        candidates, chosen indices, q over the candidates). params: `loop_params`."""
+        if self.config.dflash2 is None:
+            raise ValueError("select: this drafter is not a DFlash2 drafter (config.dflash2 is None)")
+        return dflash2.select(self.module_params(params)["candidate_selector"], hidden, logits, anchors,
+                              self.config.dflash2.selector_top_k, temperature, key)
 
     def train_hidden(self, params, features, block_embeds, anchors, block_valid):
         """Packed training forward.
@@ -266,10 +306,15 @@ class DrafterSpec:
         g = block_embeds.shape[1] // n
         if g * n != block_embeds.shape[1]:
             raise ValueError(f"block_embeds length {block_embeds.shape[1]} is not N={n} blocks")
+        if self.config.dflash2 is not None and g != self.config.block_size:
+            raise ValueError(f"a DFlash2 drafter's convolutions run over blocks of block_size="
+                             f"{self.config.block_size}; got blocks of {g}")
         positions = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
         block_positions = (anchors[:, :, None] + jnp.arange(g, dtype=jnp.int32)).reshape(b, n * g)
-        full = masks.drafter_training(anchors, block_valid, c, g)
-        windowed = masks.drafter_training(anchors, block_valid, c, g, self.config.sliding_window)
+        cfg = self.config
+        full = masks.drafter_training(anchors, block_valid, c, g, causal=cfg.full_layers_causal)
+        windowed = masks.drafter_training(anchors, block_valid, c, g, cfg.sliding_window,
+                                          causal=cfg.sliding_layers_causal)
         return self._module_reading(params).apply({"params": params}, features, positions, block_embeds,
                                                   block_positions, full, windowed)
 
@@ -341,6 +386,7 @@ class Drafter:
     append_context = on_spec("append_context")
     draft_hidden = on_spec("draft_hidden")
     train_hidden = on_spec("train_hidden")
+    select = on_spec("select")
     draft_head_logits = on_spec("draft_head_logits")
 
 

@@ -1,8 +1,10 @@
 """The DFlash drafter config, read from / written to the official `config.json` layout, and the
-check that a drafter fits a target (`validate_pair`)."""
+check that a drafter fits a target (`validate_pair`). A DFlash2 drafter (`DFlash2DraftModel`) is the
+same config with its `dflash2` fields set (`DFlash2Config`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dflash_jax._config import ConfigFields, LayerLayout, decoder_fields
 from dflash_jax._errors import DrafterMismatchError
@@ -34,6 +36,44 @@ def resolve_mask_token_id(explicit: int | None, tokenizer=None, vocab_size: int 
                      "dflash_config.mask_token_id and no tokenizer was given")
 
 
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlash2Config:
+    """What a DFlash2 drafter adds to DFlash (the authors' `DFlash2DraftModel`): a grouped dynamic
+    causal convolution of kernel size T = `conv_kernel_size` over groups of `conv_group_size`
+    channels before and after every attention and MLP sublayer, and a candidate selector that walks
+    the block through the top `selector_top_k` candidates of each position with a pairwise term of
+    rank `selector_rank` (`dflash_jax._dflash2`)."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+
+    FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+    def __post_init__(self):
+        for name in self.FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"dflash_config.{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_fields(cls, dflash, fields) -> "DFlash2Config":
+        """Each field from dflash_config first, then the top level (as the reference reads them); a
+        field in neither is an error naming it."""
+        values = {}
+        for name in cls.FIELDS:
+            value = dflash.int(name, None)
+            values[name] = fields.int(name, None) if value is None else value
+            if values[name] is None:
+                raise fields.error(f"a DFlash2DraftModel config needs dflash_config.{name} (or a top-level "
+                                   f"{name}); it has neither")
+        return cls(**values)
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig(LayerLayout):
     hidden_size: int
@@ -57,6 +97,14 @@ class DrafterConfig(LayerLayout):
     # A reduced draft vocabulary (EAGLE-3 layout: `lm_head.weight`, `d2t`, `t2d` in the weights):
     # the drafter's own head predicts draft_vocab_size target ids. None: the target's LM head.
     draft_vocab_size: int | None = None
+    # The authors' current reference (`dflash/model.py`): None = a sliding layer is causal inside the
+    # block and a full layer is not (kept None only where the layers mix both kinds; otherwise that
+    # default is resolved to the bool); a bool makes every layer causal or not (`layer_causal`).
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0  # times the block's token embeddings
+    output_multiplier: float = 1.0  # times the draft logits, then
+    final_logit_softcapping: float = 0.0  # > 0: c * tanh(logits / c)
+    dflash2: DFlash2Config | None = None  # set: a DFlash2 drafter (convolutions and candidate selector)
 
     def __post_init__(self):
         self._validate_sizes("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -73,20 +121,78 @@ class DrafterConfig(LayerLayout):
             raise ValueError(f"draft_vocab_size must lie in [1, vocab_size={self.vocab_size}], "
                              f"got {self.draft_vocab_size}")
         self._validate_layer_types()
+        if self.is_causal is None and len(set(self.layer_types)) == 1:  # one value says it: say it
+            object.__setattr__(self, "is_causal", self.layer_types[0] == "sliding_attention")
+        if self.final_logit_softcapping < 0:
+            raise ValueError(f"final_logit_softcapping must be >= 0 (0: none), got {self.final_logit_softcapping}")
+        for name in ("input_embedding_scale", "output_multiplier"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) == 0:
+                raise ValueError(f"{name} must be a finite nonzero number, got {getattr(self, name)}")
+        if self.dflash2 is not None:
+            self._validate_dflash2()
+
+    def _validate_dflash2(self):
+        d2 = self.dflash2
+        if self.hidden_size % d2.conv_group_size:
+            raise ValueError(f"DFlash2: conv_group_size {d2.conv_group_size} must divide hidden_size "
+                             f"{self.hidden_size}")
+        if d2.selector_top_k > self.vocab_size:
+            raise ValueError(f"DFlash2: selector_top_k {d2.selector_top_k} exceeds vocab_size {self.vocab_size}")
+        if self.draft_vocab_size is not None:
+            raise ValueError("DFlash2: a reduced draft vocabulary (draft_vocab_size) is not supported: the "
+                             "selector's codebooks index the whole vocabulary")
+
+    @property
+    def architecture(self) -> str:
+        """The config.json architecture this config is: DFlashDraftModel or DFlash2DraftModel."""
+        return ARCHITECTURES[self.dflash2 is not None]
 
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def layer_causal(self) -> tuple[bool, ...]:
+        """Per layer: whether a block query sees only the block keys at or before its own position."""
+        if self.is_causal is not None:
+            return (self.is_causal,) * self.num_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def full_layers_causal(self) -> bool:
+        """Whether the full-attention layers are causal (one value for all of them, as for sliding ones)."""
+        return bool(self.is_causal)
+
+    @property
+    def sliding_layers_causal(self) -> bool:
+        return self.is_causal is not False
+
+    def block_embeddings(self, embeds):
+        """The block's token embeddings as the layers read them (times input_embedding_scale)."""
+        return embeds if self.input_embedding_scale == 1.0 else embeds * self.input_embedding_scale
+
+    def draft_logits(self, logits):
+        """The head's logits as the drafter's distribution: times output_multiplier, then softcapped."""
+        import jax.numpy as jnp
+
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.final_logit_softcapping > 0:
+            cap = self.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
 
     @classmethod
     def from_hf_config(cls, hf: dict, tokenizer=None, source: str = "config.json") -> "DrafterConfig":
         """From the official config.json dict; `source` (the file) is named in every error."""
         fields = ConfigFields(hf, source)
         archs = fields.str_list("architectures", ())
-        if archs and "DFlashDraftModel" not in archs:
+        known = [a for a in archs if a in ARCHITECTURES]
+        if archs and not known:
             raise fields.error(f"not a DFlash drafter config: architectures={list(archs)} "
-                               "(expected ['DFlashDraftModel'])")
+                               f"(expected one of {list(ARCHITECTURES)})")
         dflash = fields.section("dflash_config")
+        dflash2 = DFlash2Config.from_fields(dflash, fields) if "DFlash2DraftModel" in known else None
         num_target_layers = fields.int("num_target_layers", None)
         layer_ids = dflash.int_list("target_layer_ids", None)
         if layer_ids is None:
@@ -97,6 +203,10 @@ class DrafterConfig(LayerLayout):
         mask_token_id = dflash.int("mask_token_id", None)
         if mask_token_id is not None or tokenizer is not None:
             mask_token_id = resolve_mask_token_id(mask_token_id, tokenizer, vocab_size)
+        # as the reference reads them: dflash_config first, then the top level
+        scaled = {name: dflash.float(name, fields.float(name, default))
+                  for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                                        ("final_logit_softcapping", 0.0))}
         return fields.build(
             cls,
             **decoder_fields(fields, default_max_positions=40960),
@@ -107,6 +217,9 @@ class DrafterConfig(LayerLayout):
             mask_token_id=mask_token_id,
             attention_bias=fields.bool("attention_bias", False),
             draft_vocab_size=fields.int("draft_vocab_size", None),
+            is_causal=fields.bool("is_causal", None),
+            dflash2=dflash2,
+            **scaled,
         )
 
     def to_hf_config(self, base: dict | None = None, dtype_name: str = "bfloat16") -> dict:
@@ -115,7 +228,7 @@ class DrafterConfig(LayerLayout):
         rope = dict(self.rope_scaling)
         rope_type = rope.pop("rope_type", "default")
         hf.update(
-            architectures=["DFlashDraftModel"],
+            architectures=[self.architecture],
             model_type="qwen3",
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -140,6 +253,11 @@ class DrafterConfig(LayerLayout):
                 hf.pop(name, None)
             else:
                 hf[name] = getattr(self, name)
+        # is_causal written out wherever one value says it (None: mixed layers, the readers' default)
+        if self.is_causal is None:
+            hf.pop("is_causal", None)
+        else:
+            hf["is_causal"] = self.is_causal
         hf.pop("torch_dtype", None)  # older name of `dtype`; never leave a stale one behind
         hf.pop("rope_parameters", None)
         dflash = dict(hf.get("dflash_config") or {})
@@ -148,6 +266,19 @@ class DrafterConfig(LayerLayout):
             dflash["mask_token_id"] = self.mask_token_id
         if "block_size" in dflash:
             dflash["block_size"] = self.block_size
+        for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                              ("final_logit_softcapping", 0.0)):
+            hf.pop(name, None)  # one place for them: dflash_config, which the reference reads first
+            if getattr(self, name) != default:
+                dflash[name] = getattr(self, name)
+            else:
+                dflash.pop(name, None)
+        for name in DFlash2Config.FIELDS:  # in dflash_config, where the reference reads them first
+            hf.pop(name, None)
+            if self.dflash2 is None:
+                dflash.pop(name, None)
+            else:
+                dflash[name] = getattr(self.dflash2, name)
         hf["dflash_config"] = dflash
         return hf
 

@@ -89,33 +89,79 @@ def causal(query_positions: jax.Array, window=0) -> KeyRanges:
     return _stack(_window_start(end, window), end, zero, zero)
 
 
-def drafter_inference(
-    context_lengths: jax.Array, context_capacity: int, block_size: int, window=0
-) -> KeyRanges:
-    """Keys = [context cache (capacity slots) ; block (block_size slots)].
+def _block_range(offsets, block_size: int, window, causal: bool):
+    """The block keys (slot indices [0, block_size)) each block query of slot `offsets` [..., G]
+    sees: those at or before it where causal, within `window` slots of it (0: no window) on the
+    sides the layer looks at."""
+    window = jnp.asarray(window, jnp.int32)
+    windowed = window > 0
+    start = jnp.where(windowed, jnp.maximum(offsets - window + 1, 0), 0)
+    if causal:
+        end = offsets + 1
+    else:
+        end = jnp.where(windowed, jnp.minimum(offsets + window, block_size), block_size)
+    return start, end
 
-    Every block query of row b sees context slots [max(0, len_b - window), len_b) and the whole block.
+
+def drafter_inference(
+    context_lengths: jax.Array, context_capacity: int, block_size: int, window=0, causal: bool = False
+) -> KeyRanges:
+    """Keys = [context cache (capacity slots) ; block (block_size slots)], the reference's rule
+    over positions (context slot = position; the block at len_b .. len_b + G - 1).
+
+    The block query at position q of row b sees the context positions p < len_b with q - p < window
+    (all of them without a window), and the block keys at positions k with q - k < window, and
+    k <= q where `causal` or k - q < window otherwise: each query has its own window.
     """
+    offsets = jnp.arange(block_size, dtype=jnp.int32)[None, :]  # [1, G]
     end0 = context_lengths.astype(jnp.int32)[:, None] * jnp.ones((1, block_size), jnp.int32)
-    start1 = jnp.full_like(end0, context_capacity)
-    return _stack(_window_start(end0, window), end0, start1, start1 + block_size)
+    start1, end1 = _block_range(offsets, block_size, window, causal)
+    return _stack(_window_start(end0 + offsets + 1, window), end0, context_capacity + start1,
+                  context_capacity + end1)
+
+
+def drafter_cached(
+    context_lengths: jax.Array, slots: int, block_size: int, window=0, causal: bool = False, ring_window: int = 0
+) -> tuple[KeyRanges, KeyRanges]:
+    """`drafter_inference`'s ranges split by buffer: (over the context cache's `slots` slots, over
+    the block's own block_size keys), for `cache_attention`. ring_window > 0: the cache is a ring
+    (`RingKVCache`, position p in slot p % slots) and the context visible is bounded to its last
+    ring_window positions (<= slots); those may wrap around the buffer's end, so range 1 then
+    holds the wrapped part."""
+    offsets = jnp.arange(block_size, dtype=jnp.int32)[None, :]  # [1, G]
+    end = context_lengths.astype(jnp.int32)[:, None] * jnp.ones((1, block_size), jnp.int32)
+    start = _window_start(end + offsets + 1, window)
+    block = _block_range(offsets, block_size, window, causal)
+    block = _stack(block[0], block[1], jnp.zeros_like(end), jnp.zeros_like(end))
+    if not ring_window:
+        return _stack(start, end, jnp.zeros_like(end), jnp.zeros_like(end)), block
+    if ring_window > slots:
+        raise ValueError(f"ring_window {ring_window} exceeds the cache's {slots} slots")
+    start = jnp.maximum(start, end - ring_window)
+    first = start % slots
+    stop = first + (end - start)  # one past the last slot, before wrapping
+    return _stack(first, jnp.minimum(stop, slots), jnp.zeros_like(end), jnp.maximum(stop - slots, 0)), block
 
 
 def drafter_training(
-    anchors: jax.Array, block_valid: jax.Array, context_length: int, block_size: int, window=0
+    anchors: jax.Array, block_valid: jax.Array, context_length: int, block_size: int, window=0,
+    causal: bool = False
 ) -> KeyRanges:
     """Keys = [context (context_length) | N blocks of block_size], queries = the N blocks.
 
     anchors: [B, N] anchor positions; block_valid: [B, N] bool. A query of block j sees context
-    positions strictly before anchors[j] (the anchor's own feature is NOT visible) and the slots of
-    its own block; padding blocks see nothing.
+    positions strictly before anchors[j] (the anchor's own feature is NOT visible) and slots of its
+    own block, both as `drafter_inference` would at that anchor (per-query windows, `causal`);
+    padding blocks see nothing.
     """
     n = anchors.shape[1]
+    offsets = jnp.tile(jnp.arange(block_size, dtype=jnp.int32), n)[None, :]  # [1, N*G]
     end0 = jnp.repeat(anchors.astype(jnp.int32), block_size, axis=1)  # [B, N*G]
     block_ids = jnp.repeat(jnp.arange(n, dtype=jnp.int32), block_size)[None, :]
-    start1 = context_length + block_ids * block_size
+    first = context_length + block_ids * block_size
+    start1, end1 = _block_range(offsets, block_size, window, causal)
     valid = jnp.repeat(block_valid, block_size, axis=1)
-    start0 = _window_start(end0, window)
+    start0 = _window_start(end0 + offsets + 1, window)
     end0 = jnp.where(valid, end0, 0)
-    end1 = jnp.where(valid, start1 + block_size, 0)
-    return _stack(start0, end0, jnp.broadcast_to(start1, end0.shape), end1)
+    end1 = jnp.where(valid, first + end1, 0)
+    return _stack(start0, end0, jnp.broadcast_to(first + start1, end0.shape), end1)

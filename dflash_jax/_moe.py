@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE, Qwen3.5-MoE, gpt-oss): a router, top-k experts per token, and
+"""Mixture-of-experts MLPs (Qwen3-MoE, Qwen3.5-MoE, gpt-oss, and the sigmoid router of DeepSeek-V3,
+GLM-4 MoE and MiniMax-M2): a router, top-k experts per token, and
 the chosen experts run as grouped matmuls over the tokens sorted by expert (`jax.lax.ragged_dot`), not
 a loop over experts and not a one-hot product with all of them; Qwen3.5-MoE adds a shared expert,
 gpt-oss its own router order, expert biases and a clamped SwiGLU. Which grouped form multiplies the
@@ -33,6 +34,31 @@ def route_top_k_softmax(logits, top_k: int):
     the top k of the raw logits, then a softmax over those k (float32)."""
     values, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)
     return jax.nn.softmax(values, axis=-1).astype(logits.dtype), experts
+
+
+def route_sigmoid_grouped(logits, correction_bias, top_k: int, *, n_group: int = 1, topk_group: int = 1,
+                          normalize: bool = True, scaling: float = 1.0, norm_eps: float = 0.0):
+    """The DeepSeek-V3 router (also GLM-4 MoE's and MiniMax-M2's): logits [N, E] and the correction
+    bias [E] -> (weights [N, k] float32, expert ids [N, k]). In float32: scores = sigmoid(logits);
+    the experts are chosen by scores + correction_bias, among the `topk_group` best of `n_group`
+    equal groups of consecutive experts (a group scored by the sum of its 2 best biased scores;
+    n_group 1: all experts); the weights are the chosen experts' unbiased scores, divided by their
+    sum (+ norm_eps: DeepSeek's and GLM's 1e-20, MiniMax's 0) where `normalize`, times `scaling`
+    (routed_scaling_factor)."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + correction_bias.astype(jnp.float32)
+    if n_group > 1:
+        n, e = choice.shape
+        grouped = choice.reshape(n, n_group, e // n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
+        _, groups = jax.lax.top_k(group_scores, topk_group)
+        kept = jnp.any(groups[:, :, None] == jnp.arange(n_group)[None, None, :], axis=1)  # [N, G]
+        choice = jnp.where(jnp.repeat(kept, e // n_group, axis=-1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + norm_eps)
+    return weights * scaling, experts
 
 
 def swiglu(gate, up):
@@ -119,8 +145,12 @@ class MoE(nn.Module):
     token, scaled by sigmoid(shared_expert_gate(x)) (a kernel [D, 1]), and is added to the experts'
     sum. gpt-oss's sets the other fields: routing "topk_softmax" (`route_top_k_softmax`) with a
     router bias, expert biases gate_bias / up_bias [E, I] and down_bias [E, D], and swiglu_limit > 0:
-    the clamped SwiGLU (`clamped_swiglu`; 0: plain SwiGLU). backend: the backend whose expert form
-    the products take (`grouped_experts`)."""
+    the clamped SwiGLU (`clamped_swiglu`; 0: plain SwiGLU). DeepSeek-V3's, GLM-4 MoE's and MiniMax-M2's:
+    routing "sigmoid_grouped" (`route_sigmoid_grouped`: the router's logits in float32, its correction
+    bias "e_score_correction_bias" [E], n_group / topk_group, routed_scaling_factor, norm_eps), and
+    with shared_expert_gate False the shared expert added ungated (no "shared_expert_gate"). backend: the
+    backend whose expert form the products take (`grouped_experts`). `moe_block` builds one from a
+    `MoEConfig`."""
 
     num_experts: int
     top_k: int
@@ -128,19 +158,26 @@ class MoE(nn.Module):
     normalize: bool = False
     dtype: Any = jnp.float32
     shared_intermediate_size: int = 0
-    routing: str = "softmax_topk"  # or "topk_softmax" (`_config.MOE_ROUTERS`)
+    routing: str = "softmax_topk"  # or "topk_softmax", "sigmoid_grouped" (`_config.MOE_ROUTERS`)
     router_bias: bool = False
     expert_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
     backend: str = "xla"
+    n_group: int = 1  # "sigmoid_grouped": expert groups, the best topk_group of them searched
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_eps: float = 0.0
+    shared_expert_gate: bool = True  # the shared expert scaled by sigmoid(shared_expert_gate(x)); False: ungated
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         e, i = self.num_experts, self.intermediate_size
         init = nn.initializers.lecun_normal(batch_axis=(0,))
-        router = nn.Dense(e, use_bias=self.router_bias, dtype=self.dtype, param_dtype=self.dtype, name="router")
+        sigmoid = self.routing == "sigmoid_grouped"
+        router = nn.Dense(e, use_bias=self.router_bias, dtype=jnp.float32 if sigmoid else self.dtype,
+                          param_dtype=self.dtype, name="router")
         gate = self.param("gate_proj", init, (e, d, i), self.dtype)
         up = self.param("up_proj", init, (e, d, i), self.dtype)
         down = self.param("down_proj", init, (e, i, d), self.dtype)
@@ -152,13 +189,34 @@ class MoE(nn.Module):
             functools.partial(clamped_swiglu, limit=self.swiglu_limit, alpha=self.swiglu_alpha)
         flat = x.reshape(-1, d)
         logits = router(flat)
-        weights, experts = route_top_k_softmax(logits, self.top_k) if self.routing == "topk_softmax" else \
-            route(logits, self.top_k, self.normalize)
+        if sigmoid:
+            # float32 whatever the model's dtype (transformers keeps it so): it decides between close scores
+            correction = self.param("e_score_correction_bias", nn.initializers.zeros, (e,), jnp.float32)
+            weights, experts = route_sigmoid_grouped(
+                logits, correction, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
+                normalize=self.normalize, scaling=self.routed_scaling_factor, norm_eps=self.norm_eps)
+            weights = weights.astype(x.dtype)
+        elif self.routing == "topk_softmax":
+            weights, experts = route_top_k_softmax(logits, self.top_k)
+        else:
+            weights, experts = route(logits, self.top_k, self.normalize)
         out = grouped_experts(flat, experts, weights, gate, up, down, biases=biases, activation=activation,
                               backend=self.backend).reshape(x.shape)
         if self.shared_intermediate_size:
             shared = MLP(self.shared_intermediate_size, False, self.dtype, name="shared_expert")(x)
+            if not self.shared_expert_gate:
+                return out + shared
             shared_gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
                                    name="shared_expert_gate")(x)
             out = out + jax.nn.sigmoid(shared_gate) * shared
         return out
+
+
+def moe_block(moe, dtype=jnp.float32, backend: str = "xla", name: str = "mlp") -> MoE:
+    """The `MoE` module of a `_config.MoEConfig` (every field of it passed on)."""
+    return MoE(moe.num_experts, moe.num_experts_per_tok, moe.intermediate_size, moe.norm_topk_prob, dtype,
+               moe.shared_expert_intermediate_size, routing=moe.router, router_bias=moe.router_bias,
+               expert_bias=moe.expert_bias, swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha,
+               backend=backend, n_group=moe.n_group, topk_group=moe.topk_group,
+               routed_scaling_factor=moe.routed_scaling_factor, norm_eps=moe.norm_topk_eps,
+               shared_expert_gate=moe.shared_expert_gate, name=name)

@@ -204,7 +204,8 @@ def drafter_block_hidden(drafter, target, drafter_params, target_params, feature
 
     def run(anchors, valid):  # [B, c] -> [B, c*G, D]
         block = block_inputs(tokens, anchors, g, drafter.config.mask_token_id)
-        return drafter.train_hidden(drafter_params, features, target.embed(frozen, block), anchors, valid)
+        embeds = drafter.config.block_embeddings(target.embed(frozen, block))
+        return drafter.train_hidden(drafter_params, features, embeds, anchors, valid)
 
     if not anchor_chunk or anchor_chunk >= n:
         return run(anchors, valid)
@@ -250,8 +251,8 @@ def dflash_loss(drafter, target, drafter_params, target_params, features, tokens
     hidden = drafter_block_hidden(drafter, target, drafter_params, frozen, features, tokens, anchors, valid)
     labels, weights = block_targets(tokens, loss_mask, anchors, valid, g, decay)
     counted = weights > 0
-    loss, per_slot = weighted_block_loss(lambda h: target.logits(frozen, h), hidden, labels, weights,
-                                         counted, logits_chunk)
+    head = lambda h: drafter.config.draft_logits(target.logits(frozen, h))
+    loss, per_slot = weighted_block_loss(head, hidden, labels, weights, counted, logits_chunk)
     slot_counts = jnp.sum(counted, axis=(0, 1))
     accuracy = jnp.sum(per_slot * slot_counts) / jnp.maximum(jnp.sum(slot_counts), 1)
     return loss, {"loss": loss, "accuracy": accuracy}

@@ -134,6 +134,7 @@ class SamplingOptions:
     acceptance: str = "exact"  # or "match"
     lookup: int = 0  # 0 = off; n >= 2: look-up drafts of up to n matched tokens
     min_draft_probability: float = 0.0  # 0 = verify every draft
+    draft_context: int = 0  # 0 = the drafter sees the whole context; n > 0: each row's last n positions
 
     @classmethod
     def of_call(cls, arguments: dict) -> "SamplingOptions":
@@ -267,6 +268,7 @@ def _prepare(target, drafter, prompts, options: SamplingOptions | None = None, *
                   lambda p: 0 <= p <= 1)
     if o.min_draft_probability and drafter is None:
         raise ValueError("min_draft_probability gates a drafter's drafts; it needs a drafter (got drafter=None)")
+    _check_int("draft_context", o.draft_context, 0)
     block_size = _block_size(drafter, o.block_size)
     stops = _stop_ids(target, o.stop_token_ids)
     rows = _prompt_rows(prompts, vocab)
@@ -278,7 +280,8 @@ def _prepare(target, drafter, prompts, options: SamplingOptions | None = None, *
     sampled = o.temperature > 0
     cfg = GenerationConfig(max_new_tokens=o.max_new_tokens, block_size=block_size, sampling=sampled,
                            top_k=o.top_k if sampled else 0, use_top_p=sampled and o.top_p < 1.0,
-                           acceptance=o.acceptance, lookup=o.lookup, gate_drafts=o.min_draft_probability > 0)
+                           acceptance=o.acceptance, lookup=o.lookup, gate_drafts=o.min_draft_probability > 0,
+                           draft_context=o.draft_context if drafter is not None else 0)
     tokens = np.zeros((len(rows), prompt_bucket(longest)), np.int32)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
@@ -467,7 +470,7 @@ class Generator:
     def generate(self, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
                  block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
-                 min_draft_probability: float = 0.0) -> GenerationResult:
+                 min_draft_probability: float = 0.0, draft_context: int = 0) -> GenerationResult:
         """Generate for `prompts` (see `generate` for every argument)."""
         return self._generate(prompts, SamplingOptions.of_call(locals()))
 
@@ -491,7 +494,7 @@ class Generator:
     def stream(self, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
                block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
-               min_draft_probability: float = 0.0) -> "GenerationStream":
+               min_draft_probability: float = 0.0, draft_context: int = 0) -> "GenerationStream":
         """Like `generate`, streaming (see `generate_stream`)."""
         return self._stream(prompts, SamplingOptions.of_call(locals()))
 
@@ -605,7 +608,8 @@ def release_generators() -> int:
 def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
              block_size: int | None = None, seed: int = 0, acceptance: str = "exact",
-             lookup: int = 0, min_draft_probability: float = 0.0, mesh=None) -> GenerationResult:
+             lookup: int = 0, min_draft_probability: float = 0.0, draft_context: int = 0,
+             mesh=None) -> GenerationResult:
     """Generate from a target, speculatively with a DFlash drafter (or plainly with drafter=None).
 
     prompts: a list of prompts, each a list of token ids (ragged; one prompt is `[ids]`), or a
@@ -620,7 +624,10 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     (`dflash_jax._lookup`; still lossless). min_draft_probability (0 = off): a cycle verifies its
     drafts only where some live row's first draft had at least this probability under the drafter
     (1 for a looked-up one), else it runs the anchor alone, an autoregressive step (still lossless:
-    the choice never looks at the target). mesh: a `jax.sharding.Mesh` to generate on (None: the
+    the choice never looks at the target). draft_context (0 = off): the drafter sees only each row's
+    last draft_context positions (its context cache a ring buffer of that size: bounded memory and
+    cost for long contexts; the authors' MLX backend offers the same; still lossless). mesh: a
+    `jax.sharding.Mesh` to generate on (None: the
     target's, `Target.mesh`; see `Generator`). Bad arguments raise TypeError/ValueError naming the
     argument. The Generator it uses is kept for the next call with models of the same specs (the two
     most recent pairs); `release_generators()` frees what they hold.
@@ -632,7 +639,8 @@ def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temp
                     top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: int | Sequence[int] | None = None, block_size: int | None = None,
                     seed: int = 0, acceptance: str = "exact", lookup: int = 0,
-                    min_draft_probability: float = 0.0, mesh=None) -> GenerationStream:
+                    min_draft_probability: float = 0.0, draft_context: int = 0,
+                    mesh=None) -> GenerationStream:
     """Like `generate`, but yields each row's newly committed tokens after prefill and after every
     cycle (a host loop over the same cycle, compiled ahead of time). Tokens past a stop token are
     never yielded. Arguments are checked and the executables compiled at the call, not at the first

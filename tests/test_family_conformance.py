@@ -110,7 +110,8 @@ def test_logits_and_captured_layers_equal_transformers(hf_pairs, key):
         assert list(cfg.layer_types) == list(text.layer_types)
     assert cfg.num_experts == (getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
     shared = cfg.moe.shared_expert_intermediate_size if cfg.moe else 0
-    assert shared == (getattr(text, "shared_expert_intermediate_size", None) or 0)
+    assert shared == (getattr(text, "shared_expert_intermediate_size", None)  # DeepSeek-V3 / GLM: n_shared_experts
+                      or (getattr(text, "moe_intermediate_size", 0) or 0) * (getattr(text, "n_shared_experts", 0) or 0))
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, row.parity_tokens))
     logits, hidden_states, _ = hf_outputs(model, ids)
     capture = (1, 0, 1, cfg.num_layers // 2, cfg.num_layers - 1)

@@ -63,10 +63,22 @@ def test_drafter_inference():
 
 
 def test_drafter_inference_window():
+    """The window is measured from each query's own position (row 0's block at positions 3, 4)."""
     r = masks.drafter_inference(jnp.array([3, 1]), context_capacity=4, block_size=2, window=2)
     d = _dense(r, 6)
-    np.testing.assert_array_equal(d[0], _rows("0110 11", "0110 11"))
-    np.testing.assert_array_equal(d[1], _rows("1000 11", "1000 11"))
+    np.testing.assert_array_equal(d[0], _rows("0010 11", "0000 11"))
+    np.testing.assert_array_equal(d[1], _rows("1000 11", "0000 11"))
+
+
+def test_drafter_inference_causal_window():
+    """A causal layer's block query sees the block keys at or before it; the window bounds those
+    too (block of 4, window 2)."""
+    r = masks.drafter_inference(jnp.array([3]), context_capacity=4, block_size=4, window=2, causal=True)
+    np.testing.assert_array_equal(_dense(r, 8)[0], _rows("0010 1000", "0000 1100", "0000 0110", "0000 0011"))
+    r = masks.drafter_inference(jnp.array([3]), context_capacity=4, block_size=4, window=2)
+    np.testing.assert_array_equal(_dense(r, 8)[0], _rows("0010 1100", "0000 1110", "0000 0111", "0000 0011"))
+    r = masks.drafter_inference(jnp.array([3]), context_capacity=4, block_size=4, causal=True)
+    np.testing.assert_array_equal(_dense(r, 8)[0], _rows("1110 1000", "1110 1100", "1110 1110", "1110 1111"))
 
 
 def test_drafter_training_hand_written():
@@ -100,10 +112,10 @@ def test_drafter_training_window():
     r = masks.drafter_training(anchors, valid, context_length=7, block_size=2, window=3)
     d = _dense(r, 11)[0]
     want = _rows(
-        "1100000 11 00",  # anchor 2: context [max(0, 2-3), 2) = {0, 1}
-        "1100000 11 00",
-        "0001110 00 11",  # anchor 6: context [3, 6)
-        "0001110 00 11",
+        "1100000 11 00",  # anchor 2, query at 2: context positions p < 2 with 2 - p < 3
+        "0100000 11 00",  # query at 3: p < 2 with 3 - p < 3
+        "0000110 00 11",  # anchor 6: query at 6
+        "0000010 00 11",  # query at 7
     )
     np.testing.assert_array_equal(d, want)
 

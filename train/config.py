@@ -54,6 +54,8 @@ class ModelSettings:
     fc_init: str = "random"  # "last_feature": fc passes the deepest captured feature through
     draft_vocab_size: int = 0  # 0 = full target vocabulary
     sliding_window: int = 0  # > 0: every drafter layer sees only this many context positions back
+    # causal inside the block: None = the reference's default (sliding layers causal, full ones not)
+    is_causal: bool | None = None
     draft_vocab_path: str | None = None  # saved DraftVocab (.npz); built from data counts when absent
     init_from: str | None = None  # an exported drafter directory: its weights (and draft vocabulary)
                                   # start the run instead of warm_start/fc_init; block_size may differ

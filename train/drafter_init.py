@@ -23,10 +23,12 @@ class DrafterFitError(ValueError):
 
 def build_drafter_config(target, *, num_layers: int, block_size: int, intermediate_size: int | None = None,
                          target_layer_ids=None, mask_token_id: int | None = None,
-                         sliding_window: int = 0) -> DrafterConfig:
+                         sliding_window: int = 0, is_causal: bool | None = None) -> DrafterConfig:
     """A drafter shaped like the target's layers (hidden size, heads, RoPE), the official
     target-layer rule unless ids are given, and the mask token resolved from the tokenizer.
-    sliding_window > 0 makes every layer a sliding-window layer (Qwen3's "sliding_attention")."""
+    sliding_window > 0 makes every layer a sliding-window layer (Qwen3's "sliding_attention").
+    is_causal: whether a block query sees only the block keys at or before it (None: the authors'
+    default, sliding layers causal and full ones not)."""
     tc = target.config
     layer_ids = tuple(target_layer_ids) if target_layer_ids is not None else \
         default_target_layer_ids(tc.num_layers, num_layers)
@@ -40,7 +42,7 @@ def build_drafter_config(target, *, num_layers: int, block_size: int, intermedia
             rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling,
             max_position_embeddings=tc.max_position_embeddings,
             layer_types=("sliding_attention",) * num_layers if sliding_window else (),
-            sliding_window=sliding_window)
+            sliding_window=sliding_window, is_causal=is_causal)
         validate_pair(config, target)
     except ValueError as e:
         raise DrafterFitError(f"the configured drafter does not fit the target "

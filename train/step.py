@@ -139,9 +139,9 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
         if soft is not None:
             *soft, soft_weights = objective.draft_distributions(*soft, soft_weights, to_draft)
         kernel = params["draft_head"].astype(dtype)
-        head = lambda h: jnp.einsum("bmd,dv->bmv", h, kernel).astype(jnp.float32)
+        head = lambda h: config.draft_logits(jnp.einsum("bmd,dv->bmv", h, kernel).astype(jnp.float32))
     else:
-        head = lambda h: target.logits(target_params, h)
+        head = lambda h: config.draft_logits(target.logits(target_params, h))
     loss_weights = weights if soft is None else soft_weights
     return objective.weighted_block_loss(head, hidden, labels, loss_weights, counted, spec.logits_chunk,
                                          soft=None if soft is None else tuple(soft), scorable=weights > 0)
@@ -161,6 +161,9 @@ def make_train_step(target, config: DrafterConfig, spec: StepSpec, optimizer: op
     Anchors are drawn for the whole batch from fold_in(state.rng, state.step), then gradients are
     averaged over spec.grad_accum micro-batches. metrics: loss, slot_accuracy [G-1] (slots 1..G-1), tau_estimate,
     grad_norm, learning_rate."""
+    if config.dflash2 is not None:
+        raise NotImplementedError("training a DFlash2 drafter (its selector's loss) is not implemented; "
+                                  "DFlash2 drafters are for inference here")
 
     def step(state: TrainState, frozen, batch):
         anchors, valid = objective.sample_anchors(jax.random.fold_in(state.rng, state.step),

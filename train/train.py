@@ -50,7 +50,7 @@ def drafter_config_for(cfg: TrainConfig, target):
     return drafter_init.build_drafter_config(target, num_layers=m.num_layers, block_size=m.block_size,
                                              intermediate_size=m.intermediate_size,
                                              target_layer_ids=m.target_layer_ids, mask_token_id=m.mask_token_id,
-                                             sliding_window=m.sliding_window)
+                                             sliding_window=m.sliding_window, is_causal=m.is_causal)
 
 
 def check_feature_cache(cfg: TrainConfig, drafter_config, meta: dict) -> None:
@@ -108,7 +108,8 @@ def initial_drafter(cfg: TrainConfig, target, drafter_config):
     from dflash_jax.loading.drafter_io import load_drafter
 
     drafter = load_drafter(cfg.model.init_from, target, "float32")
-    may_differ = {"block_size", "layer_types", "sliding_window", "draft_vocab_size"}  # the vocabulary: below
+    # masks, not weights; the vocabulary: below
+    may_differ = {"block_size", "layer_types", "sliding_window", "is_causal", "draft_vocab_size"}
     have, want = drafter.config, drafter_config
     diff = {f.name: (getattr(have, f.name), getattr(want, f.name)) for f in dataclasses.fields(want)
             if f.name not in may_differ and getattr(have, f.name) != getattr(want, f.name)}

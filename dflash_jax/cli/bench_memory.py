@@ -41,3 +41,13 @@ def tree_bytes(tree) -> int:
     import jax
 
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def cache_bytes_per_token(spec) -> int:
+    """Bytes a target's decode cache (`TargetSpec.init_cache`) grows by per token of one row: its KV
+    cache's keys and values, a latent cache's latent and rotary key (multi-head latent attention);
+    a hybrid's recurrent states do not grow. From shapes only, nothing allocated."""
+    import jax
+
+    size = lambda capacity: tree_bytes(jax.eval_shape(lambda: spec.init_cache(1, capacity)))  # noqa: E731
+    return size(2) - size(1)

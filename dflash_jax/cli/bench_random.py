@@ -83,6 +83,83 @@ RANDOM_TARGETS = {
                      "max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": 199998,
                      "eos_token_id": 200002, "pad_token_id": 199999},
                     201087),
+    # Qwen3-Coder-Next (Qwen3-Next-80B-A3B's shapes): 48 layers, 12 x (3 Gated DeltaNet, 1 gated full attention),
+    # each with an MoE of 512 experts (10 per token) and a shared expert; a quarter of each 256-wide attention
+    # head rotated. rope_theta: Qwen3-Next-80B-A3B's. Mask id: the Qwen3 tokenizer's first unused id, as for the
+    # Qwen3 targets (random weights; no official drafter config is read here).
+    "qwen3-coder-next": ({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+                          "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+                          "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                          "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                          "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+                          "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                          "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                          "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
+                          "partial_rotary_factor": 0.25, "max_position_embeddings": 262144,
+                          "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
+                         151669),
+    # GLM-4.5-Air (zai-org/GLM-4.5-Air config.json): 46 layers, the first with a dense MLP (10,944 wide), the
+    # others an MoE of 128 experts (8 per token, the sigmoid router with its correction bias, one group, not
+    # scaled) and one shared expert of 1,408; 96 query heads of 128 over 8 kv heads, q/k/v biases, no q/k
+    # norms, RoPE on half of each head. Its multi-token prediction layer is not part of the target. Mask
+    # id: the last one (random weights; no official drafter config is read here).
+    "glm-4.5-air": ({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552,
+                     "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+                     "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+                     "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False,
+                     "moe_intermediate_size": 1408, "n_routed_experts": 128, "num_experts_per_tok": 8,
+                     "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                     "norm_topk_prob": True, "first_k_dense_replace": 1, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1000000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                     "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338]},
+                    151551),
+    # MiniMax-M2 (MiniMaxAI/MiniMax-M2 config.json): 62 layers, each an MoE of 256 experts of 1,536 (8 per
+    # token, the sigmoid router with its correction bias); 48 query heads of 128 over 8 kv heads, q and k
+    # each RMS-normalised over all heads, RoPE on 64 of each head's 128 dims. Released in FP8; here random
+    # floats of the dequantised shapes. The drafter here gets the config's intermediate_size (the experts'
+    # width; no official drafter config is read). Mask id: the last one.
+    "minimax-m2": ({"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 200064,
+                    "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
+                    "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64,
+                    "num_local_experts": 256, "num_experts_per_tok": 8, "use_qk_norm": True,
+                    "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True,
+                    "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "max_position_embeddings": 196608,
+                    "tie_word_embeddings": False, "bos_token_id": 200034, "eos_token_id": 200020},
+                   200063),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): 61 layers of multi-head latent attention (128 heads,
+    # q through a 1536 low-rank path, a 512 kv latent + a 64-dim shared rotary key: 576 cached values per
+    # token and layer), the first 3 with a dense MLP, then MoE layers of 256 experts (8 per token from 4 of 8
+    # groups, sigmoid scores with a correction bias, x 2.5) and one shared expert; YaRN (factor 40 from 4,096,
+    # mscale_all_dim 1 in the softmax scale). Its released weights are block-scaled FP8; here random floats.
+    # --layers 4 keeps one MoE layer. head_dim and num_key_value_heads: the drafter's (the target reads
+    # qk_rope_head_dim and one key per head). Mask id: the last one (no official drafter config is read).
+    "deepseek-v3": ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+                     "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                     "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "head_dim": 128,
+                     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                     "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+                     "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                     "first_k_dense_replace": 3, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                     "rms_norm_eps": 1e-6, "rope_theta": 10000, "max_position_embeddings": 163840,
+                     "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+                     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1},
+                    129279),
+    # Kimi-K2.5's text model (DeepSeek-V3's architecture; Kimi-K2's shapes): 64 heads, 384 experts in one
+    # group (8 per token, x 2.827), one dense layer first, rope theta 50,000 with YaRN (factor 64 from 4,096).
+    # Its released routed experts are compressed-tensors INT4; here random floats. Mask id: the last one.
+    "kimi-k2.5": ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+                   "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                   "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128,
+                   "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                   "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+                   "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827, "norm_topk_prob": True,
+                   "first_k_dense_replace": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                   "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "max_position_embeddings": 262144,
+                   "rope_scaling": {"type": "yarn", "factor": 64.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+                   "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585},
+                  163839),
     # gemma-4-31B-it's text model (its config.json nests these under text_config,
     # Gemma4ForConditionalGeneration): 60 layers, five sliding (window 1,024; 16 kv heads of 256) to one full
     # (4 kv heads of 512, keys and values from one projection, proportional RoPE on a quarter of each head),

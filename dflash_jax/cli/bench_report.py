@@ -80,6 +80,8 @@ def print_summary(summary: dict) -> None:
           "(imports, load, compile, first generate)")
     print(f"peak RSS while generating     : {_mb(s['peak_rss_bytes_while_generating'])} "
           f"(params {_mb(s['params_bytes'])}); device peak {_mb(s['device_peak_bytes'])}")
+    if s.get("cache_bytes_per_token") is not None:
+        print(f"target cache per token        : {s['cache_bytes_per_token']:,} bytes (every layer, one row)")
 
 
 def write_report(out: Path, args, reports, setup, device) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path  # noqa: E402
 from typing import NoReturn, Sequence  # noqa: E402
 
 from dflash_jax.cli.bench_baseline import run_baseline  # noqa: E402
-from dflash_jax.cli.bench_memory import device_peak_bytes, tree_bytes  # noqa: E402
+from dflash_jax.cli.bench_memory import cache_bytes_per_token, device_peak_bytes, tree_bytes  # noqa: E402
 from dflash_jax.cli.bench_prompts import random_prompts, select_prompts  # noqa: E402
 from dflash_jax.cli.bench_random import RANDOM_TARGETS, random_models  # noqa: E402
 from dflash_jax.cli.bench_report import plot_histogram, print_summary, write_report  # noqa: E402
@@ -299,6 +299,7 @@ def run(args) -> int:
         records, summary, runner = run_benchmark(t, d, setup.prompts, args, stops, process_start=_PROCESS_START)
         summary.update(attention=impl, batch_size=args.batch, load_seconds=round(setup.load_seconds, 3),
                        compile=runner.compiles, params_bytes=params_bytes,
+                       cache_bytes_per_token=cache_bytes_per_token(t.spec),
                        mesh=dict(mesh.shape) if mesh is not None else None,
                        devices=mesh.size if mesh is not None else 1,
                        time_to_first_result_seconds=round(runner.first_result_seconds, 3))

@@ -74,7 +74,7 @@ def add_decode_activations_flag(parser) -> None:
 
 
 def add_drafting_flags(parser) -> None:
-    """--lookup and --min-draft-probability (what `drafting_kwargs` passes to `generate`) and
+    """--lookup, --min-draft-probability and --draft-context (what `drafting_kwargs` passes to `generate`) and
     --drafter-weights (what `load_models` passes to `load_drafter`)."""
     parser.add_argument("--lookup", type=int, metavar="N",
                         help="where the row's last 2..N tokens occurred earlier in its prompt or answer, "
@@ -87,6 +87,10 @@ def add_drafting_flags(parser) -> None:
                              "token alone, as a plain autoregressive step (lossless; 0 = always verify; "
                              f"default: {SHIPPED_DRAFTER_MIN_DRAFT_PROBABILITY} with the shipped SmolLM2 "
                              "drafter, 0 with any other)")
+    parser.add_argument("--draft-context", type=int, default=0, metavar="N",
+                        help="the drafter sees only each row's last N positions, its context cache a ring "
+                             "buffer of N slots: bounded memory and drafting cost for long contexts "
+                             "(lossless; 0 = the whole context, the default)")
     parser.add_argument("--drafter-weights", choices=DECODE_WEIGHTS,
                         help="the drafter weights a CPU drafts with: 'stored' as loaded (bfloat16 panels for a "
                              "bfloat16 checkpoint), 'q8_0' 8 bits and a scale per 32 weights, fewer bytes "
@@ -100,6 +104,8 @@ def check_drafting_flags(parser, args) -> None:
         parser.error("--lookup must be 0 (off) or >= 2 (the longest run of tokens to match)")
     if args.min_draft_probability is not None and not 0 <= args.min_draft_probability <= 1:
         parser.error("--min-draft-probability must be in [0, 1] (0 = always verify the drafts)")
+    if args.draft_context < 0:
+        parser.error("--draft-context must be >= 0 (0 = the whole context)")
 
 
 def _flag_for(value, drafter_path: Path | None, shipped_default, flag: str):
@@ -145,11 +151,12 @@ def resolve_drafting(args, drafter_path: Path | None) -> None:
 
 
 def drafting_kwargs(args, drafter) -> dict:
-    """`generate`'s lookup and min_draft_probability (both off without a drafter); after
-    `resolve_drafting`."""
+    """`generate`'s lookup, min_draft_probability and draft_context (all off without a drafter);
+    after `resolve_drafting`."""
     if drafter is None:
-        return dict(lookup=0, min_draft_probability=0.0)
-    return dict(lookup=args.lookup, min_draft_probability=args.min_draft_probability)
+        return dict(lookup=0, min_draft_probability=0.0, draft_context=0)
+    return dict(lookup=args.lookup, min_draft_probability=args.min_draft_probability,
+                draft_context=args.draft_context)
 
 
 def decoding_mode(drafter, lookup: int, min_draft_probability: float = 0.0) -> str:

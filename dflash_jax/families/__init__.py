@@ -17,7 +17,10 @@ import importlib
 # by name (they import the config module, which looks families up here): `_load` imports them.
 
 # The family modules, imported on the first lookup (each registers its families).
-MODULES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss", "gemma4")
+MODULES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_next")
+MODULES += ("glm4_moe", "minimax_m2")
+MODULES += ("deepseek_v3",)
+MODULES += ("gemma4",)
 
 _FAMILIES: dict[str, object] = {}
 _loaded = False

@@ -24,6 +24,8 @@ class Family:
     model_types: tuple[str, ...] = ()  # `model_type`s it reads when a config lists no architectures
     qk_norm: bool = False  # RMSNorm of each head's query and key
     hybrid: bool = False  # Gated DeltaNet layers and partial rotary allowed
+    partial_rotary: bool = False  # partial rotary allowed (partial_rotary_factor < 1) without being hybrid
+    latent_attention: bool = False  # multi-head latent attention (`ModelConfig.mla`) allowed
     default_max_positions: int = 4096
     # its layers are `TargetLayer`s (attention and a SwiGLU MLP), which a backend's packed decode layout holds
     # (the CPU backend's); False for a family with layer modules of its own
@@ -50,7 +52,8 @@ class Family:
             arch=self.name,
             vocab_size=fields.int("vocab_size"),
             **decoder_fields(fields, self.default_max_positions, hybrid=self.hybrid,
-                             default_intermediate_size=self.default_intermediate_size(fields)),
+                             default_intermediate_size=self.default_intermediate_size(fields),
+                             partial_rotary=self.partial_rotary),
             tie_word_embeddings=fields.bool("tie_word_embeddings", False),
             qk_norm=self.qk_norm,
             attention_bias=fields.bool("attention_bias", False),
@@ -65,8 +68,10 @@ class Family:
         """ValueError for what this family's configs cannot hold (called by ModelConfig)."""
         if config.linear is not None and not self.hybrid:
             raise ValueError(f"a {self.name} target has no linear-attention layers")
-        if config.partial_rotary_factor != 1.0 and not self.hybrid:
+        if config.partial_rotary_factor != 1.0 and not (self.hybrid or self.partial_rotary):
             raise ValueError(f"partial_rotary_factor != 1 is not supported for {self.name}")
+        if config.mla is not None and not self.latent_attention:
+            raise ValueError(f"a {self.name} target has no multi-head latent attention (mla=)")
 
     # ---- the model
 
@@ -99,6 +104,12 @@ class Family:
         from dflash_jax._target import TargetLayer
 
         return TargetLayer
+
+    def init_cache(self, config: ModelConfig, batch: int, capacity: int, dtype, *, kv_replicas: int = 1,
+                   groups: int = 1):
+        """An empty decode cache (`dflash_jax._cache.Cache`) of a family whose layers keep something other
+        than the stack's default (a `KVCache`, or a hybrid's `HybridCache`); None: the default."""
+        return None
 
     norm_scale_in_float32: bool = False  # RMSNorm scaled in float32 before the cast (gpt-oss)
 

@@ -20,6 +20,16 @@ from dflash_jax._errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
+class Rows:
+    """Rows of a fused checkpoint tensor of `total` rows (its first axis): a param holds rows `index` of
+    it, in that order; the rules of one tensor share it, their rows together covering it once
+    (Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head, `families.qwen3_next`)."""
+
+    index: tuple[int, ...]
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     hf: str  # Hugging Face name; "{i}" marks the layer index
     path: tuple[str, ...]  # Flax param path
@@ -32,6 +42,8 @@ class Rule:
     # (start, step): the param is the checkpoint tensor's last-axis columns start::step (gpt-oss's
     # gate and up columns interleaved in one tensor); two rules with steps 2 share the tensor
     columns: tuple[int, int] | None = None
+    # the param's output features are these rows of a fused checkpoint tensor (`Rows`)
+    rows: Rows | None = None
     # the last two axes swapped: a checkpoint's stacked experts [E, out, in] <-> the param's [E, in, out]
     # (Gemma 4's fused experts)
     swap_last: bool = False
@@ -212,30 +224,34 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     assemble = getattr(place, "assemble", None)
     for rule in rules:
         want = _get(shapes, rule.path).shape
+        # a param the model keeps in float32 whatever its dtype (a sigmoid router's correction bias) stays so
+        leaf_dtype = np.dtype(np.float32) if _keeps_float32(_get(shapes, rule.path)) else np_dtype
         layer_shape = tuple(want[rule.stacked_axes:])
         need = tuple(reversed(layer_shape)) if rule.transpose else layer_shape  # as the checkpoint holds it
         need = (*need[:-2], need[-1], need[-2]) if rule.swap_last else need
         if rule.columns:  # the whole tensor, of which the param is every step-th column
             need = (*need[:-1], need[-1] * rule.columns[1])
+        if rule.rows:  # the whole fused tensor, of which the param is some rows
+            need = (rule.rows.total, *need[1:])
         if rule.path in skip:
             for name in rule.hf_names(num_layers):
                 if tuple(shape_of(name)) != need:
                     raise CheckpointError(f"{source}: tensor {name} has shape {tuple(shape_of(name))}, expected {need}")
             continue
         if assemble is not None:  # a sharded load: each device's block read on its own
-            read = functools.partial(_read_block, rule, tensors, tuple(want), need, np_dtype, num_layers, source)
+            read = functools.partial(_read_block, rule, tensors, tuple(want), need, leaf_dtype, num_layers, source)
             _set(params, rule.path, assemble(rule.path, tuple(want), read))
             for name in rule.hf_names(num_layers):
                 if progress:
                     progress(name)
             continue
-        out = host_arrays.empty(want, np_dtype)
+        out = host_arrays.empty(want, leaf_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
             value = _oriented(rule, _read_tensor(rule, tensors, name, need, source))
             if rule.per_layer:
-                out[rule.index(i)] = value.astype(np_dtype)
+                out[rule.index(i)] = value.astype(leaf_dtype)
             else:
-                out[...] = value.astype(np_dtype)
+                out[...] = value.astype(leaf_dtype)
             if progress:
                 progress(name)
         _set(params, rule.path, host_arrays.adopt(out) if place is None else place(rule.path, out))
@@ -245,6 +261,13 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
     if unfilled:
         raise ValueError(f"name table leaves params unfilled: {unfilled}")
     return params
+
+
+def _keeps_float32(template) -> bool:
+    """Whether a param's template (a ShapeDtypeStruct of `shapes`) is float32: the model keeps it so
+    whatever the dtype asked for (`_moe.MoE`'s correction bias, as transformers keeps it)."""
+    dtype = getattr(template, "dtype", None)
+    return dtype is not None and np.dtype(dtype) == np.float32
 
 
 def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers: int, source: str,
@@ -262,7 +285,8 @@ def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers
     for at in itertools.product(*[range(len(r)) for r in stacked]):
         position = tuple(r[i] for r, i in zip(stacked, at))
         name = names[position[0] * rule.experts + position[1] if rule.experts else (position[0] if position else 0)]
-        if inner and not rule.transpose:  # the first axis cut before the tensor is read (an MXFP4 one's experts)
+        # the first axis cut before the tensor is read (an MXFP4 one's experts)
+        if inner and not rule.transpose and rule.rows is None:
             value = _oriented(rule, _read_tensor(rule, tensors, name, need, source, inner[0]))
             block[at] = value[(slice(None), *inner[1:])].astype(dtype)
         else:
@@ -282,7 +306,7 @@ def _oriented(rule: Rule, value) -> np.ndarray:
 def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str, first: slice = slice(None)) -> np.ndarray:
     """Checkpoint tensor `name` as `rule` reads it (before any transpose): its shape checked against
     `need` (the whole tensor's), then the rows `first` of its first axis and its columns
-    (`Rule.columns`) picked. A lazy tensor (an MXFP4 one, `loading.mxfp4`) is read only here, and
+    (`Rule.columns`) or rows (`Rule.rows`) picked. A lazy tensor (an MXFP4 one, `loading.mxfp4`) is read only here, and
     only the part asked for."""
     value = tensors[name]
     value = value if hasattr(value, "shape") else np.asarray(value)
@@ -290,6 +314,8 @@ def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str, first
         raise CheckpointError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {need}")
     if first != slice(None):
         value = value.first_axis(first) if hasattr(value, "first_axis") else np.asarray(value)[first]
+    if rule.rows:
+        return np.asarray(value)[np.asarray(rule.rows.index)]
     return _columns(value, rule.columns) if rule.columns else np.asarray(value)
 
 
@@ -322,14 +348,29 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
                 start, step = rule.columns
                 whole = out.setdefault(name, np.zeros((*layer.shape[:-1], layer.shape[-1] * step), layer.dtype))
                 whole[..., start::step] = layer
+            elif rule.rows:  # into its rows of the shared fused tensor
+                whole = out.setdefault(name, np.zeros((rule.rows.total, *layer.shape[1:]), layer.dtype))
+                whole[np.asarray(rule.rows.index)] = layer
             else:
                 out[name] = np.ascontiguousarray(layer)
     return out
 
 
-def drafter_rules(attention_bias: bool = False) -> list[Rule]:
-    """The official DFlash drafter layout (no `model.` prefix, no embeddings, no LM head)."""
+def drafter_rules(attention_bias: bool = False, dflash2: bool = False) -> list[Rule]:
+    """The official DFlash drafter layout (no `model.` prefix, no embeddings, no LM head); dflash2:
+    with a DFlash2 drafter's convolutions and candidate selector (its codebooks stored without
+    ".weight")."""
     rules = [Rule("fc.weight", ("fc", "kernel"), transpose=True),
              Rule("hidden_norm.weight", ("hidden_norm", "scale")),
              Rule("norm.weight", ("norm", "scale"))]
-    return rules + decoder_layer_rules("layers.{i}", True, attention_bias, False)
+    rules += decoder_layer_rules("layers.{i}", True, attention_bias, False)
+    if dflash2:
+        for conv in ("attention_conv", "mlp_conv"):
+            rules += [Rule(f"layers.{{i}}.{conv}.base_kernel", ("layers", conv, "base_kernel")),
+                      Rule(f"layers.{{i}}.{conv}.kernel_projection.weight", ("layers", conv, "kernel_projection",
+                                                                              "kernel"), transpose=True)]
+        rules += [Rule(f"candidate_selector.{name}", ("candidate_selector", name))
+                  for name in ("predecessor_codebook", "successor_codebook")]
+        rules.append(Rule("candidate_selector.hidden_projection.weight",
+                          ("candidate_selector", "hidden_projection", "kernel"), transpose=True))
+    return rules

@@ -90,14 +90,29 @@ class RefDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(features))
         pos = torch.arange(c + g)[None].expand(b, -1)
         cos, sin = self.rotary(noise, pos)
-        visible = torch.ones(b, g, c + g, dtype=torch.bool)
         x = noise
         for i, layer in enumerate(self.layers):
-            vis = visible.clone()
-            if self.hf["layer_types"][i] == "sliding_attention":
-                vis[:, :, : max(0, c - self.hf["sliding_window"])] = False
-            x = layer(x, ctx, cos, sin, vis)
+            x = layer(x, ctx, cos, sin, self.visible(i, c, g).expand(b, -1, -1))
         return self.norm(x)
+
+    def visible(self, layer: int, c: int, g: int):
+        """[1, g, c + g] of the authors' current rule over positions (queries at c..c+g-1, keys at
+        0..c+g-1): is_causal absent -> sliding layers causal, full ones not; a window keeps
+        q - k < W, and for a non-causal layer also k - q < W."""
+        sliding = self.hf["layer_types"][layer] == "sliding_attention"
+        causal = self.hf.get("is_causal")
+        causal = sliding if causal is None else bool(causal)
+        q = torch.arange(c, c + g)[:, None]
+        k = torch.arange(c + g)[None, :]
+        vis = torch.ones(g, c + g, dtype=torch.bool)
+        if causal:
+            vis &= k <= q
+        if sliding:
+            w = self.hf["sliding_window"]
+            vis &= q - k < w
+            if not causal:
+                vis &= k - q < w
+        return vis[None]
 
 
 def write_official_checkpoint(out_dir, hf: dict, seed=0) -> RefDrafter:

@@ -50,6 +50,23 @@ def _gpt_oss_init(name, p, torch):
         p.copy_(0.1 * torch.randn_like(p))
 
 
+def _sigmoid_moe_init(name, p, torch):
+    """GLM-4 MoE, MiniMax-M2: as Qwen3-MoE, the routers' logits far apart (no near-tie in the top k)."""
+    if "norm" in name:
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+    elif name.endswith("gate.weight"):
+        p.copy_(torch.randn_like(p))
+    else:
+        p.copy_(0.1 * torch.randn_like(p))
+
+
+def _correction_bias_init(name, b, torch):
+    """The sigmoid routers' correction bias (a buffer transformers starts at zero): random, so that it
+    changes which experts are chosen."""
+    if name.endswith("e_score_correction_bias"):
+        b.copy_(0.3 * torch.randn_like(b))
+
+
 # the vision tower of a multimodal (ConditionalGeneration) checkpoint: the smallest that builds
 _VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
 
@@ -79,6 +96,8 @@ class Family:
     # ("prefill[raw-topk]"), or every check of a variant (slow_variants); see `params`
     slow: frozenset = frozenset()
     slow_variants: frozenset = frozenset()
+    # (buffer name, buffer, torch) -> None: randomise transformers' persistent buffers in place (None: left)
+    init_buffers: Callable | None = None
 
     @property
     def default_variant(self) -> str:
@@ -115,11 +134,36 @@ QWEN3_5_MOE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_atten
                    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                    linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12,
                    shared_expert_intermediate_size=20, rms_norm_eps=1e-6, max_position_embeddings=512)
+# key and value heads of different widths, two value heads per key head: the fused projections' groups
+QWEN3_NEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=12, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=12, shared_expert_intermediate_size=20, rms_norm_eps=1e-6,
+                  max_position_embeddings=512)
 # hidden and expert widths multiples of 32 (an MXFP4 block); a window of 4 under 12-token prompts; a
 # small swiglu_limit so that the clamps bite
 GPT_OSS = dict(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
                max_position_embeddings=256, swiglu_limit=0.5)
+# a dense first layer, then MoE layers of the sigmoid router (groups, scaling) and a shared expert; q/k/v
+# biases, partial rotary (GLM's default 0.5)
+GLM4_MOE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                norm_topk_prob=True, attention_bias=True, use_qk_norm=True, max_position_embeddings=256)
+# q and k normalised over all heads, rotary on 8 of 16 dims; bos / eos inside the tiny vocabulary
+MINIMAX_M2 = dict(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8,
+                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+# MLA with a low-rank q path and interleaved rope; a dense first layer, then MoE layers of the grouped
+# sigmoid router (4 groups, the best 2 kept, scaling) and a shared expert; no EOS (DeepseekV3Config says 1,
+# which min_new_tokens would suppress in transformers' generate)
+DEEPSEEK_V3 = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                   v_head_dim=8, rope_interleave=True, first_k_dense_replace=1, n_routed_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=4, topk_group=2,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6,
+                   eos_token_id=None)
 
 # Gemma 4: two sliding layers (window 5, under the prompts and the prefill chunk) and two full ones of
 # another shape (head 16, one kv head with attention_k_eq_v); a softcap that bends the logits; no per-layer
@@ -206,6 +250,50 @@ FAMILIES = {row.name: row for row in [
            # 6 tokens per chunk: windows across chunks
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6), max_new_tokens=40,
            slow=frozenset({"speculative", "sampling", "decode_loop_hlo"})),
+    Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig", QWEN3_NEXT,
+           lambda name, p, torch: _hybrid_init(name, p, torch, router_scale=5.0), variants={
+               DEFAULT: {},  # the default pattern (3 linear, 1 full), every MLP an MoE block, top k renormalised
+               # every other layer full; dense MLPs by decoder_sparse_step (layers 0, 2) and mlp_only_layers (3);
+               # the top k not renormalised; 3 experts per token; tied head
+               "dense-raw-topk": dict(full_attention_interval=2, decoder_sparse_step=2, mlp_only_layers=[3],
+                                      norm_topk_prob=False, num_experts_per_tok=3, tie_word_embeddings=True)},
+           parity_tokens=77,  # two chunks of the delta rule
+           prefill=dict(lengths=(100, 41, 5), capacity=128, chunk_size=None), router="mlp.gate",
+           # the hybrid's rejections, sampling and decode HLO are the qwen3_5 / qwen3_5_moe rows' (the same
+           # layers); test_qwen3_next checks the rollback of this row's recurrent state
+           slow=frozenset({"prefill[dense-raw-topk]", "greedy[dense-raw-topk]", "rejections", "sampling",
+                           "decode_step_hlo", "decode_loop_hlo"}),
+           decode_overrides=dict(full_attention_interval=2)),
+    Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig", GLM4_MOE, _sigmoid_moe_init,
+           init_buffers=_correction_bias_init, parity_tokens=40, variants={
+               DEFAULT: {},  # q/k norms, groups, scaling, a dense prefix of 1
+               # no q/k norms, a dense prefix of 2, one group, the top k not renormalised, 2 shared experts,
+               # a partial rotary factor stated in rope_parameters
+               "dense2-plain": dict(num_hidden_layers=4, first_k_dense_replace=2, use_qk_norm=False, n_group=1,
+                                    topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.25})},
+           slow=frozenset({"prefill[dense2-plain]", "greedy[dense2-plain]", "sampling", "decode_loop_hlo"})),
+    Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config", MINIMAX_M2, _sigmoid_moe_init,
+           init_buffers=_correction_bias_init, parity_tokens=40,
+           # the glm4_moe row's sampling, decode step and loop stand for these by default (the same layers)
+           slow=frozenset({"sampling", "decode_step_hlo", "decode_loop_hlo"})),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK_V3, _sigmoid_moe_init,
+           init_buffers=_correction_bias_init, parity_tokens=40, variants={
+               DEFAULT: {},  # q low-rank path, interleaved rope, groups, a dense prefix of 1
+               # a plain q_proj, rope dims not interleaved, biases (kv_a_proj_with_mqa, o_proj), YaRN whose
+               # mscale_all_dim scales the softmax (and, unequal to its mscale, the cos and sin); a dense prefix
+               # of 2, one group, the top k not renormalised, 2 shared experts
+               "plain-q-yarn-dense2": dict(
+                   num_hidden_layers=4, first_k_dense_replace=2, n_group=1, topk_group=1, norm_topk_prob=False,
+                   n_shared_experts=2, routed_scaling_factor=1.5, q_lora_rank=None, rope_interleave=False,
+                   attention_bias=True, rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                         "mscale_all_dim": 0.8, "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 64}),
+               # every layer dense (no routed or shared experts)
+               "dense": dict(first_k_dense_replace=3, n_routed_experts=0, n_shared_experts=0)},
+           slow=frozenset({"prefill[dense]", "greedy[dense]", "greedy[plain-q-yarn-dense2]", "sampling",
+                           "decode_loop_hlo"})),
     Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", GEMMA4, _gemma4_init, parity_tokens=12,
            conditional=("Gemma4Config", "Gemma4ForConditionalGeneration"),
            variants={
@@ -256,6 +344,8 @@ def make_hf(family: str, out_dir=None, seed: int = 0, variant: str | None = None
     with torch.no_grad():
         for name, p in model.named_parameters():
             row.init(name, p, torch)
+        for name, b in model.named_buffers() if row.init_buffers else ():
+            row.init_buffers(name, b, torch)
     model.eval()
     if out_dir is not None:
         model.save_pretrained(out_dir)

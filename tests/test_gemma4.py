@@ -35,6 +35,7 @@ def test_a_released_multimodal_config_reads_as_its_text_model():
 
     text = {k: v for k, v in RANDOM_TARGETS["gemma-4-26b-a4b"][0].items() if k not in ("architectures",)}
     text["num_hidden_layers"] = 12
+    text["hidden_size_per_layer_input"] = None  # as one release states it: no per-layer inputs
     cfg = ModelConfig.from_hf_config({"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
                                       "eos_token_id": [1, 106], "text_config": text})
     assert cfg.arch == "gemma4" and cfg.eos_token_ids == (1, 106)
@@ -48,6 +49,7 @@ def test_a_released_multimodal_config_reads_as_its_text_model():
     assert opts.attention_k_eq_v and cfg.final_logit_softcapping == 30.0 and cfg.tie_word_embeddings
     assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.intermediate_size) == (128, 8, 704)
     assert cfg.family.embedding_scale(cfg) == 2816 ** 0.5
+    assert opts.hidden_size_per_layer_input == 0 and opts.num_kv_shared_layers == 0
 
 
 @pytest.mark.parametrize("name", ["gemma-4-31b", "gemma-4-26b-a4b"])

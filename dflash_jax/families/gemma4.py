@@ -385,15 +385,18 @@ class Gemma4(Family):
 
     def config_fields(self, fields: ConfigFields) -> ConfigFields:
         """The text model's fields (a multimodal config's `text_config`, the top level's token ids and tie where
-        it has none), Gemma4TextConfig's defaults where they are absent (`DEFAULTS`; layer_types: five
+        it has none), Gemma4TextConfig's defaults where they are absent (`DEFAULTS`; a null
+        hidden_size_per_layer_input is none, as there; layer_types: five
         sliding layers to one full, the last always full), and the sliding layers' RoPE as the config's
         `rope_parameters` (the full layers' under `full_attention_rope_parameters`)."""
         hf, prefix = fields.hf, ""
-        if isinstance(hf.get("text_config"), dict):
+        text = hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+        off = {k: 0 for k in ("hidden_size_per_layer_input",) if k in text and text[k] is None}  # null: none
+        if text is not hf:
             top = {k: v for k, v in hf.items() if k in ("tie_word_embeddings", "eos_token_id", "bos_token_id",
                                                          "pad_token_id") and v is not None}
-            hf, prefix = {**top, **{k: v for k, v in hf["text_config"].items() if v is not None}}, "text_config."
-        hf = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+            hf, prefix = {**top, **{k: v for k, v in text.items() if v is not None}}, "text_config."
+        hf = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}, **off}
         layers = hf.get("num_hidden_layers")
         if hf.get("layer_types") is None and isinstance(layers, int):
             hf["layer_types"] = [SLIDING if (i + 1) % 6 and i < layers - 1 else FULL for i in range(layers)]

@@ -425,9 +425,12 @@ class TargetSpec:
         if self.config.is_hybrid_arch:
             return HybridCache.for_model(self.config, batch, capacity, self.kv_cache_dtype,
                                          kv_replicas=self.kv_replicas, groups=self.linear_groups)
-        if len(self.config.kv_groups) > 1:  # attention layers of different shapes (Gemma 4)
-            return GroupedKVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype,
-                                            kv_replicas=self.kv_replicas)
+        groups, cfg = self.config.kv_groups, self.config
+        if len(groups) > 1:  # attention layers of different shapes (Gemma 4)
+            return GroupedKVCache.for_model(cfg, batch, capacity, self.kv_cache_dtype, kv_replicas=self.kv_replicas)
+        if groups and groups[0] != ((cfg.num_kv_heads, cfg.head_dim), tuple(range(cfg.num_layers))):
+            (heads, dim), ids = groups[0]  # one group, not every layer's or not of the config's shape (Gemma 4)
+            return KVCache.zeros(len(ids), batch, capacity, heads * self.kv_replicas, dim, self.kv_cache_dtype)
         return KVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype, kv_replicas=self.kv_replicas)
 
 

@@ -123,6 +123,34 @@ def test_layer_scalars_and_the_softcap_equal_transformers(tmp_path):
                            tokens=ids.shape[1], err_msg=f"layer {j}")
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),  # one scan over identical layers
+    dict(num_kv_shared_layers=2),  # one KV group of the 2 full layers that keep keys, of the full layers' shape
+], ids=["direct-ple", "kv-shared"])
+def test_a_stack_of_full_layers_only_equals_transformers(tmp_path, overrides):
+    """Every layer full (their own head size and kv heads, none of the config's sliding shape): logits, and
+    the same logits through the cache in two steps."""
+    families.hf_modules("gemma4")
+    import torch
+
+    from dflash_jax import load_target
+
+    model = families.make_hf("gemma4", tmp_path, layer_types=["full_attention"] * 4, **overrides)
+    target = load_target(tmp_path, tokenizer=False)
+    cfg = target.config
+    assert len(cfg.kv_groups) == 1 and cfg.kv_groups[0][0] == (1, 16)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 12))
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(ids)).logits.numpy()
+    hidden, _, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32))
+    assert_model_close(np.asarray(target.logits(target.params, hidden)), want, cfg, tokens=12)
+    cache = target.init_cache(2, 32)
+    first, _, cache = target.forward(target.params, jnp.asarray(ids[:, :7], jnp.int32), cache)
+    rest, _, cache = target.forward(target.params, jnp.asarray(ids[:, 7:], jnp.int32), cache)
+    cached = np.asarray(target.logits(target.params, jnp.concatenate([first, rest], axis=1)))
+    assert_model_close(cached, want, cfg, tokens=12)
+
+
 def test_sampled_tokens_follow_the_softcapped_distribution():
     """Speculative sampling from a target whose softcap bends its logits far from the raw ones: the first
     two tokens follow the softcapped distribution (chi-square, the exact joint by enumeration through

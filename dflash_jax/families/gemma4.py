@@ -266,8 +266,8 @@ class Gemma4Layer(nn.Module):
     attn_impl: str = "auto"
     backend: str = "xla"
     kv_replicas: int = 1  # sharding: kv-head replication is not supported for this family (`Gemma4.validate`)
-    mixer: str = SLIDING  # SLIDING | FULL (`Gemma4.layer_mixer`)
-    mlp: str = "dense"
+    mixer: str = "auto"  # `Gemma4.layer_mixer`'s; "auto": the first layer's (a stack of identical layers)
+    mlp: str = "auto"  # "dense" | "moe"; "auto": the first layer's
 
     @nn.compact
     def __call__(self, carry, layer_xs, positions, cos, sin, cache):
@@ -278,8 +278,10 @@ class Gemma4Layer(nn.Module):
         opts = _options(cfg)
         hidden, features = carry
         layer, window, slot, *own = layer_xs
-        kv_shared = self.mixer.endswith(KV_SHARED)
-        full = self.mixer.removesuffix(KV_SHARED) == FULL
+        mixer, mlp_kind = (cfg.layer_kinds[0][i] if kind == "auto" else kind for i, kind in enumerate((self.mixer,
+                                                                                                       self.mlp)))
+        kv_shared = mixer.endswith(KV_SHARED)
+        full = mixer.removesuffix(KV_SHARED) == FULL
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, True, name=name)  # noqa: E731
         dense = lambda n, name: make_dense(n, False, self.dtype, self.backend, name=name)  # noqa: E731
         attended, new = Gemma4Attention(cfg, full, self.dtype, self.attn_impl, self.backend, kv_shared,
@@ -289,7 +291,7 @@ class Gemma4Layer(nn.Module):
         x = norm("pre_feedforward_layernorm")(hidden)
         width = cfg.intermediate_size * (2 if kv_shared and opts.double_wide_mlp else 1)
         mlp = GeGLU(width, self.dtype, name="mlp")(x)
-        if self.mlp == "moe":
+        if mlp_kind == "moe":
             moe, flat = cfg.moe, hidden.reshape(-1, hidden.shape[-1])
             weights, experts = Gemma4Router(moe.num_experts, moe.num_experts_per_tok, cfg.rms_norm_eps, self.dtype,
                                             name="router")(flat)

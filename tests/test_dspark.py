@@ -207,6 +207,7 @@ def test_greedy_speculative_equals_plain_decoding_with_a_ragged_batch_and_the_th
     assert taus[1.0] == 1.0 and taus[0.0] > taus[1.0]
 
 
+@pytest.mark.slow
 def test_rejections_at_every_block_position(monkeypatch):
     """The loop's geometry with a DSpark drafter (G + 1 tokens verified): drafts wrong at a position
     that moves every cycle keep the output plain greedy decoding, every acceptance length occurring."""
@@ -217,6 +218,44 @@ def test_rejections_at_every_block_position(monkeypatch):
     rng = np.random.default_rng(5)
     prompts = [list(map(int, rng.integers(0, V - 1, size=n))) for n in (3, 6)]
     check_rejections_at_every_position(target, Drafter(cfg, random_params(cfg)), prompts, 20, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature, lookup, gate", [(0.0, 0, 0.0), (1.0, 3, 0.5)], ids=["greedy", "sampled"])
+def test_the_decode_loop_copies_no_cache(temperature, lookup, gate):
+    """The compiled decode loop with a DSpark drafter (the Markov chain's scan and the proposal limit
+    inside, with lookup and gated drafts where sampled) copies no whole cache buffer (`support.hlo`).
+    990 new tokens: the token buffer (16 + 990 + G + 1) and the lookup's shifted copies of it stay
+    shorter than the caches (1024), which the check tells apart by length."""
+    from dflash_jax import _speculative as speculative
+    from dflash_jax.kernels import KEY_TILE, round_up
+    from support.hlo import whole_buffer_ops
+
+    target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
+    cfg = config()
+    generator = speculative.Generator(target, Drafter(cfg, random_params(cfg)))
+    gen_cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=990, temperature=temperature, top_k=0,
+                                          top_p=1.0, stop_token_ids=(), block_size=None, seed=0, acceptance="exact",
+                                          lookup=lookup, min_draft_probability=gate, confidence_threshold=0.5)
+    capacity = round_up(speculative.prompt_bucket(3) + 990 + gen_cfg.block_size, KEY_TILE)
+    assert capacity == 1024 and gen_cfg.block_size == G + 1
+    _, loop, _ = generator._executables(gen_cfg, args, "decode")
+    assert whole_buffer_ops(loop.as_text(), capacity) == []
+
+
+def test_the_cli_flag_reaches_generate():
+    import argparse
+
+    from dflash_jax.cli import common
+
+    parser = argparse.ArgumentParser()
+    common.add_drafting_flags(parser)
+    args = parser.parse_args(["--confidence-threshold", "0.4", "--lookup", "0", "--min-draft-probability", "0"])
+    common.check_drafting_flags(parser, args)
+    assert common.drafting_kwargs(args, object())["confidence_threshold"] == 0.4
+    assert "confidence_threshold" not in common.drafting_kwargs(parser.parse_args([]), object())
+    with pytest.raises(SystemExit):
+        common.check_drafting_flags(parser, parser.parse_args(["--confidence-threshold", "1.5"]))
 
 
 # ---- sampling ------------------------------------------------------------------------------------

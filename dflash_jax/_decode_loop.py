@@ -214,15 +214,18 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
 def _spark(drafter, cfg, drafter_params, anchors, draft_cache, key, params):
     """`_propose`'s outputs for a DSpark drafter: the block [anchor, MASK x (G-2)] of G-1 slots
     embedded with the drafter's own table, all G-1 slots proposing (cfg.block_size = G is what is
-    verified), each slot's base logits from its own LM head biased by the Markov head and drafted
+    verified; without `sample_from_anchor`, DFlash's block of G slots, the anchor's not proposing),
+    each slot's base logits from its own LM head biased by the Markov head and drafted
     left to right (`_dspark.draft`): greedy, or at temperature > 0 drawn from the filtered biased
     distribution, which is then the exact draft distribution q the acceptance rule reads. With a
     confidence head and `params.confidence_threshold`, the proposal limit (`_dspark.proposal_limit`)."""
     dc, module = drafter.config, drafter.module_params(drafter_params)
-    slots = cfg.block_size - 1
+    from_anchor = dc.dspark.sample_from_anchor
+    slots = cfg.block_size - 1 if from_anchor else cfg.block_size
     mask = jnp.full((anchors.shape[0], slots - 1), dc.mask_token_id, jnp.int32)
     block = jnp.concatenate([anchors[:, None], mask], axis=1)
     hidden = drafter.draft_hidden(drafter_params, dspark.block_embeddings(module, block), draft_cache)
+    hidden = hidden if from_anchor else hidden[:, 1:]
     logits = dc.draft_logits(dspark.base_logits(module, hidden))
     exact = cfg.sampling and cfg.acceptance == "exact"
     probs_fn = (lambda z: _target_probs(cfg, params, z)) if exact else None

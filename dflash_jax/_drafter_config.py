@@ -82,14 +82,18 @@ class DSparkConfig:
     (`dflash_jax._dspark`): its own token embeddings and LM head (copies of the target's tables), the
     anchor slot proposing too (a block of G slots gives G proposals), a Markov head of rank
     `markov_rank` (0: none) that biases each slot's logits by the token drafted before it, and
-    optionally a confidence head over [h_k ; W1[x_{k-1}]] (`confidence_head_with_markov`) or h_k."""
+    optionally a confidence head over [h_k ; W1[x_{k-1}]] (`confidence_head_with_markov`) or h_k.
+    sample_from_anchor False (a config that says so; DeepSpec's own never does): the older 1+N
+    block, whose anchor slot does not propose (G - 1 proposals, the chain starting at slot 1)."""
 
     markov_rank: int
     enable_confidence_head: bool
     confidence_head_with_markov: bool = False
     markov_head_type: str = "vanilla"
+    sample_from_anchor: bool = True
 
-    FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+    FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+              "sample_from_anchor")
 
     def __post_init__(self):
         if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 0:
@@ -114,14 +118,16 @@ class DSparkConfig:
         enabled = fields.bool("enable_confidence_head")
         return cls(markov_rank=rank, enable_confidence_head=enabled,
                    confidence_head_with_markov=fields.bool("confidence_head_with_markov") if enabled else False,
-                   markov_head_type=_str_field(fields, "markov_head_type") if rank > 0 else "vanilla")
+                   markov_head_type=_str_field(fields, "markov_head_type") if rank > 0 else "vanilla",
+                   sample_from_anchor=fields.bool("sample_from_anchor", True))
 
     def write(self, hf: dict) -> None:
         """Its fields into a config.json dict, as DeepSpec writes them (the optional ones only where used)."""
         hf["markov_rank"] = self.markov_rank
         hf["enable_confidence_head"] = self.enable_confidence_head
         for name, used in (("markov_head_type", self.markov_rank > 0),
-                           ("confidence_head_with_markov", self.enable_confidence_head)):
+                           ("confidence_head_with_markov", self.enable_confidence_head),
+                           ("sample_from_anchor", not self.sample_from_anchor)):
             if used:
                 hf[name] = getattr(self, name)
             else:
@@ -243,7 +249,7 @@ class DrafterConfig(LayerLayout):
     def proposals(self) -> int:
         """Drafted tokens per cycle at the config's block size: G for DSpark (the anchor slot
         proposes too: `sample_from_anchor`), G - 1 for DFlash."""
-        return self.block_size if self.dspark is not None else self.block_size - 1
+        return self.block_size if self.dspark is not None and self.dspark.sample_from_anchor else self.block_size - 1
 
     @property
     def num_features(self) -> int:

@@ -156,6 +156,35 @@ def test_block_chain_and_confidences_equal_the_float64_reference(with_markov):
     assert departs, "the Markov term never changed a choice: the chain would not be tested"
 
 
+@pytest.mark.parametrize("from_anchor", [True, False], ids=["sample-from-anchor", "older-1+N-block"])
+def test_the_loops_proposal_equals_the_reference(from_anchor):
+    """`_decode_loop._spark` as the loop runs it: with sample_from_anchor, a block of G slots gives G
+    drafts (G + 1 verified); without it, DFlash's block of G slots gives G - 1 (the chain starting
+    at slot 1 from the anchor). Its drafts and its per-row proposal limit equal the reference's."""
+    cfg = config(DSparkConfig(R, True, True, sample_from_anchor=from_anchor))
+    assert cfg.proposals == (G if from_anchor else G - 1)
+    params = random_params(cfg, seed=7, markov_scale=1.5)
+    spec = Drafter(cfg, params).spec
+    rng = np.random.default_rng(3)
+    features = rng.standard_normal((3, 6, 2 * D)).astype(np.float32)
+    anchors = np.array([3, 17, 44])
+    cache = spec.append_context(params, spec.init_cache(3, 32), jnp.asarray(features))
+    threshold = 0.5
+    sampling_params = decode_loop.SamplingParams(jnp.float32(1.0), jnp.float32(1.0), jnp.full((8,), -1, jnp.int32),
+                                                 confidence_threshold=jnp.float32(threshold))
+    gen_cfg = decode_loop.GenerationConfig(block_size=cfg.proposals + 1)
+    drafts, probs, first, limit = decode_loop._spark(spec, gen_cfg, params, jnp.asarray(anchors), cache,
+                                                     jax.random.PRNGKey(0), sampling_params)
+    assert drafts.shape == (3, cfg.proposals) and probs is None and first is None
+    p64 = as64(params)
+    for row in range(3):
+        block = np.concatenate([[anchors[row]], np.full(G - 1, MASK)])
+        hidden = reference_block(cfg, p64, features[row].astype(np.float64), block)
+        _, path, _, conf = reference_chain(cfg, p64, hidden if from_anchor else hidden[1:], int(anchors[row]))
+        np.testing.assert_array_equal(np.asarray(drafts[row]), path, err_msg=f"row {row}")
+        assert int(limit[row]) == int(np.cumprod(conf >= threshold).sum()), (row, conf)
+
+
 def test_proposal_limit_stops_before_the_first_low_confidence():
     c = jnp.asarray([[0.9, 0.8, 0.2, 0.9], [0.1, 0.9, 0.9, 0.9], [0.6, 0.6, 0.6, 0.6]])
     np.testing.assert_array_equal(np.asarray(dspark.proposal_limit(c, jnp.float32(0.5))), [2, 0, 4])
@@ -205,6 +234,24 @@ def test_greedy_speculative_equals_plain_decoding_with_a_ragged_batch_and_the_th
                for n in row}
     assert {1, G + 1} <= lengths and len(lengths) >= 3, lengths
     assert taus[1.0] == 1.0 and taus[0.0] > taus[1.0]
+
+
+@pytest.mark.slow
+def test_greedy_speculative_with_the_older_block_equals_plain_decoding():
+    """sample_from_anchor false: G verified per cycle, the output the target's own."""
+    from support.speculative import plain_greedy
+
+    target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
+    rng = np.random.default_rng(2)
+    prompts = [list(map(int, rng.integers(0, V - 1, size=n))) for n in (1, 4, 9, 2)]
+    expect = [plain_greedy(target, p, 16) for p in prompts]
+    drafter = bigram_drafter([p + e for p, e in zip(prompts, expect)])
+    drafter = dataclasses.replace(drafter, config=dataclasses.replace(
+        drafter.config, dspark=dataclasses.replace(drafter.config.dspark, sample_from_anchor=False)))
+    result = Generator(target, drafter).generate(prompts, max_new_tokens=16, stop_token_ids=(),
+                                                 confidence_threshold=0.3)
+    assert result.tokens == expect and result.block_size == G
+    assert max(n for row in result.acceptance_lengths for n in row) > 1
 
 
 @pytest.mark.slow
@@ -360,6 +407,9 @@ def test_config_reads_deepspec_fields_and_refuses_what_it_does_not_implement():
     plain = DrafterConfig.from_hf_config(hf_config(markov_rank=0, enable_confidence_head=False,
                                                    markov_head_type=None, confidence_head_with_markov=None))
     assert plain.dspark == DSparkConfig(0, False)
+    older = DrafterConfig.from_hf_config(hf_config(sample_from_anchor=False))
+    assert older.proposals == G - 1 and older.to_hf_config()["sample_from_anchor"] is False
+    assert "sample_from_anchor" not in out
     bad = [(dict(target_layer_ids=[-1, 2]), "an id of -1"),
            (dict(markov_head_type="gated"), "markov_head_type 'gated' is not supported"),
            (dict(markov_rank=None), "markov_rank"),

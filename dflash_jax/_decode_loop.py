@@ -258,9 +258,9 @@ def _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
 
 
 def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, key, params):
-    """`_propose`'s drafts, distributions, first-draft probability and limit, with `lookup`'s tokens in
-    the slots it fills (their probability 1). Where the lookup fills every slot of every live row
-    the drafter does not run (its drafts would all be replaced)."""
+    """`_propose`'s drafts, distributions, first-draft probability and limit, with `lookup`'s tokens
+    in the slots it fills (their probability 1, inside the limit). Where the lookup fills every slot
+    of every live row the drafter does not run (its drafts would all be replaced)."""
     propose = lambda: _propose(target, drafter, cfg, target_params, drafter_params, anchors,
                                state.draft_cache, key, params)
     if not cfg.lookup:
@@ -273,6 +273,9 @@ def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, 
     drafts, probs = merge_lookup(drafts, probs, looked_up, found)
     if first is not None:
         first = jnp.where(found[:, 0], 1.0, first)
+    if limit is not None:  # a looked-up slot counts as confident (as its probability counts as 1)
+        slot = jnp.arange(found.shape[1])[None, :]
+        limit = jnp.sum(jnp.cumprod((slot < limit[:, None]) | found, axis=-1), axis=-1).astype(jnp.int32)
     return drafts, probs, first, limit
 
 

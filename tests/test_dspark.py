@@ -255,6 +255,22 @@ def test_greedy_speculative_with_the_older_block_equals_plain_decoding():
 
 
 @pytest.mark.slow
+def test_looked_up_drafts_count_as_confident():
+    """With lookup, a looked-up slot is inside the proposal limit: at threshold 1 (no drafter slot
+    ever passes) the looked-up tokens are still verified, and the output is the target's own."""
+    from support.speculative import plain_greedy
+
+    target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
+    rng = np.random.default_rng(2)
+    prompts = [list(map(int, rng.integers(0, V - 1, size=n))) for n in (1, 4, 9, 2)]
+    expect = [plain_greedy(target, p, 16) for p in prompts]
+    drafter = bigram_drafter([p + e for p, e in zip(prompts, expect)])
+    result = Generator(target, drafter).generate(prompts, max_new_tokens=16, stop_token_ids=(), lookup=3,
+                                                 confidence_threshold=1.0)
+    assert result.tokens == expect and result.tau > 1.0
+
+
+@pytest.mark.slow
 def test_rejections_at_every_block_position(monkeypatch):
     """The loop's geometry with a DSpark drafter (G + 1 tokens verified): drafts wrong at a position
     that moves every cycle keep the output plain greedy decoding, every acceptance length occurring."""

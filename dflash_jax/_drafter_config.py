@@ -92,9 +92,6 @@ class DSparkConfig:
     markov_head_type: str = "vanilla"
     sample_from_anchor: bool = True
 
-    FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-              "sample_from_anchor")
-
     def __post_init__(self):
         if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 0:
             raise ValueError(f"markov_rank must be an integer >= 0 (0: no Markov head), got {self.markov_rank!r}")
@@ -146,14 +143,15 @@ SPECULATORS_KEYS = ("transformer_layer_config", "aux_hidden_state_layer_ids", "s
 
 
 def _refuse_speculators_dspark(hf: dict, fields) -> None:
-    """The speculators layout of a DSpark drafter (`transformer_layer_config`, layer ids + 1, the
-    older 1+N block) is refused by name: only DeepSpec's own layout is read."""
+    """The speculators layout of a DSpark drafter (`DSparkSpeculator`: the decoder fields nested in
+    `transformer_layer_config`, `aux_hidden_state_layer_ids`, a reduced vocabulary `d2t`/`t2d`, the
+    target's tables left out of the checkpoint) is refused by name: only DeepSpec's own is read."""
     names = [str(hf.get("speculators_model_type", "")), *map(str, hf.get("architectures") or ())]
     dspark = "markov_rank" in hf or "markov_head_type" in hf or any("dspark" in n.lower() for n in names)
     if dspark and any(k in hf for k in SPECULATORS_KEYS):
         raise fields.error("a DSpark drafter in the speculators layout (transformer_layer_config, "
-                           "aux_hidden_state_layer_ids, sample_from_anchor) is not supported; use DeepSpec's own "
-                           "layout (architectures: [\"Qwen3DSparkModel\"])")
+                           "aux_hidden_state_layer_ids, d2t) is not supported; use DeepSpec's own layout "
+                           "(architectures: [\"Qwen3DSparkModel\"])")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -158,14 +158,15 @@ def resolve_drafting(args, drafter_path: Path | None) -> None:
 
 
 def drafting_kwargs(args, drafter) -> dict:
-    """`generate`'s lookup, min_draft_probability and draft_context (all off without a drafter);
-    after `resolve_drafting`."""
+    """`generate`'s lookup and min_draft_probability (both off without a drafter), and where given,
+    draft_context and a DSpark drafter's confidence_threshold (off by default); after
+    `resolve_drafting`."""
     if drafter is None:
-        return dict(lookup=0, min_draft_probability=0.0, draft_context=0)
-    kwargs = dict(lookup=args.lookup, min_draft_probability=args.min_draft_probability,
-                  draft_context=args.draft_context)
-    if getattr(args, "confidence_threshold", 0.0):  # a DSpark drafter's policy; off by default
-        kwargs["confidence_threshold"] = args.confidence_threshold
+        return dict(lookup=0, min_draft_probability=0.0)
+    kwargs = dict(lookup=args.lookup, min_draft_probability=args.min_draft_probability)
+    for name in ("draft_context", "confidence_threshold"):
+        if getattr(args, name, 0):
+            kwargs[name] = getattr(args, name)
     return kwargs
 
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax import _dflash2 as dflash2, _sampling as sampling, sharding
+from dflash_jax import _dflash2 as dflash2, _dspark as dspark, _sampling as sampling, sharding
 from dflash_jax._cache import KVCache, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
 from dflash_jax._lookup import lookup_drafts, merge_lookup
@@ -78,6 +78,9 @@ class SamplingParams:
     # [] float32: with GenerationConfig.gate_drafts, the least probability (the drafter's own, 1 for a
     # looked-up token) of a row's first draft for the cycle to verify it
     min_draft_probability: jax.Array | None = None
+    # [] float32, a DSpark drafter with a confidence head only: each row verifies its drafts up to
+    # the first whose confidence is below this (0: all of them; `_dspark.proposal_limit`)
+    confidence_threshold: jax.Array | None = None
 
 
 @struct.dataclass
@@ -168,14 +171,17 @@ def _first_draft_probability(logits, draft):
 
 def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft_cache, key, params):
     """Draft tokens [B, G-1] (target ids), their distributions over the target vocabulary
-    [B, G-1, V] (None unless exact sampling) and the probability [B] the drafter gave its first
-    draft (None unless cfg.gate_drafts).
+    [B, G-1, V] (None unless exact sampling), the probability [B] the drafter gave its first
+    draft (None unless cfg.gate_drafts) and how many leading drafts each row verifies [B] (None:
+    all; a DSpark drafter's confidence policy, `_spark`).
 
     A reduced draft vocabulary (drafter_params = {"drafter", "draft_head"}, see `Drafter`) drafts
     with its own head over Vd ids and maps the draft back through draft_to_target. Its distribution
     over the full vocabulary is the filtered draft distribution at the kept target ids and zero
     elsewhere, so the exact rule (min(1, p_t/p_d), residual max(0, p_t - p_d)) stays lossless.
     """
+    if drafter.config.dspark is not None:
+        return _spark(drafter, cfg, drafter_params, anchors, draft_cache, key, params)
     mask = jnp.full((anchors.shape[0], cfg.block_size - 1), drafter.config.mask_token_id, jnp.int32)
     block = jnp.concatenate([anchors[:, None], mask], axis=1)
     dc = drafter.config
@@ -189,7 +195,7 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
         logits = target.logits(target_params, hidden)
     logits = dc.draft_logits(logits)
     if dc.dflash2 is not None:
-        return _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
+        return (*_select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params), None)
     if exact:
         probs = _target_probs(cfg, params, logits)
         drafts = sampling.sample(key, probs)
@@ -198,11 +204,40 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
         probs, drafts = None, sampling.greedy(logits)
         first = _first_draft_probability(logits[:, 0], drafts[:, 0]) if cfg.gate_drafts else None
     if not reduced:
-        return drafts, probs, first
+        return drafts, probs, first, None
     to_target = drafter_params["draft_head"]["draft_to_target"]  # [Vd]
     if exact:
         probs = jnp.zeros((*probs.shape[:-1], drafter.config.vocab_size), probs.dtype).at[..., to_target].set(probs)
-    return to_target[drafts], probs, first
+    return to_target[drafts], probs, first, None
+
+
+def _spark(drafter, cfg, drafter_params, anchors, draft_cache, key, params):
+    """`_propose`'s outputs for a DSpark drafter: the block [anchor, MASK x (G-2)] of G-1 slots
+    embedded with the drafter's own table, all G-1 slots proposing (cfg.block_size = G is what is
+    verified; without `sample_from_anchor`, DFlash's block of G slots, the anchor's not proposing),
+    each slot's base logits from its own LM head biased by the Markov head and drafted
+    left to right (`_dspark.draft`): greedy, or at temperature > 0 drawn from the filtered biased
+    distribution, which is then the exact draft distribution q the acceptance rule reads. With a
+    confidence head and `params.confidence_threshold`, the proposal limit (`_dspark.proposal_limit`)."""
+    dc, module = drafter.config, drafter.module_params(drafter_params)
+    from_anchor = dc.dspark.sample_from_anchor
+    slots = cfg.block_size - 1 if from_anchor else cfg.block_size
+    mask = jnp.full((anchors.shape[0], slots - 1), dc.mask_token_id, jnp.int32)
+    block = jnp.concatenate([anchors[:, None], mask], axis=1)
+    hidden = drafter.draft_hidden(drafter_params, dspark.block_embeddings(module, block), draft_cache)
+    hidden = hidden if from_anchor else hidden[:, 1:]
+    logits = dc.draft_logits(dspark.base_logits(module, hidden))
+    exact = cfg.sampling and cfg.acceptance == "exact"
+    probs_fn = (lambda z: _target_probs(cfg, params, z)) if exact else None
+    drafts, biased, probs, confidences = dspark.draft(dc.dspark, module, hidden, logits, anchors, probs_fn, key)
+    first = None
+    if cfg.gate_drafts:
+        first = (jnp.take_along_axis(probs[:, 0], drafts[:, :1], axis=-1)[:, 0] if exact
+                 else _first_draft_probability(biased[:, 0], drafts[:, 0]))
+    limit = None
+    if confidences is not None and params.confidence_threshold is not None:
+        limit = dspark.proposal_limit(confidences, params.confidence_threshold)
+    return drafts, probs, first, limit
 
 
 def _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
@@ -223,9 +258,9 @@ def _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
 
 
 def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, key, params):
-    """`_propose`'s drafts, distributions and first-draft probability, with `lookup`'s tokens in
-    the slots it fills (their probability 1). Where the lookup fills every slot of every live row
-    the drafter does not run (its drafts would all be replaced)."""
+    """`_propose`'s drafts, distributions, first-draft probability and limit, with `lookup`'s tokens
+    in the slots it fills (their probability 1, inside the limit). Where the lookup fills every slot
+    of every live row the drafter does not run (its drafts would all be replaced)."""
     propose = lambda: _propose(target, drafter, cfg, target_params, drafter_params, anchors,
                                state.draft_cache, key, params)
     if not cfg.lookup:
@@ -234,21 +269,32 @@ def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, 
     shapes = jax.eval_shape(propose)
     unused = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     everywhere = jnp.all(found | state.done[:, None])
-    drafts, probs, first = jax.lax.cond(everywhere, unused, propose)
+    drafts, probs, first, limit = jax.lax.cond(everywhere, unused, propose)
     drafts, probs = merge_lookup(drafts, probs, looked_up, found)
     if first is not None:
         first = jnp.where(found[:, 0], 1.0, first)
-    return drafts, probs, first
+    if limit is not None:  # a looked-up slot counts as confident (as its probability counts as 1)
+        slot = jnp.arange(found.shape[1])[None, :]
+        limit = jnp.sum(jnp.cumprod((slot < limit[:, None]) | found, axis=-1), axis=-1).astype(jnp.int32)
+    return drafts, probs, first, limit
 
 
-def _verify(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params):
+def _verify(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params, limit=None):
     """The target on the whole block and the acceptance rule -> (num_accepted [B], next_token [B],
     the captured features [B, G, ...] or None, what the target cache commits of the block: its keys
-    and values [L, B, G, Hkv, Dh] each, and a hybrid target's per-position linear-layer inputs)."""
+    and values [L, B, G, Hkv, Dh] each, and a hybrid target's per-position linear-layer inputs).
+
+    limit [B] (None: every draft): a row verifies only its first limit[b] drafts. Where the rule
+    reaches that far (num_accepted >= limit), the row accepts limit drafts and its next token is the
+    target's own at that slot (argmax, or a fresh sample from p with a key of its own): the drafts
+    past the limit and the rule's verdict on them are never looked at, so the output is the
+    target's whatever chose the limit (as long as that choice did not look at the target)."""
     capture = drafter.config.target_layer_ids if drafter is not None else ()
     hidden, features, new_kv = target.forward(target_params, block, state.target_cache, capture=capture,
                                               write_cache=False)
     logits = target.logits(target_params, hidden)  # [B, G, V]
+    if limit is not None:
+        key, limit_key = jax.random.split(key)
     if not cfg.sampling:
         num_accepted, next_token = sampling.accept_greedy(drafts, logits)
     elif cfg.acceptance == "match" or drafter is None:
@@ -256,15 +302,22 @@ def _verify(target, drafter, cfg, target_params, state, block, drafts, draft_pro
     else:
         num_accepted, next_token = sampling.accept_exact(key, drafts, draft_probs,
                                                          _target_probs(cfg, params, logits))
+    if limit is not None:
+        at_limit = sampling.gather_rows(logits, limit)  # [B, V]: the target at the first unverified slot
+        own = (sampling.greedy(at_limit) if not cfg.sampling
+               else sampling.sample(limit_key, _target_probs(cfg, params, at_limit)))
+        reached = num_accepted >= limit
+        num_accepted = jnp.where(reached, limit, num_accepted)
+        next_token = jnp.where(reached, own, next_token)
     return num_accepted, next_token, features, new_kv
 
 
-def _verify_anchor(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params):
+def _verify_anchor(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params, limit=None):
     """`_verify` of the anchor alone (an autoregressive step): no draft is accepted and the next
     token is the target's own, greedy or sampled. Lossless whatever made the choice, as long as the
     choice does not look at the target's outputs. Features, keys and values padded to the block's G
     slots (past the one token the row commits, the caches' slots are overwritten later)."""
-    del draft_probs  # nothing is verified against it
+    del draft_probs, limit  # nothing is verified
     num_accepted, next_token, features, new_kv = _verify(
         target, drafter, dataclasses.replace(cfg, acceptance="match"), target_params, state, block[:, :1],
         drafts[:, :0], None, key, params)
@@ -284,12 +337,16 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     rng, draft_key, accept_key = jax.random.split(state.rng, 3)
     anchors = sampling.gather_rows(state.tokens, state.lengths - 1)
     if drafter is not None:
-        drafts, draft_probs, first = _draft(target, drafter, cfg, target_params, drafter_params, state,
-                                            anchors, draft_key, params)
+        # (drafts, distributions, first-draft probability[, limit]): a proposer without a limit may
+        # leave it out (the tests' oracles do)
+        drafts, draft_probs, first, *limit = _draft(target, drafter, cfg, target_params, drafter_params, state,
+                                                    anchors, draft_key, params)
+        limit = limit[0] if limit else None
     else:
-        drafts, draft_probs, first = jnp.zeros((anchors.shape[0], 0), jnp.int32), None, None
+        drafts, draft_probs, first, limit = jnp.zeros((anchors.shape[0], 0), jnp.int32), None, None, None
     block = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [B, G]
-    verify_args = (target, drafter, cfg, target_params, state, block, drafts, draft_probs, accept_key, params)
+    verify_args = (target, drafter, cfg, target_params, state, block, drafts, draft_probs, accept_key, params,
+                   limit)
     if first is not None:  # cfg.gate_drafts: the anchor alone where no live row's first draft is likely enough
         likely = jnp.any(~state.done & (first >= params.min_draft_probability))
         num_accepted, next_token, features, new_kv = jax.lax.cond(

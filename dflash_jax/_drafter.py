@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import backends, _dflash2 as dflash2, _masks as masks
+from dflash_jax import backends, _dflash2 as dflash2, _dspark as dspark, _masks as masks
 from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import KVCache, RingKVCache
 from dflash_jax._draft_vocab import DraftVocab
@@ -137,6 +137,12 @@ class DrafterModel(nn.Module):
         self.rotary = Rotary(cfg)
         if cfg.dflash2 is not None:  # its weights; the walk is `_dflash2.select` over them
             self.candidate_selector = dflash2.CandidateSelector(cfg.vocab_size, cfg.dflash2.selector_rank, self.dtype)
+        if cfg.dspark is not None:  # its own tables and heads, read as arrays by `_dspark.draft`
+            modules = dspark.heads(cfg.dspark, cfg.vocab_size, cfg.hidden_size, self.dtype)
+            self.embed_tokens = modules["embed_tokens"]
+            self.lm_head = modules["lm_head"]
+            self.markov_head = modules.get("markov_head")
+            self.confidence_head = modules.get("confidence_head")
 
     def _make_layers(self):
         """All layers as one scanned module: params stacked [L, ...] under "layers"."""
@@ -194,6 +200,11 @@ class DrafterModel(nn.Module):
         hidden = self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
         if self.config.dflash2 is not None and self.is_initializing():
             self.candidate_selector(hidden)  # creates the selector's weights
+        if self.config.dspark is not None and self.is_initializing():
+            modules = {"embed_tokens": self.embed_tokens, "lm_head": self.lm_head}
+            modules.update({k: m for k, m in (("markov_head", self.markov_head),
+                                              ("confidence_head", self.confidence_head)) if m is not None})
+            dspark.init_heads(self.config.dspark, modules, hidden)
         return hidden
 
 

@@ -1,6 +1,7 @@
 """The DFlash drafter config, read from / written to the official `config.json` layout, and the
 check that a drafter fits a target (`validate_pair`). A DFlash2 drafter (`DFlash2DraftModel`) is the
-same config with its `dflash2` fields set (`DFlash2Config`)."""
+same config with its `dflash2` fields set (`DFlash2Config`); a DSpark drafter (DeepSeek's DeepSpec,
+`Qwen3DSparkModel`) with its `dspark` fields set (`DSparkConfig`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,8 @@ def resolve_mask_token_id(explicit: int | None, tokenizer=None, vocab_size: int 
                      "dflash_config.mask_token_id and no tokenizer was given")
 
 
-ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel")
+MARKOV_HEAD_TYPES = ("vanilla",)  # DeepSpec's gated and RNN variants are refused by name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,84 @@ class DFlash2Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class DSparkConfig:
+    """What a DSpark drafter (DeepSpec's `Qwen3DSparkModel`) adds to the DFlash backbone
+    (`dflash_jax._dspark`): its own token embeddings and LM head (copies of the target's tables), the
+    anchor slot proposing too (a block of G slots gives G proposals), a Markov head of rank
+    `markov_rank` (0: none) that biases each slot's logits by the token drafted before it, and
+    optionally a confidence head over [h_k ; W1[x_{k-1}]] (`confidence_head_with_markov`) or h_k.
+    sample_from_anchor False (a config that says so; DeepSpec's own never does): the older 1+N
+    block, whose anchor slot does not propose (G - 1 proposals, the chain starting at slot 1)."""
+
+    markov_rank: int
+    enable_confidence_head: bool
+    confidence_head_with_markov: bool = False
+    markov_head_type: str = "vanilla"
+    sample_from_anchor: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be an integer >= 0 (0: no Markov head), got {self.markov_rank!r}")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"markov_head_type {self.markov_head_type!r} is not supported (supported: "
+                             f"{list(MARKOV_HEAD_TYPES)}; DeepSpec's gated and RNN Markov heads are not implemented)")
+        if self.confidence_head_with_markov and not self.enable_confidence_head:
+            raise ValueError("confidence_head_with_markov needs enable_confidence_head")
+        if self.confidence_head_with_markov and self.markov_rank == 0:
+            raise ValueError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
+
+    @property
+    def confidence_inputs(self) -> int:
+        """Extra inputs of the confidence head beside the hidden state: the Markov embedding's rank."""
+        return self.markov_rank if self.confidence_head_with_markov else 0
+
+    @classmethod
+    def from_fields(cls, fields) -> "DSparkConfig":
+        """From DeepSpec's top-level config.json fields; a missing required one is an error naming it."""
+        rank = fields.int("markov_rank")
+        enabled = fields.bool("enable_confidence_head")
+        return cls(markov_rank=rank, enable_confidence_head=enabled,
+                   confidence_head_with_markov=fields.bool("confidence_head_with_markov") if enabled else False,
+                   markov_head_type=_str_field(fields, "markov_head_type") if rank > 0 else "vanilla",
+                   sample_from_anchor=fields.bool("sample_from_anchor", True))
+
+    def write(self, hf: dict) -> None:
+        """Its fields into a config.json dict, as DeepSpec writes them (the optional ones only where used)."""
+        hf["markov_rank"] = self.markov_rank
+        hf["enable_confidence_head"] = self.enable_confidence_head
+        for name, used in (("markov_head_type", self.markov_rank > 0),
+                           ("confidence_head_with_markov", self.enable_confidence_head),
+                           ("sample_from_anchor", not self.sample_from_anchor)):
+            if used:
+                hf[name] = getattr(self, name)
+            else:
+                hf.pop(name, None)
+
+
+def _str_field(fields, name: str) -> str:
+    value = fields.hf.get(name)
+    if not isinstance(value, str):
+        raise fields.error(f"field {fields.prefix + name!r} must be a string, got {value!r}"
+                           if value is not None else f"missing required field {fields.prefix + name!r}")
+    return value
+
+
+SPECULATORS_KEYS = ("transformer_layer_config", "aux_hidden_state_layer_ids", "speculators_model_type")
+
+
+def _refuse_speculators_dspark(hf: dict, fields) -> None:
+    """The speculators layout of a DSpark drafter (`DSparkSpeculator`: the decoder fields nested in
+    `transformer_layer_config`, `aux_hidden_state_layer_ids`, a reduced vocabulary `d2t`/`t2d`, the
+    target's tables left out of the checkpoint) is refused by name: only DeepSpec's own is read."""
+    names = [str(hf.get("speculators_model_type", "")), *map(str, hf.get("architectures") or ())]
+    dspark = "markov_rank" in hf or "markov_head_type" in hf or any("dspark" in n.lower() for n in names)
+    if dspark and any(k in hf for k in SPECULATORS_KEYS):
+        raise fields.error("a DSpark drafter in the speculators layout (transformer_layer_config, "
+                           "aux_hidden_state_layer_ids, d2t) is not supported; use DeepSpec's own layout "
+                           "(architectures: [\"Qwen3DSparkModel\"])")
+
+
+@dataclasses.dataclass(frozen=True)
 class DrafterConfig(LayerLayout):
     hidden_size: int
     intermediate_size: int
@@ -105,6 +185,7 @@ class DrafterConfig(LayerLayout):
     output_multiplier: float = 1.0  # times the draft logits, then
     final_logit_softcapping: float = 0.0  # > 0: c * tanh(logits / c)
     dflash2: DFlash2Config | None = None  # set: a DFlash2 drafter (convolutions and candidate selector)
+    dspark: DSparkConfig | None = None  # set: a DSpark drafter (own tables, Markov and confidence heads)
 
     def __post_init__(self):
         self._validate_sizes("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -130,6 +211,8 @@ class DrafterConfig(LayerLayout):
                 raise ValueError(f"{name} must be a finite nonzero number, got {getattr(self, name)}")
         if self.dflash2 is not None:
             self._validate_dflash2()
+        if self.dspark is not None:
+            self._validate_dspark()
 
     def _validate_dflash2(self):
         d2 = self.dflash2
@@ -142,10 +225,29 @@ class DrafterConfig(LayerLayout):
             raise ValueError("DFlash2: a reduced draft vocabulary (draft_vocab_size) is not supported: the "
                              "selector's codebooks index the whole vocabulary")
 
+    def _validate_dspark(self):
+        if self.dflash2 is not None:
+            raise ValueError("a drafter is DFlash2 or DSpark, not both")
+        if self.draft_vocab_size is not None:
+            raise ValueError("DSpark: a reduced draft vocabulary (draft_vocab_size, d2t) is not supported: "
+                             "DeepSpec's own layout drafts over the whole vocabulary")
+        for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                              ("final_logit_softcapping", 0.0)):
+            if getattr(self, name) != default:
+                raise ValueError(f"DSpark: {name} is not part of Qwen3DSparkModel (got {getattr(self, name)})")
+
     @property
     def architecture(self) -> str:
-        """The config.json architecture this config is: DFlashDraftModel or DFlash2DraftModel."""
+        """The config.json architecture: DFlashDraftModel, DFlash2DraftModel or Qwen3DSparkModel."""
+        if self.dspark is not None:
+            return "Qwen3DSparkModel"
         return ARCHITECTURES[self.dflash2 is not None]
+
+    @property
+    def proposals(self) -> int:
+        """Drafted tokens per cycle at the config's block size: G for DSpark (the anchor slot
+        proposes too: `sample_from_anchor`), G - 1 for DFlash."""
+        return self.block_size if self.dspark is not None and self.dspark.sample_from_anchor else self.block_size - 1
 
     @property
     def num_features(self) -> int:
@@ -186,11 +288,14 @@ class DrafterConfig(LayerLayout):
     def from_hf_config(cls, hf: dict, tokenizer=None, source: str = "config.json") -> "DrafterConfig":
         """From the official config.json dict; `source` (the file) is named in every error."""
         fields = ConfigFields(hf, source)
+        _refuse_speculators_dspark(hf, fields)
         archs = fields.str_list("architectures", ())
         known = [a for a in archs if a in ARCHITECTURES]
         if archs and not known:
             raise fields.error(f"not a DFlash drafter config: architectures={list(archs)} "
                                f"(expected one of {list(ARCHITECTURES)})")
+        if "Qwen3DSparkModel" in known:
+            return cls._from_dspark_config(fields, tokenizer)
         dflash = fields.section("dflash_config")
         dflash2 = DFlash2Config.from_fields(dflash, fields) if "DFlash2DraftModel" in known else None
         num_target_layers = fields.int("num_target_layers", None)
@@ -220,6 +325,34 @@ class DrafterConfig(LayerLayout):
             is_causal=fields.bool("is_causal", None),
             dflash2=dflash2,
             **scaled,
+        )
+
+    @classmethod
+    def _from_dspark_config(cls, fields, tokenizer=None) -> "DrafterConfig":
+        """DeepSpec's own config.json (`Qwen3DSparkModel`): Qwen3 fields plus top-level
+        target_layer_ids, mask_token_id, block_size, num_target_layers and the heads' fields."""
+        layer_ids = fields.int_list("target_layer_ids")
+        if -1 in layer_ids:
+            raise fields.error(f"target_layer_ids {list(layer_ids)}: an id of -1 (the target's embedding output "
+                               "as a context feature) is not supported")
+        mask_token_id = fields.int("mask_token_id", None)
+        vocab_size = fields.int("vocab_size")
+        if mask_token_id is not None or tokenizer is not None:
+            mask_token_id = resolve_mask_token_id(mask_token_id, tokenizer, vocab_size)
+        if fields.bool("tie_word_embeddings", False):
+            raise fields.error("a Qwen3DSparkModel with tie_word_embeddings is not supported (DeepSpec stores "
+                               "embed_tokens and lm_head apart)")
+        return fields.build(
+            cls,
+            **decoder_fields(fields, default_max_positions=40960),
+            vocab_size=vocab_size,
+            num_target_layers=fields.int("num_target_layers", None),
+            target_layer_ids=layer_ids,
+            block_size=fields.int("block_size"),
+            mask_token_id=mask_token_id,
+            attention_bias=fields.bool("attention_bias", False),
+            is_causal=fields.bool("is_causal", None),
+            dspark=fields.build(DSparkConfig.from_fields, fields=fields),
         )
 
     def to_hf_config(self, base: dict | None = None, dtype_name: str = "bfloat16") -> dict:
@@ -280,6 +413,12 @@ class DrafterConfig(LayerLayout):
             else:
                 dflash[name] = getattr(self.dflash2, name)
         hf["dflash_config"] = dflash
+        if self.dspark is not None:  # DeepSpec's layout: its fields at the top level, no dflash_config
+            del hf["dflash_config"]
+            hf["target_layer_ids"] = list(self.target_layer_ids)
+            if self.mask_token_id is not None:
+                hf["mask_token_id"] = self.mask_token_id
+            self.dspark.write(hf)
         return hf
 
 

@@ -135,6 +135,7 @@ class SamplingOptions:
     lookup: int = 0  # 0 = off; n >= 2: look-up drafts of up to n matched tokens
     min_draft_probability: float = 0.0  # 0 = verify every draft
     draft_context: int = 0  # 0 = the drafter sees the whole context; n > 0: each row's last n positions
+    confidence_threshold: float = 0.0  # 0 = verify every draft; a DSpark drafter's confidence policy
 
     @classmethod
     def of_call(cls, arguments: dict) -> "SamplingOptions":
@@ -231,14 +232,17 @@ def _stop_ids(target, stop_token_ids) -> list[int]:
 
 
 def _block_size(drafter, block_size) -> int:
+    """The tokens one cycle verifies (the anchor and its drafts): the drafter's block size, or for a
+    DSpark drafter (whose anchor slot proposes too) one more."""
     if drafter is None:
         return 1  # autoregressive: the block is the anchor alone
+    trained = drafter.config.proposals + 1
     if block_size is None:
-        return drafter.config.block_size
+        return trained
     _check_int("block_size", block_size, 2)
-    if block_size > drafter.config.block_size:
+    if block_size > trained:
         warnings.warn(f"block_size {block_size} is larger than the block size the drafter was trained "
-                      f"for ({drafter.config.block_size}): the extra slots are rarely accepted",
+                      f"for ({trained}): the extra slots are rarely accepted",
                       stacklevel=6)
     return block_size
 
@@ -269,6 +273,13 @@ def _prepare(target, drafter, prompts, options: SamplingOptions | None = None, *
     if o.min_draft_probability and drafter is None:
         raise ValueError("min_draft_probability gates a drafter's drafts; it needs a drafter (got drafter=None)")
     _check_int("draft_context", o.draft_context, 0)
+    _check_number("confidence_threshold", o.confidence_threshold, "in [0, 1] (0 = verify every draft)",
+                  lambda c: 0 <= c <= 1)
+    dspark = None if drafter is None else drafter.config.dspark
+    confidence = dspark is not None and dspark.enable_confidence_head
+    if o.confidence_threshold and not confidence:
+        raise ValueError("confidence_threshold needs a DSpark drafter with a confidence head (enable_confidence_head); "
+                         f"this {'generation has no drafter' if drafter is None else 'drafter has none'}")
     block_size = _block_size(drafter, o.block_size)
     stops = _stop_ids(target, o.stop_token_ids)
     rows = _prompt_rows(prompts, vocab)
@@ -290,7 +301,8 @@ def _prepare(target, drafter, prompts, options: SamplingOptions | None = None, *
     padded_stops[: len(stops)] = stops
     params = SamplingParams(temperature=jnp.float32(max(o.temperature, 1e-6)), top_p=jnp.float32(o.top_p),
                             stop_token_ids=jnp.asarray(padded_stops),
-                            min_draft_probability=jnp.float32(o.min_draft_probability))
+                            min_draft_probability=jnp.float32(o.min_draft_probability),
+                            confidence_threshold=jnp.float32(o.confidence_threshold) if confidence else None)
     inputs = (jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(o.seed), params)
     return cfg, inputs, stops
 
@@ -470,7 +482,8 @@ class Generator:
     def generate(self, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
                  block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
-                 min_draft_probability: float = 0.0, draft_context: int = 0) -> GenerationResult:
+                 min_draft_probability: float = 0.0, draft_context: int = 0,
+                 confidence_threshold: float = 0.0) -> GenerationResult:
         """Generate for `prompts` (see `generate` for every argument)."""
         return self._generate(prompts, SamplingOptions.of_call(locals()))
 
@@ -494,7 +507,8 @@ class Generator:
     def stream(self, prompts, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
                block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
-               min_draft_probability: float = 0.0, draft_context: int = 0) -> "GenerationStream":
+               min_draft_probability: float = 0.0, draft_context: int = 0,
+               confidence_threshold: float = 0.0) -> "GenerationStream":
         """Like `generate`, streaming (see `generate_stream`)."""
         return self._stream(prompts, SamplingOptions.of_call(locals()))
 
@@ -609,7 +623,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
              top_k: int = 0, top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
              block_size: int | None = None, seed: int = 0, acceptance: str = "exact",
              lookup: int = 0, min_draft_probability: float = 0.0, draft_context: int = 0,
-             mesh=None) -> GenerationResult:
+             confidence_threshold: float = 0.0, mesh=None) -> GenerationResult:
     """Generate from a target, speculatively with a DFlash drafter (or plainly with drafter=None).
 
     prompts: a list of prompts, each a list of token ids (ragged; one prompt is `[ids]`), or a
@@ -626,7 +640,11 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     (1 for a looked-up one), else it runs the anchor alone, an autoregressive step (still lossless:
     the choice never looks at the target). draft_context (0 = off): the drafter sees only each row's
     last draft_context positions (its context cache a ring buffer of that size: bounded memory and
-    cost for long contexts; the authors' MLX backend offers the same; still lossless). mesh: a
+    cost for long contexts; the authors' MLX backend offers the same; still lossless).
+    confidence_threshold (0 = off; a DSpark drafter with a confidence head only): each row verifies
+    its drafts up to the first whose confidence is below it (the rest of the static block is
+    masked, never recompiled: the value is an argument; still lossless). A DSpark drafter's block
+    of G slots proposes G tokens, so its default block_size (tokens verified per cycle) is G + 1. mesh: a
     `jax.sharding.Mesh` to generate on (None: the
     target's, `Target.mesh`; see `Generator`). Bad arguments raise TypeError/ValueError naming the
     argument. The Generator it uses is kept for the next call with models of the same specs (the two
@@ -640,7 +658,7 @@ def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temp
                     stop_token_ids: int | Sequence[int] | None = None, block_size: int | None = None,
                     seed: int = 0, acceptance: str = "exact", lookup: int = 0,
                     min_draft_probability: float = 0.0, draft_context: int = 0,
-                    mesh=None) -> GenerationStream:
+                    confidence_threshold: float = 0.0, mesh=None) -> GenerationStream:
     """Like `generate`, but yields each row's newly committed tokens after prefill and after every
     cycle (a host loop over the same cycle, compiled ahead of time). Tokens past a stop token are
     never yielded. Arguments are checked and the executables compiled at the call, not at the first

@@ -174,6 +174,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "conv_dynamic": None,  # a DFlash2 drafter's projected conv kernel: 2 x taps x channel groups
     "selector_rank": None,  # a DFlash2 drafter's candidate-selector rank
     "latent": None,  # multi-head latent attention's low-rank q and kv latents (DeepSeek-V3)
+    "markov_rank": None,  # a DSpark drafter's Markov-head rank
+    "confidence": None,  # a DSpark drafter's confidence head (inputs D + r, one output)
 }
 _LINEAR = ("linear_qkv", "linear_v", "linear_heads")
 _UNITS = {"mlp": "MLP channels", "draft_hidden": "output columns", "expert": "experts"}

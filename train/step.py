@@ -164,6 +164,9 @@ def make_train_step(target, config: DrafterConfig, spec: StepSpec, optimizer: op
     if config.dflash2 is not None:
         raise NotImplementedError("training a DFlash2 drafter (its selector's loss) is not implemented; "
                                   "DFlash2 drafters are for inference here")
+    if config.dspark is not None:
+        raise NotImplementedError("training a DSpark drafter (its CE + total-variation + confidence loss) is not "
+                                  "implemented; DSpark drafters are for inference here")
 
     def step(state: TrainState, frozen, batch):
         anchors, valid = objective.sample_anchors(jax.random.fold_in(state.rng, state.step),

@@ -74,7 +74,8 @@ def add_decode_activations_flag(parser) -> None:
 
 
 def add_drafting_flags(parser) -> None:
-    """--lookup, --min-draft-probability and --draft-context (what `drafting_kwargs` passes to `generate`) and
+    """--lookup, --min-draft-probability, --draft-context and --confidence-threshold (what
+    `drafting_kwargs` passes to `generate`) and
     --drafter-weights (what `load_models` passes to `load_drafter`)."""
     parser.add_argument("--lookup", type=int, metavar="N",
                         help="where the row's last 2..N tokens occurred earlier in its prompt or answer, "
@@ -91,6 +92,10 @@ def add_drafting_flags(parser) -> None:
                         help="the drafter sees only each row's last N positions, its context cache a ring "
                              "buffer of N slots: bounded memory and drafting cost for long contexts "
                              "(lossless; 0 = the whole context, the default)")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0, metavar="C",
+                        help="with a DSpark drafter that has a confidence head: each cycle verifies the drafts "
+                             "up to the first whose predicted confidence is below C (lossless; 0 = verify "
+                             "them all, the default)")
     parser.add_argument("--drafter-weights", choices=DECODE_WEIGHTS,
                         help="the drafter weights a CPU drafts with: 'stored' as loaded (bfloat16 panels for a "
                              "bfloat16 checkpoint), 'q8_0' 8 bits and a scale per 32 weights, fewer bytes "
@@ -106,6 +111,8 @@ def check_drafting_flags(parser, args) -> None:
         parser.error("--min-draft-probability must be in [0, 1] (0 = always verify the drafts)")
     if args.draft_context < 0:
         parser.error("--draft-context must be >= 0 (0 = the whole context)")
+    if not 0 <= getattr(args, "confidence_threshold", 0.0) <= 1:
+        parser.error("--confidence-threshold must be in [0, 1] (0 = verify every draft)")
 
 
 def _flag_for(value, drafter_path: Path | None, shipped_default, flag: str):
@@ -151,12 +158,16 @@ def resolve_drafting(args, drafter_path: Path | None) -> None:
 
 
 def drafting_kwargs(args, drafter) -> dict:
-    """`generate`'s lookup, min_draft_probability and draft_context (all off without a drafter);
-    after `resolve_drafting`."""
+    """`generate`'s lookup and min_draft_probability (both off without a drafter), and where given,
+    draft_context and a DSpark drafter's confidence_threshold (off by default); after
+    `resolve_drafting`."""
     if drafter is None:
-        return dict(lookup=0, min_draft_probability=0.0, draft_context=0)
-    return dict(lookup=args.lookup, min_draft_probability=args.min_draft_probability,
-                draft_context=args.draft_context)
+        return dict(lookup=0, min_draft_probability=0.0)
+    kwargs = dict(lookup=args.lookup, min_draft_probability=args.min_draft_probability)
+    for name in ("draft_context", "confidence_threshold"):
+        if getattr(args, name, 0):
+            kwargs[name] = getattr(args, name)
+    return kwargs
 
 
 def decoding_mode(drafter, lookup: int, min_draft_probability: float = 0.0) -> str:

@@ -29,10 +29,10 @@ DRAFT_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")  # read only when config.
 
 def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: str = "auto",
                  decode_weights: str = "stored", mesh=None) -> Drafter:
-    """Read an official DFlash (or DFlash2) drafter directory; validate it against `target` when given (before
-    any tensor is read). decode_weights: what a CPU drafts with, "stored" (the weights as loaded)
-    or "q8_0" (8-bit blocks, fewer bytes per cycle; `DrafterSpec`). Bad input raises one exception
-    naming the file: FileNotFoundError, ConfigError, CheckpointError, TorchRequiredError,
+    """Read an official DFlash (or DFlash2, or DeepSpec's DSpark) drafter directory; validate it
+    against `target` when given (before any tensor is read). decode_weights: what a CPU drafts with,
+    "stored" (the weights as loaded) or "q8_0" (8-bit blocks, fewer bytes per cycle; `DrafterSpec`).
+    Bad input raises one exception naming the file: FileNotFoundError, ConfigError, CheckpointError, TorchRequiredError,
     DrafterMismatchError; a bad decode_weights a ValueError. mesh: a `jax.sharding.Mesh` to place
     the weights on as they are read, by `dflash_jax.sharding`'s rules (`Drafter.mesh` keeps it); a
     split its tensor axis does not divide raises a ValueError naming the weight before any read."""
@@ -56,7 +56,7 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
     tensors = open_checkpoint(path)
     reduced = config.draft_vocab_size is not None
     place = None if mesh is None else sharding.placer(mesh, shapes, config)
-    rules = drafter_rules(config.attention_bias, config.dflash2 is not None)
+    rules = drafter_rules(config.attention_bias, config.dflash2 is not None, config.dspark)
     params = hf_to_params(rules, tensors, shapes, config.num_layers, dtype,
                           allow_extra=lambda name: reduced and name in DRAFT_VOCAB_TENSORS, source=str(path),
                           place=place)
@@ -134,8 +134,8 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, *, overwrite: bool = Fal
     An existing non-empty `out_dir` is refused (FileExistsError) unless overwrite=True."""
     out_dir = Path(out_dir)
     config = drafter.config
-    tensors = params_to_hf(drafter_rules(config.attention_bias, config.dflash2 is not None), drafter.params,
-                           config.num_layers)
+    tensors = params_to_hf(drafter_rules(config.attention_bias, config.dflash2 is not None, config.dspark),
+                           drafter.params, config.num_layers)
     if drafter.draft_head is not None:
         tensors.update(drafter.draft_vocab.to_eagle3())
         tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(drafter.draft_head["kernel"])).T)

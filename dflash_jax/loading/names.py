@@ -356,10 +356,11 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
     return out
 
 
-def drafter_rules(attention_bias: bool = False, dflash2: bool = False) -> list[Rule]:
+def drafter_rules(attention_bias: bool = False, dflash2: bool = False, dspark=None) -> list[Rule]:
     """The official DFlash drafter layout (no `model.` prefix, no embeddings, no LM head); dflash2:
     with a DFlash2 drafter's convolutions and candidate selector (its codebooks stored without
-    ".weight")."""
+    ".weight"); dspark (a `DSparkConfig`): DeepSpec's layout, the backbone plus its own
+    embed_tokens and lm_head, and its Markov and confidence heads where the config has them."""
     rules = [Rule("fc.weight", ("fc", "kernel"), transpose=True),
              Rule("hidden_norm.weight", ("hidden_norm", "scale")),
              Rule("norm.weight", ("norm", "scale"))]
@@ -373,4 +374,12 @@ def drafter_rules(attention_bias: bool = False, dflash2: bool = False) -> list[R
                   for name in ("predecessor_codebook", "successor_codebook")]
         rules.append(Rule("candidate_selector.hidden_projection.weight",
                           ("candidate_selector", "hidden_projection", "kernel"), transpose=True))
+    if dspark is not None:
+        rules += [Rule("embed_tokens.weight", ("embed_tokens", "embedding")),
+                  Rule("lm_head.weight", ("lm_head", "kernel"), transpose=True)]
+        if dspark.markov_rank:
+            rules += [Rule("markov_head.markov_w1.weight", ("markov_head", "markov_w1", "embedding")),
+                      Rule("markov_head.markov_w2.weight", ("markov_head", "markov_w2", "kernel"), transpose=True)]
+        if dspark.enable_confidence_head:
+            rules += _linear("confidence_head.proj", ("confidence_head", "proj"), True)
     return rules

@@ -35,7 +35,7 @@ class Cache(Protocol):
     `lengths` [B] (the positions it holds; rolling back is setting them), its `capacity`, `with_lengths`,
     `commit(pending, num_new)` (the cache after the first num_new[b] of a forward's per-position outputs,
     `TargetModel`'s write_cache=False result) and `shardings(mesh)` (the cache of NamedShardings that
-    places it on a mesh). `KVCache` and `HybridCache` implement it."""
+    places it on a mesh). `KVCache`, `HybridCache` and `GroupedKVCache` implement it."""
 
     lengths: Any
     capacity: int
@@ -171,6 +171,34 @@ class HybridCache:
         heads = "tensor" if tensor > 1 and self.groups % tensor == 0 else None  # whole channel groups
         return self.replace(kv=self.kv.shardings(mesh), conv=NamedSharding(mesh, P(None, rows, None, heads)),
                             state=NamedSharding(mesh, P(None, rows, heads, None, None)))
+
+
+@struct.dataclass
+class GroupedKVCache:
+    """The KV cache of a target whose attention layers differ in the shape of their keys and values (Gemma 4's
+    sliding and full layers): one `KVCache` per group of alike layers (`ModelConfig.kv_groups`, in its order;
+    a layer's index in its group is its slot there), their lengths kept equal. `commit` takes a forward's
+    pending (k, v) per group."""
+
+    groups: tuple
+
+    @classmethod
+    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32, kv_replicas: int = 1) -> "GroupedKVCache":
+        return cls(tuple(KVCache.zeros(len(ids), batch, capacity, heads * kv_replicas, dim, dtype)
+                         for (heads, dim), ids in config.kv_groups))
+
+    lengths = property(lambda self: self.groups[0].lengths)
+    capacity = property(lambda self: self.groups[0].capacity)
+
+    def with_lengths(self, lengths) -> "GroupedKVCache":
+        return self.replace(groups=tuple(g.with_lengths(lengths) for g in self.groups))
+
+    def commit(self, pending, num_new) -> "GroupedKVCache":
+        """Each group's `KVCache.append` of its pending (k, v) [Lg, B, T, Hg, Dg]."""
+        return self.replace(groups=tuple(g.append(k, v, num_new) for g, (k, v) in zip(self.groups, pending)))
+
+    def shardings(self, mesh) -> "GroupedKVCache":
+        return self.replace(groups=tuple(g.shardings(mesh) for g in self.groups))
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, offsets: jax.Array, *, axis: int = 0) -> jax.Array:

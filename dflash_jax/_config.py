@@ -434,6 +434,8 @@ class ModelConfig(LayerLayout):
     attention_sinks: bool = False  # one learned logit per query head in each softmax (gpt-oss)
     moe: MoEConfig | None = None
     linear: LinearAttentionConfig | None = None
+    final_logit_softcapping: float = 0.0  # c > 0: the target's logits are c * tanh(z / c) (Gemma 4)
+    family_options: Any = None  # a family's own frozen, hashable config (its module defines it; Gemma 4's)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3), None: q/k/v heads
 
     def __post_init__(self):
@@ -452,6 +454,8 @@ class ModelConfig(LayerLayout):
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise ValueError(f"the rotated part of a head ({self.head_dim} x {self.partial_rotary_factor}) "
                              "must be a positive even number of dims")
+        if self.final_logit_softcapping < 0:
+            raise ValueError(f"final_logit_softcapping must be >= 0, got {self.final_logit_softcapping}")
         family.validate(self)
 
     @property
@@ -487,7 +491,8 @@ class ModelConfig(LayerLayout):
         """Per layer, (its token mixer: "attention" (full or sliding: the window is data) or
         "linear_attention", its MLP: `mlp_kinds`): what the decoder stack groups into scanned segments
         (`dflash_jax._stack`)."""
-        mixers = (LINEAR if t == LINEAR else "attention" for t in self.layer_types)
+        family = self.family
+        mixers = (family.layer_mixer(self, i, t) for i, t in enumerate(self.layer_types))
         return tuple(zip(mixers, self.mlp_kinds))
 
     @property
@@ -498,6 +503,18 @@ class ModelConfig(LayerLayout):
     @property
     def linear_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def kv_groups(self) -> tuple[tuple[tuple[int, int], tuple[int, ...]], ...]:
+        """The layers that keep keys and values in the KV cache, grouped by their shape: ((kv heads, head
+        dim), layer ids) per group, in the order of each group's first layer (`Family.kv_shape`). One
+        group for a family whose attention layers are alike; Gemma 4's full layers are a group apart."""
+        family, groups = self.family, {}
+        for i, (mixer, _) in zip(range(self.num_layers), self.layer_kinds):
+            shape = family.kv_shape(self, mixer)
+            if shape is not None:
+                groups.setdefault(shape, []).append(i)
+        return tuple((shape, tuple(ids)) for shape, ids in groups.items())
 
     @classmethod
     def from_hf_config(cls, hf: dict, source: str = "config.json") -> "ModelConfig":

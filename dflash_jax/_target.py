@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from dflash_jax import backends, _masks as masks
 from dflash_jax._attention import attention, cache_attention
-from dflash_jax._cache import HybridCache, KVCache, resolve_kv_cache_dtype
+from dflash_jax._cache import GroupedKVCache, HybridCache, KVCache, resolve_kv_cache_dtype
 from dflash_jax._config import LINEAR, ModelConfig
 from dflash_jax._stack import is_direct, stack_segments
 from dflash_jax._layers import (MLP, AttentionProjections, Capture, RMSNorm, Rotary, capture_into, run_layers,
@@ -98,11 +98,16 @@ class TargetLayer(nn.Module):
 
 class StackGroup(nn.Module):
     """One repeat of a segment's layer pattern (`dflash_jax._stack`); the scan body of a segment.
-    carry: (hidden, features | None); xs: (the KV-cache index of the repeat's first attention layer,
-    capture slots [P], attention windows [P], conv tails [Pl, B, K-1, C] | None, states [Pl, B, Hv, Dk, Dv] | None);
-    broadcast: positions, cos, sin, the KV cache | None. ys: the attention layers' (k, v) and the
-    linear layers' pending inputs, each stacked over the repeat's layers of that kind (None where
-    it has none, or without a cache)."""
+    carry: (hidden, features | None); xs: (per KV group (`ModelConfig.kv_groups`), the index there of the
+    repeat's first layer of that group [G], capture slots [P], attention windows [P], conv tails
+    [Pl, B, K-1, C] | None, states [Pl, B, Hv, Dk, Dv] | None, the layers' own inputs [P, B, T, ...] | None
+    (`Family.layer_inputs`: each layer gets its own as a fourth entry of its xs)); broadcast: positions,
+    cos, sin, the KV cache (a KVCache, or a GroupedKVCache where the groups differ in shape) | None, and
+    `shared`: per KV group the new (k, v) [Lg, B, T, ...] of the layers before this segment, or None. A
+    layer that keeps no keys of its own (`Family.kv_shape` None: Gemma 4's kv-shared layers) gets
+    (the KV cache, shared) as its cache. ys: per KV group the (k, v) of the repeat's layers of that group
+    (None where it has none, or without a cache), and the linear layers' pending inputs stacked (None
+    where it has none)."""
 
     config: ModelConfig
     pattern: tuple  # (mixer, mlp) per position
@@ -113,15 +118,18 @@ class StackGroup(nn.Module):
     linear_groups: int = 1
 
     @nn.compact
-    def __call__(self, carry, xs, positions, cos, sin, kv_cache):
+    def __call__(self, carry, xs, positions, cos, sin, kv_cache, shared=None):
         cfg = self.config
-        kv_base, slots, windows, tails, states = xs
+        kv_base, slots, windows, tails, states, inputs = xs
+        own = lambda p: () if inputs is None else (inputs[p],)  # noqa: E731
         b = carry[0].shape[0]
-        kv, pending = [], []
+        shapes = [shape for shape, _ in cfg.kv_groups]
+        kv, pending = [[] for _ in shapes], []
         for p, (mixer, mlp) in enumerate(self.pattern):
             layout = {"linear_groups": self.linear_groups} if cfg.is_hybrid_arch else {}  # sharding
             layer = cfg.family.layer_module(mixer)(cfg, self.dtype, self.attn_impl, self.backend, self.kv_replicas,
                                                    mixer=mixer, mlp=mlp, name=f"layer_{p}", **layout)
+            shape = cfg.family.kv_shape(cfg, mixer)
             if mixer == LINEAR:
                 i, linear = len(pending), cfg.linear
                 tail = tails[i] if tails is not None else jnp.zeros(
@@ -130,12 +138,17 @@ class StackGroup(nn.Module):
                     (b, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim), jnp.float32)
                 carry, out = layer(carry, (0, 0, slots[p]), positions, cos, sin, (tail, state))
                 pending.append(out)
+            elif shape is None:  # a layer that keeps no keys of its own
+                carry, _ = layer(carry, (0, windows[p], slots[p], *own(p)), positions, cos, sin, (kv_cache, shared))
             else:
-                carry, out = layer(carry, (kv_base + len(kv), windows[p], slots[p]), positions, cos, sin, kv_cache)
-                kv.append(out)
+                g = shapes.index(shape)
+                cache = kv_cache.groups[g] if isinstance(kv_cache, GroupedKVCache) else kv_cache
+                carry, out = layer(carry, (kv_base[g] + len(kv[g]), windows[p], slots[p], *own(p)), positions, cos,
+                                   sin, cache)
+                kv[g].append(out)
         stack = lambda items: (jax.tree_util.tree_map(lambda *x: jnp.stack(x), *items)  # noqa: E731
                                if items and items[0] is not None else None)
-        return carry, (stack(kv), stack(pending))
+        return carry, (tuple(stack(group) for group in kv), stack(pending))
 
 
 class TargetModel(nn.Module):
@@ -168,7 +181,8 @@ class TargetModel(nn.Module):
         else:
             scan = lambda segment, name: nn.scan(  # noqa: E731
                 StackGroup, variable_axes={"params": 0}, split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=segment.repeats,
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=segment.repeats,
                 check_constancy_invariants=False,  # as `_make_layers` (see there)
             )(cfg, segment.pattern, self.dtype, self.attn_impl, self.backend, self.kv_replicas, self.linear_groups,
               name=name)
@@ -179,6 +193,7 @@ class TargetModel(nn.Module):
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
                                     param_dtype=self.dtype)
         self.rotary = Rotary(cfg)
+        self.layer_inputs = cfg.family.layer_inputs(cfg, self.dtype)
 
     def __call__(self, tokens, cache=None, *, positions=None,
                  capture: Sequence[int] = (), num_new=None, write_cache: bool = True):
@@ -193,6 +208,7 @@ class TargetModel(nn.Module):
         """
         cfg = self.config
         hidden = self.embed(tokens)
+        inputs = None if self.layer_inputs is None else self.layer_inputs(tokens, hidden)  # [B, T, L, ...]
         b, t = tokens.shape
         positions = token_positions(tokens, cache, positions)
         cos, sin = self.rotary(positions)
@@ -200,10 +216,12 @@ class TargetModel(nn.Module):
         buffer = plan.buffer(b, t, cfg.hidden_size, self.dtype)
         if self.direct:
             layer_xs = (jnp.arange(cfg.num_layers, dtype=jnp.int32),
-                        jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(plan.slots))
+                        jnp.asarray(cfg.layer_windows, jnp.int32), jnp.asarray(plan.slots),
+                        *(() if inputs is None else (jnp.moveaxis(inputs, 2, 0),)))
             (hidden, buffer), pending = self._run_layers((hidden, buffer), layer_xs, positions, cos, sin, cache)
         else:
-            (hidden, buffer), pending = self._run_segments((hidden, buffer), plan, positions, cos, sin, cache)
+            (hidden, buffer), pending = self._run_segments((hidden, buffer), plan, positions, cos, sin, cache,
+                                                           inputs)
         hidden = self.norm(hidden)
         features = plan.features(hidden, buffer)
         if cache is None:
@@ -212,36 +230,50 @@ class TargetModel(nn.Module):
             return hidden, features, pending
         return hidden, features, cache.commit(pending, t if num_new is None else num_new)
 
-    def _run_segments(self, carry, plan: Capture, positions, cos, sin, cache):
+    def _run_segments(self, carry, plan: Capture, positions, cos, sin, cache, inputs=None):
         """Each segment's scan in turn -> (carry, pending): (k, v) [La, B, T, ...] of the attention layers
-        in order, plus, for a HybridCache, the linear layers' pending inputs [Ll, B, T, ...]."""
+        in order (per KV group, a tuple of them, for a GroupedKVCache), plus, for a HybridCache, the linear
+        layers' pending inputs [Ll, B, T, ...]."""
         cfg = self.config
         hybrid = isinstance(cache, HybridCache)
         kv_cache = cache.kv if hybrid else cache
         kinds = [mixer for mixer, _ in cfg.layer_kinds]
-        kv, linear = [], []
+        group_of = {i: g for g, (_, ids) in enumerate(cfg.kv_groups) for i in ids}  # layer -> its KV group
+        kv, linear = [[] for _ in cfg.kv_groups], []
+        join = lambda parts: (None if not parts else parts[0] if len(parts) == 1  # noqa: E731
+                              else jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *parts))
         for segment, scan in zip(self.segments, self.stack):
             mixers = [mixer for mixer, _ in segment.pattern]
-            per_kv, per_linear = len(mixers) - mixers.count(LINEAR), mixers.count(LINEAR)
-            kv_start = sum(k != LINEAR for k in kinds[:segment.start])
+            per_linear = mixers.count(LINEAR)
             linear_start = sum(k == LINEAR for k in kinds[:segment.start])
-            kv_base = kv_start + per_kv * jnp.arange(segment.repeats, dtype=jnp.int32)
+            # per KV group, the index there of each repeat's first layer of that group [repeats, G]
+            kv_base = jnp.stack([sum(group_of.get(i) == g for i in range(segment.start))
+                                 + sum(group_of.get(i) == g for i in range(segment.start, segment.start + len(mixers)))
+                                 * jnp.arange(segment.repeats, dtype=jnp.int32)
+                                 for g in range(len(cfg.kv_groups))], axis=-1).astype(jnp.int32)
             slots = jnp.asarray(plan.slots[segment.start:segment.stop].reshape(segment.repeats, -1))
             windows = jnp.asarray(cfg.layer_windows[segment.start:segment.stop], jnp.int32).reshape(segment.repeats, -1)
             per_repeat = lambda x: None if not hybrid or not per_linear else x[  # noqa: E731
                 linear_start:linear_start + segment.repeats * per_linear].reshape(segment.repeats, per_linear,
                                                                                     *x.shape[1:])
+            own = None if inputs is None else jnp.moveaxis(inputs[:, :, segment.start:segment.stop], 2, 0).reshape(
+                segment.repeats, len(mixers), *inputs.shape[:2], *inputs.shape[3:])
             xs = (kv_base, slots, windows, per_repeat(cache.conv) if hybrid else None,
-                  per_repeat(cache.state) if hybrid else None)
-            carry, (seg_kv, seg_linear) = scan(carry, xs, positions, cos, sin, kv_cache)
+                  per_repeat(cache.state) if hybrid else None, own)
+            readers = any(m != LINEAR and cfg.family.kv_shape(cfg, m) is None for m in mixers)
+            shared = tuple(join(group) for group in kv) if readers else None
+            carry, (seg_kv, seg_linear) = scan(carry, xs, positions, cos, sin, kv_cache, shared)
             flat = lambda tree: jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), tree)  # noqa: E731
-            if seg_kv is not None:
-                kv.append(flat(seg_kv))
+            for g, group in enumerate(seg_kv):
+                if group is not None:
+                    kv[g].append(flat(group))
             if seg_linear is not None:
                 linear.append(flat(seg_linear))
-        join = lambda parts: (None if not parts else parts[0] if len(parts) == 1  # noqa: E731
-                              else jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *parts))
-        k, v = join(kv) if kv else (None, None)
+        if kv_cache is not None and len(self.segments) > 1:
+            kv = after(kv, carry[0])  # the new keys written after the last segment's reads of the cache
+        if isinstance(kv_cache, GroupedKVCache):
+            return carry, tuple(join(group) for group in kv)
+        k, v = join(kv[0]) if kv and kv[0] else (None, None)
         if hybrid:
             return carry, (k, v, join(linear))
         return carry, (k, v)
@@ -272,11 +304,17 @@ class TargetModel(nn.Module):
         return run_layers(self, TargetLayer, "__call__", carry, layer_xs, positions, cos, sin, cache)
 
     def embed(self, tokens):
-        return backends.get(self.backend).embed(self, tokens)
+        """tokens [...] -> embeddings [..., D], times the family's embedding scale (in their dtype) where it has one."""
+        embeds = backends.get(self.backend).embed(self, tokens)
+        scale = self.config.family.embedding_scale(self.config)
+        return embeds if scale is None else embeds * jnp.asarray(scale, embeds.dtype)
 
     def logits(self, hidden):
-        """Final-normed hidden [..., D] -> float32 logits [..., V]."""
-        return backends.get(self.backend).logits(self, hidden)
+        """Final-normed hidden [..., D] -> float32 logits [..., V]: the target's distribution, softcapped
+        (c * tanh(z / c)) where the config's final_logit_softcapping c > 0."""
+        logits = backends.get(self.backend).logits(self, hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else cap * jnp.tanh(logits / cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +425,12 @@ class TargetSpec:
         if self.config.is_hybrid_arch:
             return HybridCache.for_model(self.config, batch, capacity, self.kv_cache_dtype,
                                          kv_replicas=self.kv_replicas, groups=self.linear_groups)
+        groups, cfg = self.config.kv_groups, self.config
+        if len(groups) > 1:  # attention layers of different shapes (Gemma 4)
+            return GroupedKVCache.for_model(cfg, batch, capacity, self.kv_cache_dtype, kv_replicas=self.kv_replicas)
+        if groups and groups[0] != ((cfg.num_kv_heads, cfg.head_dim), tuple(range(cfg.num_layers))):
+            (heads, dim), ids = groups[0]  # one group, not every layer's or not of the config's shape (Gemma 4)
+            return KVCache.zeros(len(ids), batch, capacity, heads * self.kv_replicas, dim, self.kv_cache_dtype)
         return KVCache.for_model(self.config, batch, capacity, self.kv_cache_dtype, kv_replicas=self.kv_replicas)
 
 
@@ -427,6 +471,18 @@ class Target:
         """How the decode's products round activations: "int8" for a GGUF target loaded with
         `load_target(..., decode_activations="int8")`, else "float32"."""
         return backends.get(backends.of_target_params(self.params)).activations(self.params)
+
+
+def after(tree, value):
+    """`tree` (arrays) plus an exact zero computed from `value` (0 * isfinite(one element)): the same numbers,
+    which XLA can compute only after `value`. The new keys of a stack of several segments come out so, tied to
+    the final hidden state: XLA then writes them into the cache after every segment has read it, in place.
+    Free to write a segment's keys as soon as they are known, it copied the whole cache in every step to keep
+    the old rows for a later segment's reads (seen on CPU, jax 0.10, 2026-12-06: Gemma 4's kv-shared layers
+    and its short stacks of sliding and full layers, a Qwen3-MoE with `mlp_only_layers`). An optimization
+    barrier did not survive to XLA's copy insertion."""
+    zero = jnp.isfinite(value.reshape(-1)[0]).astype(jnp.float32) * 0.0
+    return jax.tree_util.tree_map(lambda x: x + zero.astype(x.dtype), tree)
 
 
 def check_fits(cache: KVCache, num_tokens: int) -> None:

@@ -139,13 +139,16 @@ def paired_ratio(fn, state, base_fn, base_state, warmup: int, repeats: int) -> t
 
 def filled_cache(cache, fill: int, seed: int):
     """The cache with random K/V and every row filled to `fill` positions (a hybrid target's: its
-    KV cache so, the recurrent state as it is; a latent cache's latents and rotary keys random)."""
+    KV cache so, the recurrent state as it is; a latent cache's latents and rotary keys random; a grouped
+    one's: each group)."""
     if hasattr(cache, "kv") and not hasattr(cache.kv, "shape"):
         kv = filled_cache(cache.kv, fill, seed)
         return cache.replace(kv=kv)
     if hasattr(cache, "kv"):  # a latent cache (multi-head latent attention): latents and rotary keys
         kv = jax.random.normal(jax.random.PRNGKey(seed), cache.kv.shape, jnp.float32).astype(cache.kv.dtype)
         return cache.replace(kv=kv).with_lengths(jnp.full(cache.lengths.shape, fill, jnp.int32))
+    if hasattr(cache, "groups"):  # a GroupedKVCache (Gemma 4): each group so
+        return cache.replace(groups=tuple(filled_cache(g, fill, seed + i) for i, g in enumerate(cache.groups)))
     kk, kv = jax.random.split(jax.random.PRNGKey(seed))
     k = jax.random.normal(kk, cache.k.shape, jnp.float32).astype(cache.k.dtype)
     v = jax.random.normal(kv, cache.v.shape, jnp.float32).astype(cache.v.dtype)

@@ -8,6 +8,15 @@ _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_s
           "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
           "bos_token_id": 151643, "eos_token_id": 151645}
+# Gemma 4's text models (gemma-4-31B-it, gemma-4-26B-A4B-it: what their text_config states alike)
+_GEMMA4 = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 262144,
+           "head_dim": 256, "global_head_dim": 512, "attention_k_eq_v": True, "sliding_window": 1024,
+           "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "final_logit_softcapping": 30.0,
+           "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+           "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}}}
 RANDOM_TARGETS = {
     "qwen3-8b": ({**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
                  151669),
@@ -151,6 +160,23 @@ RANDOM_TARGETS = {
                                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
                    "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585},
                   163839),
+    # gemma-4-31B-it's text model (its config.json nests these under text_config,
+    # Gemma4ForConditionalGeneration): 60 layers, five sliding (window 1,024; 16 kv heads of 256) to one full
+    # (4 kv heads of 512, keys and values from one projection, proportional RoPE on a quarter of each head),
+    # logits softcapped at 30. layer_types are left to Gemma4TextConfig's default rule, which is the released
+    # list and holds for any --layers (the last layer full). Mask id: the last one (random weights; no
+    # official drafter config is read here).
+    "gemma-4-31b": (_GEMMA4 | {"hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 60,
+                               "num_attention_heads": 32, "num_key_value_heads": 16, "num_global_key_value_heads": 4},
+                    262143),
+    # gemma-4-26B-A4B-it's text model: 30 layers as gemma-4-31b's pattern (8 kv heads of 256 on sliding layers,
+    # 2 of 512 on full ones), each with a dense GeGLU (2,112) and beside it the MoE block: 128 experts of 704,
+    # 8 per token.
+    "gemma-4-26b-a4b": (_GEMMA4 | {"hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 30,
+                                   "num_attention_heads": 16, "num_key_value_heads": 8,
+                                   "num_global_key_value_heads": 2, "enable_moe_block": True, "num_experts": 128,
+                                   "top_k_experts": 8, "moe_intermediate_size": 704},
+                        262143),
 }
 RANDOM_DRAFT_LAYERS = 5  # the official DFlash drafters of these targets
 

@@ -20,6 +20,7 @@ import importlib
 MODULES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss", "qwen3_next")
 MODULES += ("glm4_moe", "minimax_m2")
 MODULES += ("deepseek_v3",)
+MODULES += ("gemma4",)
 
 _FAMILIES: dict[str, object] = {}
 _loaded = False

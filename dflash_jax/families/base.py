@@ -5,7 +5,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from dflash_jax._config import REQUIRED, ConfigFields, ModelConfig, decoder_fields
+from dflash_jax._config import LINEAR, REQUIRED, ConfigFields, ModelConfig, decoder_fields
 from dflash_jax._errors import CheckpointError
 from dflash_jax._stack import is_direct, segment_path, stack_segments
 from dflash_jax.loading.names import Rule, _linear_rules, moe_layer_rules, unfuse_experts
@@ -27,6 +27,9 @@ class Family:
     partial_rotary: bool = False  # partial rotary allowed (partial_rotary_factor < 1) without being hybrid
     latent_attention: bool = False  # multi-head latent attention (`ModelConfig.mla`) allowed
     default_max_positions: int = 4096
+    # its layers are `TargetLayer`s (attention and a SwiGLU MLP), which a backend's packed decode layout holds
+    # (the CPU backend's); False for a family with layer modules of its own
+    plain_layers: bool = True
     checkpoint_prefixes: tuple[str, ...] = ("model.",)  # the text model's prefix, the first one present
 
     # ---- config.json
@@ -71,6 +74,27 @@ class Family:
             raise ValueError(f"a {self.name} target has no multi-head latent attention (mla=)")
 
     # ---- the model
+
+    def layer_mixer(self, config: ModelConfig, layer: int, layer_type: str) -> str:
+        """The token mixer of layer `layer` (of `layer_types` entry `layer_type`), its kind's first half
+        (`ModelConfig.layer_kinds`): "linear_attention", or "attention" (full or sliding: the window is
+        data). A family whose layers of two types differ in shape names them apart (Gemma 4)."""
+        return LINEAR if layer_type == LINEAR else "attention"
+
+    def kv_shape(self, config: ModelConfig, mixer: str) -> tuple[int, int] | None:
+        """(kv heads, head dim) of the keys and values a layer of this mixer keeps in the KV cache, None
+        for one that keeps none (`ModelConfig.kv_groups`)."""
+        return None if mixer == LINEAR else (config.num_kv_heads, config.head_dim)
+
+    def layer_inputs(self, config: ModelConfig, dtype):
+        """None, or a Flax module (a submodule of the target model, "layer_inputs") that gives each layer an input
+        of its own: (tokens [B, T], their embeddings [B, T, D]) -> [B, T, L, ...], layer i's [..., i, :] the
+        fourth entry of its xs (Gemma 4's per-layer inputs)."""
+        return None
+
+    def embedding_scale(self, config: ModelConfig) -> float | None:
+        """The factor the token embeddings are multiplied by (in the embedding's dtype), None for none."""
+        return None
 
     def layer_module(self, mixer: str):
         """The Flax module class of a layer whose token mixer is `mixer` ("attention" or "linear_attention",

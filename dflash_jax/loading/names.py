@@ -44,6 +44,9 @@ class Rule:
     columns: tuple[int, int] | None = None
     # the param's output features are these rows of a fused checkpoint tensor (`Rows`)
     rows: Rows | None = None
+    # the last two axes swapped: a checkpoint's stacked experts [E, out, in] <-> the param's [E, in, out]
+    # (Gemma 4's fused experts)
+    swap_last: bool = False
 
     @property
     def per_layer(self) -> bool:
@@ -225,6 +228,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
         leaf_dtype = np.dtype(np.float32) if _keeps_float32(_get(shapes, rule.path)) else np_dtype
         layer_shape = tuple(want[rule.stacked_axes:])
         need = tuple(reversed(layer_shape)) if rule.transpose else layer_shape  # as the checkpoint holds it
+        need = (*need[:-2], need[-1], need[-2]) if rule.swap_last else need
         if rule.columns:  # the whole tensor, of which the param is every step-th column
             need = (*need[:-1], need[-1] * rule.columns[1])
         if rule.rows:  # the whole fused tensor, of which the param is some rows
@@ -243,8 +247,7 @@ def hf_to_params(rules: list[Rule], tensors: Mapping[str, np.ndarray], shapes: A
             continue
         out = host_arrays.empty(want, leaf_dtype)
         for i, name in enumerate(rule.hf_names(num_layers)):
-            value = _read_tensor(rule, tensors, name, need, source)
-            value = value.T if rule.transpose else value
+            value = _oriented(rule, _read_tensor(rule, tensors, name, need, source))
             if rule.per_layer:
                 out[rule.index(i)] = value.astype(leaf_dtype)
             else:
@@ -284,13 +287,20 @@ def _read_block(rule: Rule, tensors, want: tuple, need: tuple, dtype, num_layers
         name = names[position[0] * rule.experts + position[1] if rule.experts else (position[0] if position else 0)]
         # the first axis cut before the tensor is read (an MXFP4 one's experts)
         if inner and not rule.transpose and rule.rows is None:
-            value = _read_tensor(rule, tensors, name, need, source, inner[0])
+            value = _oriented(rule, _read_tensor(rule, tensors, name, need, source, inner[0]))
             block[at] = value[(slice(None), *inner[1:])].astype(dtype)
         else:
-            value = _read_tensor(rule, tensors, name, need, source)
-            value = value.T if rule.transpose else value
+            value = _oriented(rule, _read_tensor(rule, tensors, name, need, source))
             block[at] = value[inner].astype(dtype)
     return block
+
+
+def _oriented(rule: Rule, value) -> np.ndarray:
+    """A checkpoint tensor in the param's orientation (`Rule.transpose`, `Rule.swap_last`); the inverse of
+    itself."""
+    if rule.transpose:
+        return value.T
+    return np.swapaxes(value, -1, -2) if rule.swap_last else value
 
 
 def _read_tensor(rule: Rule, tensors, name: str, need: tuple, source: str, first: slice = slice(None)) -> np.ndarray:
@@ -333,7 +343,7 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
         value = np.asarray(jax.device_get(_get(params, rule.path)))
         for i, name in enumerate(rule.hf_names(num_layers)):
             layer = value[rule.index(i)] if rule.per_layer else value
-            layer = layer.T if rule.transpose else layer
+            layer = _oriented(rule, layer)
             if rule.columns:  # interleave into the shared tensor
                 start, step = rule.columns
                 whole = out.setdefault(name, np.zeros((*layer.shape[:-1], layer.shape[-1] * step), layer.dtype))

@@ -165,6 +165,30 @@ DEEPSEEK_V3 = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidd
                    routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6,
                    eos_token_id=None)
 
+# Gemma 4: two sliding layers (window 5, under the prompts and the prefill chunk) and two full ones of
+# another shape (head 16, one kv head with attention_k_eq_v); a softcap that bends the logits; no per-layer
+# inputs (transformers' default has them)
+GEMMA4 = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+              attention_k_eq_v=True, sliding_window=5, hidden_size_per_layer_input=0, final_logit_softcapping=3.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+              max_position_embeddings=256, tie_word_embeddings=True)
+
+
+_GEMMA4_PLE_KV_SHARED = dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                             hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, num_kv_shared_layers=3,
+                             use_double_wide_mlp=True)
+
+
+def _gemma4_init(name, p, torch):
+    """Gemma 4: as dense, the other weights twice as wide; the routers' scales near 1 and their projections
+    wide (logits far apart: no near-tie in the top k)."""
+    if "norm" in name or name.endswith("scale"):
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+    else:
+        p.copy_((0.5 if "router" in name else 0.1) * torch.randn_like(p))
+
+
 FAMILIES = {row.name: row for row in [
     Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", QWEN3, _dense_init, slow=_DENSE_SLOW | {
         "prefill[sliding-yarn]", "greedy[sliding-yarn]"}, variants={
@@ -270,6 +294,25 @@ FAMILIES = {row.name: row for row in [
                "dense": dict(first_k_dense_replace=3, n_routed_experts=0, n_shared_experts=0)},
            slow=frozenset({"prefill[dense]", "greedy[dense]", "greedy[plain-q-yarn-dense2]", "sampling",
                            "decode_loop_hlo"})),
+    Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", GEMMA4, _gemma4_init, parity_tokens=12,
+           conditional=("Gemma4Config", "Gemma4ForConditionalGeneration"),
+           variants={
+               DEFAULT: {},  # gemma-4-31B's layers: k=v full layers of their own shape
+               # per-layer inputs, the last 3 of 6 layers reading the keys of the last sliding / full layer
+               # before them, with MLPs twice as wide
+               "ple-kv-shared": _GEMMA4_PLE_KV_SHARED,
+               # keys and values of their own on the full layers, as many kv heads as the sliding ones; an
+               # untied head
+               "separate-v": dict(attention_k_eq_v=False, tie_word_embeddings=False),
+               # gemma-4-26B-A4B's layers: the MoE block (8 experts, 2 per token) beside each dense MLP
+               "moe": dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16),
+               # the text model of a multimodal checkpoint (its vision tower is not read)
+               "conditional-generation": dict(multimodal=True)},
+           slow_variants=frozenset({"ple-kv-shared", "separate-v", "moe", "conditional-generation"}),
+           prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6),
+           # our own target's decoding checks (rejections, sampling, decode HLO) on the richest layers
+           decode_overrides=_GEMMA4_PLE_KV_SHARED,
+           slow=frozenset({"rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
 ]}
 
 

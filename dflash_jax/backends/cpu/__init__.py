@@ -53,8 +53,10 @@ class CpuBackend(Backend):
 
     def supports(self, config):
         """The packed layout holds Qwen3 / Llama layers (attention and a dense SwiGLU MLP): not a
-        hybrid's Gated DeltaNet layers, nor a mixture-of-experts MLP, nor multi-head latent attention."""
-        return not (config.is_hybrid_arch or config.num_experts or config.attention_sinks or config.mla is not None)
+        hybrid's Gated DeltaNet layers, nor a mixture-of-experts MLP, nor multi-head latent attention, nor a
+        family's own layers (`Family.plain_layers`)."""
+        return not (config.is_hybrid_arch or config.num_experts or config.attention_sinks or config.mla is not None
+                    or not config.family.plain_layers)
 
     def target_params(self, params, *, release=False):
         return layout.pack_layers(params, release=release)

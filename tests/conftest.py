@@ -163,3 +163,32 @@ def fitted(fitted_target, tmp_path_factory, worker_id):
     params = _fitted_once(_shared_dir(tmp_path_factory, worker_id), "drafter",
                           lambda: fitted_models.fit_drafter(fitted_target).params)
     return fitted_target, Drafter(fitted_models.drafter_config(), jax.tree.map(jnp.asarray, params))
+
+
+# How `make test` spreads the suite over pytest-xdist workers (`-n 2 --dist loadgroup`): each test
+# module is one group, so its module-scoped fixtures are built once, except the modules in
+# SPLIT_BY_FAMILY, one group per target family (their fixtures build per family anyway); groups are
+# queued longest first (FIRST, measured), so that no long group starts last.
+SPLIT_BY_FAMILY = ("test_family_conformance",)
+FIRST = ("test_sharded_generate", "test_family_conformance[qwen3_5_moe]", "test_family_conformance[qwen3_next]",
+         "test_family_conformance[deepseek_v3]", "test_family_conformance[glm4_moe]", "test_train_run")
+
+
+def _group(item) -> str:
+    module = item.path.stem
+    if module in SPLIT_BY_FAMILY and hasattr(item, "callspec"):
+        param = item.callspec.params.get("key", item.callspec.params.get("family"))
+        family = param[0] if isinstance(param, tuple) else param
+        if family is not None:
+            return f"{module}[{family}]"
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item), len(FIRST)))  # stable: the rest keep their order

@@ -455,6 +455,7 @@ def test_training_features_through_the_latent_cache_equal_one_pass():
     np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(target.logits(target.params, hidden).argmax(-1)))
 
 
+@pytest.mark.slow  # make test-all; float16 caches under speculative decoding by default: test_kv_cache_dtype
 def test_a_float16_latent_cache_decodes_speculatively_as_plainly():
     """`kv_cache_dtype="float16"` under a float32 model: the latent cache holds float16 (half the bytes),
     and speculative greedy decoding with a random drafter equals plain decoding through the same cache."""

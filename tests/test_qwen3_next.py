@@ -313,6 +313,7 @@ def sharded_run(out: str, tmp: str) -> None:
     Path(out).write_text(json.dumps(found))
 
 
+@pytest.mark.slow  # make test-all; by default the Qwen3.5 layers' 8-device run: test_sharded_generate
 def test_sharded_load_and_greedy_decoding_equal_one_device():
     """On 8 devices (data 4 x tensor 2; data 2 x expert 2 x tensor 2): the fused tensors load shard by
     shard to one device's params, the Gated DeltaNet's weights split over `tensor`, the experts over

@@ -238,10 +238,11 @@ FAMILIES = {row.name: row for row in [
            # 100 tokens: two chunks of the delta rule, the experts as `ragged_dot`; the next step's
            # one token per row: the gathered-experts form
            prefill=dict(lengths=(100, 41, 5), capacity=128, chunk_size=None), router="mlp.gate",
-           # the speculative check against transformers' generate stands for the plain one; the
-           # hybrid's sampling is the qwen3_5 row's; its decode step's HLO runs by default, the decode
-           # loop's (test_decode_hlo's for Qwen3) under make test-all
-           slow=frozenset({"prefill[conditional-generation]", "greedy", "sampling", "decode_loop_hlo"}),
+           # the rejections at every position stand for the speculative check against transformers'
+           # generate (its greedy check runs); the hybrid's sampling is the qwen3_5 row's; its decode
+           # step's HLO runs by default, the decode loop's (test_decode_hlo's for Qwen3) under make test-all
+           slow=frozenset({"prefill[conditional-generation]", "greedy[conditional-generation]", "speculative",
+                           "sampling", "decode_loop_hlo"}),
            # two attention layers in the decoding checks' target: with only one, the hybrid's compiled
            # decode step copies that layer's whole KV cache (seen 2026-12-06, jax 0.10.2; released
            # Qwen3.5 models have many attention layers)
@@ -261,8 +262,8 @@ FAMILIES = {row.name: row for row in [
            prefill=dict(lengths=(100, 41, 5), capacity=128, chunk_size=None), router="mlp.gate",
            # the hybrid's rejections, sampling and decode HLO are the qwen3_5 / qwen3_5_moe rows' (the same
            # layers); test_qwen3_next checks the rollback of this row's recurrent state
-           slow=frozenset({"prefill[dense-raw-topk]", "greedy[dense-raw-topk]", "rejections", "sampling",
-                           "decode_step_hlo", "decode_loop_hlo"}),
+           slow=frozenset({"prefill[dense-raw-topk]", "greedy[dense-raw-topk]", "speculative", "rejections",
+                           "sampling", "decode_step_hlo", "decode_loop_hlo"}),
            decode_overrides=dict(full_attention_interval=2)),
     Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig", GLM4_MOE, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40, variants={
@@ -273,11 +274,14 @@ FAMILIES = {row.name: row for row in [
                                     topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                      "partial_rotary_factor": 0.25})},
-           slow=frozenset({"prefill[dense2-plain]", "greedy[dense2-plain]", "sampling", "decode_loop_hlo"})),
+           # the rejections at every position stand for the speculative check by default
+           slow=frozenset({"prefill[dense2-plain]", "greedy[dense2-plain]", "speculative", "sampling",
+                           "decode_loop_hlo"})),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config", MINIMAX_M2, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40,
-           # the glm4_moe row's sampling, decode step and loop stand for these by default (the same layers)
-           slow=frozenset({"sampling", "decode_step_hlo", "decode_loop_hlo"})),
+           # the glm4_moe row's rejections, sampling, decode step and loop stand for these by default (the
+           # same layers); its speculative check runs
+           slow=frozenset({"rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK_V3, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40, variants={
                DEFAULT: {},  # q low-rank path, interleaved rope, groups, a dense prefix of 1
@@ -292,8 +296,8 @@ FAMILIES = {row.name: row for row in [
                                                          "original_max_position_embeddings": 64}),
                # every layer dense (no routed or shared experts)
                "dense": dict(first_k_dense_replace=3, n_routed_experts=0, n_shared_experts=0)},
-           slow=frozenset({"prefill[dense]", "greedy[dense]", "greedy[plain-q-yarn-dense2]", "sampling",
-                           "decode_loop_hlo"})),
+           slow=frozenset({"prefill[dense]", "greedy[dense]", "greedy[plain-q-yarn-dense2]", "speculative",
+                           "sampling", "decode_loop_hlo"})),
     Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", GEMMA4, _gemma4_init, parity_tokens=12,
            conditional=("Gemma4Config", "Gemma4ForConditionalGeneration"),
            variants={

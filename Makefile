@@ -63,10 +63,10 @@ demo: $(VENV)/.stamp-runtime
 	$(PY) -m infer.demo $${PROMPT:+--prompt "$$PROMPT"}
 
 # Test modules are spread over TEST_WORKERS processes (pytest-xdist; a module stays in one process so
-# its fixtures are built once, the conformance suite one family per process: tests/conftest.py's
-# groups). TEST_WORKERS=0 runs everything in this process.
+# its fixtures are built once; tests/conftest.py queues the longest first). TEST_WORKERS=0 runs
+# everything in this process.
 TEST_WORKERS ?= 2
-TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 VERSIONS := -c "import sys, jax, flax; print(f'== python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"
 
 # `make test` runs both legs, the default one first: the suite on .venv (Python $(PYTHON), jax 0.10

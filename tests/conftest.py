@@ -165,30 +165,14 @@ def fitted(fitted_target, tmp_path_factory, worker_id):
     return fitted_target, Drafter(fitted_models.drafter_config(), jax.tree.map(jnp.asarray, params))
 
 
-# How `make test` spreads the suite over pytest-xdist workers (`-n 2 --dist loadgroup`): each test
-# module is one group, so its module-scoped fixtures are built once, except the modules in
-# SPLIT_BY_FAMILY, one group per target family (their fixtures build per family anyway); groups are
-# queued longest first (FIRST, measured), so that no long group starts last.
-SPLIT_BY_FAMILY = ("test_family_conformance",)
-FIRST = ("test_sharded_generate", "test_family_conformance[qwen3_5_moe]", "test_family_conformance[qwen3_next]",
-         "test_family_conformance[deepseek_v3]", "test_family_conformance[glm4_moe]", "test_train_run")
+
+# Under pytest-xdist (`make test`: -n 2 --dist loadfile) each test module runs whole in one process,
+# the modules in the order they are collected: the longest (FIRST, measured) are put first so that
+# none of them starts last and runs alone at the end.
+FIRST = ("test_sharded_generate", "test_family_conformance", "test_train_run", "test_gguf_reader",
+         "test_deepseek_v3", "test_qwen3_next")
 
 
-def _group(item) -> str:
-    module = item.path.stem
-    if module in SPLIT_BY_FAMILY and hasattr(item, "callspec"):
-        param = item.callspec.params.get("key", item.callspec.params.get("family"))
-        family = param[0] if isinstance(param, tuple) else param
-        if family is not None:
-            return f"{module}[{family}]"
-    return module
-
-
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("dist", "no") != "loadgroup":
-        return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
     rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item), len(FIRST)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(item.path.stem, len(FIRST)))  # stable: the rest keep their order

@@ -76,7 +76,7 @@ def test_draft_distribution_lives_on_the_kept_ids(fitted, prompts):
         return _propose(target, small, cfg, target_params, drafter_params, anchors, state.draft_cache,
                         jax.random.PRNGKey(1), params)
 
-    drafts, probs, first = jax.device_get(first_proposal(target.params, small.loop_params))
+    drafts, probs, first, _ = jax.device_get(first_proposal(target.params, small.loop_params))  # _: no limit
     assert probs.shape == (3, small.block_size - 1, target.config.vocab_size)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
     outside = np.setdiff1d(np.arange(target.config.vocab_size), ids)

@@ -609,6 +609,7 @@ def distributed_run(out: str, coordinator: str, num_processes: int, process_id: 
                                      "local_devices": len(jax.local_devices()), "refused": refused}))
 
 
+@pytest.mark.slow  # make test-all
 def test_two_processes_joined_by_jax_distributed_generate_as_one(findings, tmp_path):
     """Two processes (CPU collectives over gloo) run one sharded generate over their 8 devices, the
     prompts given to process 0 only, and both get one device's tokens; a token id outside the

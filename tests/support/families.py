@@ -261,7 +261,7 @@ FAMILIES = {row.name: row for row in [
            parity_tokens=77,  # two chunks of the delta rule
            prefill=dict(lengths=(100, 41, 5), capacity=128, chunk_size=None), router="mlp.gate",
            # the hybrid's rejections, sampling and decode HLO are the qwen3_5 / qwen3_5_moe rows' (the same
-           # layers); test_qwen3_next checks the rollback of this row's recurrent state
+           # layers); test_qwen3_next checks the rollback of this row's recurrent state (make test-all)
            slow=frozenset({"prefill[dense-raw-topk]", "greedy[dense-raw-topk]", "speculative", "rejections",
                            "sampling", "decode_step_hlo", "decode_loop_hlo"}),
            decode_overrides=dict(full_attention_interval=2)),

@@ -20,6 +20,7 @@ from dflash_jax._drafter_config import DFlash2Config, DrafterConfig
 from dflash_jax._errors import ConfigError
 from dflash_jax._speculative import generate
 from dflash_jax._target import Target, init_target_params
+from support.drafter_reference import random_drafter_params, rms, rope
 from support.tolerance import assert_float32_close, assert_model_close
 
 D, H, KV, HD, FF, V, G = 32, 4, 2, 8, 64, 50, 5
@@ -37,31 +38,11 @@ def config(**kw):
 
 def random_params(cfg, seed=0, codebook_scale=1.0):
     """Every weight random (norm scales near 1), drawn with numpy; the codebooks times codebook_scale."""
-    rng = np.random.default_rng(seed)
-    shapes = jax.eval_shape(lambda: init_drafter_params(cfg, jax.random.PRNGKey(0)))
-
-    def draw(path, s):
-        name = path[-1].key
-        if name == "scale":
-            return (1 + 0.1 * rng.standard_normal(s.shape)).astype(np.float32)
-        scale = codebook_scale if name.endswith("codebook") else 0.5 if name == "base_kernel" else 0.2
-        return (scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(draw(p, s)), shapes)
+    return random_drafter_params(cfg, seed, lambda names: codebook_scale if names[-1].endswith("codebook")
+                                 else 0.5 if names[-1] == "base_kernel" else 0.2)
 
 
 # ---- the float64 reference, from the description -------------------------------------------------
-
-def rms(x, w, eps=1e-6):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def rope(x, positions, theta=10000.0):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = positions[:, None] * inv[None, :]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
-    return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
-
 
 def conv(u, dyn, base):
     """u [g, H]; dyn [g, T, H / GROUP]; base [T, H]: out[l, c] = sum over o <= l of

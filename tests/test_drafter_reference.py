@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax._drafter import Drafter, init_drafter_params
+from dflash_jax._drafter import Drafter
 from dflash_jax._drafter_config import DrafterConfig
+from support.drafter_reference import random_drafter_params, rms, rope
 from support.tolerance import assert_model_close
 
 D, H, KV, HD, FF, V, G = 32, 4, 2, 8, 64, 50, 5
@@ -32,28 +33,10 @@ def config(**kw):
 
 def random_params(cfg, seed=0):
     """Every weight random (norm scales near 1), drawn with numpy."""
-    rng = np.random.default_rng(seed)
-    shapes = jax.eval_shape(lambda: init_drafter_params(cfg, jax.random.PRNGKey(0)))
-    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"
-                            else 0.2 * rng.standard_normal(s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(draw(p, s)), shapes)
+    return random_drafter_params(cfg, seed)
 
 
 # ---- the float64 reference, from the description -------------------------------------------------
-
-def rms(x, w, eps=1e-6):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def rope(x, positions, theta=10000.0):
-    """x [T, heads, d] rotated half by half at positions [T]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = positions[:, None] * inv[None, :]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
-    rotated = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
-    return x * cos + rotated * sin
-
 
 def visible(cfg, layer, c, g, bound=0):
     """[g, c + g]: queries at positions c..c+g-1, keys at 0..c+g-1 (context, then the block); bound

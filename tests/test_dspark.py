@@ -21,6 +21,7 @@ from dflash_jax._drafter_config import DrafterConfig, DSparkConfig
 from dflash_jax._errors import ConfigError
 from dflash_jax._speculative import Generator, generate
 from dflash_jax._target import Target, init_target_params
+from support.drafter_reference import random_drafter_params, rms, rope
 from support.tolerance import assert_model_close
 
 D, H, KV, HD, FF, V, G, R = 32, 4, 2, 8, 64, 50, 4, 6  # G: the drafter's block; R: the Markov rank
@@ -36,31 +37,11 @@ def config(dspark_config=DSparkConfig(R, True, True), **kw):
 
 def random_params(cfg, seed=0, markov_scale=1.0):
     """Every weight random (norm scales near 1), drawn with numpy; the Markov head times markov_scale."""
-    rng = np.random.default_rng(seed)
-    shapes = jax.eval_shape(lambda: init_drafter_params(cfg, jax.random.PRNGKey(0)))
-
-    def draw(path, s):
-        names = [p.key for p in path]
-        if names[-1] == "scale":
-            return (1 + 0.1 * rng.standard_normal(s.shape)).astype(np.float32)
-        scale = markov_scale if "markov_head" in names else 0.5 if names[0] in ("embed_tokens", "lm_head") else 0.2
-        return (scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(draw(p, s)), shapes)
+    return random_drafter_params(cfg, seed, lambda names: markov_scale if "markov_head" in names
+                                 else 0.5 if names[0] in ("embed_tokens", "lm_head") else 0.2)
 
 
 # ---- the float64 reference, from the description -------------------------------------------------
-
-def rms(x, w, eps=1e-6):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def rope(x, positions, theta=10000.0):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = positions[:, None] * inv[None, :]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
-    return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
-
 
 def reference_block(cfg, p, features, block):
     """features [c, n*D] at positions 0..c-1, block token ids [g] at c..c+g-1, embedded with the

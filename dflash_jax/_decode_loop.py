@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax import _dflash2 as dflash2, _dspark as dspark, _sampling as sampling, sharding
-from dflash_jax._cache import KVCache, write_rows
+from dflash_jax._cache import KVCache, put_row, take_row, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
 from dflash_jax._lookup import lookup_drafts, merge_lookup
 
@@ -294,7 +294,7 @@ def _verify(target, drafter, cfg, target_params, state, block, drafts, draft_pro
                                               write_cache=False)
     logits = target.logits(target_params, hidden)  # [B, G, V]
     if limit is not None:
-        key, limit_key = jax.random.split(key)
+        key, limit_key = sampling.split(key)
     if not cfg.sampling:
         num_accepted, next_token = sampling.accept_greedy(drafts, logits)
     elif cfg.acceptance == "match" or drafter is None:
@@ -334,7 +334,7 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
           params: SamplingParams) -> DecodeState:
     """One draft-verify-accept cycle for every row; finished rows do not change."""
     rows = jnp.arange(state.tokens.shape[0])
-    rng, draft_key, accept_key = jax.random.split(state.rng, 3)
+    rng, draft_key, accept_key = sampling.split(state.rng, 3)
     anchors = sampling.gather_rows(state.tokens, state.lengths - 1)
     if drafter is not None:
         # (drafts, distributions, first-draft probability[, limit]): a proposer without a limit may
@@ -381,3 +381,86 @@ def decode(target, drafter, cfg, target_params, drafter_params, state, params) -
         lambda s: ~jnp.all(s.done),
         lambda s: cycle(target, drafter, cfg, target_params, drafter_params, s, params),
         state)
+
+
+# ----------------------------------------------------------------------------------------------
+# The batch engine's device side (`dflash_jax._engine`): a fixed number of rows ("slots"), each
+# holding one prompt at a time. An idle or prefilling slot is `done` (no cycle changes it); `admit`
+# prefills a prompt into a slot one chunk at a time, and `decode_until` runs cycles until a row
+# finishes while prompts wait, or a number of cycles. Every row draws with its own key (`rng` is
+# [B, 2]: `_sampling.per_row_keys`), so a prompt's samples depend on its own seed alone.
+
+
+def empty_state(target, drafter, cfg: GenerationConfig, batch: int, capacity: int) -> DecodeState:
+    """A decode state of `batch` idle slots of `capacity` tokens (prompt, generated tokens and one
+    block; a multiple of the kernel's key tile), every row done."""
+    draft_cache = None
+    if drafter is not None:
+        if cfg.draft_context and cfg.draft_context < capacity:
+            draft_cache = drafter.init_cache(batch, round_up(cfg.draft_context, KEY_TILE), window=cfg.draft_context)
+        else:
+            draft_cache = drafter.init_cache(batch, capacity)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return DecodeState(tokens=jnp.zeros((batch, capacity), jnp.int32), lengths=zeros, prompt_lengths=zeros,
+                       done=jnp.ones((batch,), bool), target_cache=target.init_cache(batch, capacity),
+                       draft_cache=draft_cache, rng=jnp.zeros((batch, 2), jnp.uint32), cycles=zeros,
+                       emitted_per_cycle=jnp.zeros((batch, cfg.max_new_tokens), jnp.int32))
+
+
+def _cleared_if(cache, flag):
+    """`cache.cleared()` where flag (a traced bool) holds, else `cache`."""
+    return jax.tree_util.tree_map(lambda c, x: jnp.where(flag, c, x), cache.cleared(), cache)
+
+
+def admit(target, drafter, cfg: GenerationConfig, target_params, drafter_params, state: DecodeState, slot, chunk,
+          start, count, prompt_length, key, params: SamplingParams) -> DecodeState:
+    """Prefill the prompt tokens chunk [C] (its first `count` real, the rest padding) at positions
+    start .. start + C - 1 into row `slot` (start 0: the row starts empty). The chunk that completes
+    the prompt (start + count == prompt_length) also draws the first token, with `key` (the
+    prompt's own; what the row's later cycles draw with follows from it), as `prefill` does; until
+    then the row stays done. The row's caches are copied out, prefilled as a batch of one (the same
+    computation as `prefill` of that prompt alone in chunks of C) and written back."""
+    capture = drafter.config.target_layer_ids if drafter is not None else ()
+    fresh = start == 0
+    row = _cleared_if(take_row(state.target_cache, slot), fresh)
+    hidden, features, row = target.prefill(target_params, chunk[None], row, capture=capture, num_new=count[None])
+    target_cache = put_row(state.target_cache, row, slot)
+    draft_cache = state.draft_cache
+    if drafter is not None:
+        draft_row = _cleared_if(take_row(draft_cache, slot), fresh)
+        draft_row = drafter.append_context(drafter_params, draft_row, features, num_new=count[None])
+        draft_cache = put_row(draft_cache, draft_row, slot)
+    filled = start + count
+    last = filled >= prompt_length
+    logits = target.logits(target_params, sampling.gather_rows(hidden, (count - 1)[None]))  # [1, V]
+    rng, first_key = jax.random.split(key)
+    first = (sampling.sample(first_key, _target_probs(cfg, params, logits)) if cfg.sampling
+             else sampling.greedy(logits))[0]
+    tokens = jax.lax.dynamic_update_slice(state.tokens, chunk[None].astype(jnp.int32), (slot, start))
+    tokens = tokens.at[slot, filled].set(jnp.where(last, first, tokens[slot, filled]))
+    finished = _finished(cfg, params, first[None, None], jnp.ones((1,), jnp.int32), (filled + 1)[None],
+                         prompt_length[None])[0]
+    return state.replace(
+        tokens=tokens, lengths=state.lengths.at[slot].set(jnp.where(last, filled + 1, filled)),
+        prompt_lengths=state.prompt_lengths.at[slot].set(prompt_length),
+        done=state.done.at[slot].set(jnp.where(last, finished, True)), target_cache=target_cache,
+        draft_cache=draft_cache, rng=state.rng.at[slot].set(jnp.where(last, rng, state.rng[slot])),
+        cycles=state.cycles.at[slot].set(0), emitted_per_cycle=state.emitted_per_cycle.at[slot].set(0))
+
+
+def decode_until(target, drafter, cfg: GenerationConfig, target_params, drafter_params, state: DecodeState,
+                 params: SamplingParams, max_cycles, refill):
+    """Cycles (one `lax.while_loop`) until no row is live, or `max_cycles` ran, or (refill: prompts
+    wait for a slot) a row that was live finished. -> (state, cycles run)."""
+    was_live = ~state.done
+
+    def more(carry):
+        s, n = carry
+        freed = jnp.any(s.done & was_live)
+        return jnp.any(~s.done) & (n < max_cycles) & ~(refill & freed)
+
+    def step(carry):
+        s, n = carry
+        return cycle(target, drafter, cfg, target_params, drafter_params, s, params), n + 1
+
+    return jax.lax.while_loop(more, step, (state, jnp.zeros((), jnp.int32)))

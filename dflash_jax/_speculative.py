@@ -252,6 +252,23 @@ def _prepare(target, drafter, prompts, options: SamplingOptions | None = None, *
     pair itself (`Generator.bind` checks it) -> (GenerationConfig, the executables' inputs after the
     params: prompt tokens, prompt lengths, rng, sampling params; stop ids)."""
     o = _as_options(options, keywords)
+    cfg, params, stops = _configure(target, drafter, o)
+    rows = _prompt_rows(prompts, target.config.vocab_size)
+    longest = max(len(r) for r in rows)
+    limit = target.config.max_position_embeddings
+    if longest + o.max_new_tokens > limit:
+        raise ValueError(f"prompt too long: {longest} prompt tokens + max_new_tokens {o.max_new_tokens} "
+                         f"exceed the target's max_position_embeddings ({limit})")
+    tokens = np.zeros((len(rows), prompt_bucket(longest)), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    inputs = (jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(o.seed), params)
+    return cfg, inputs, stops
+
+
+def _configure(target, drafter, o: SamplingOptions):
+    """Check every option but the prompts -> (GenerationConfig, SamplingParams, stop ids)."""
     vocab = target.config.vocab_size
     _check_int("max_new_tokens", o.max_new_tokens, 1)
     _check_number("temperature", o.temperature, "a finite number >= 0 (0 = greedy)", lambda t: t >= 0)
@@ -282,29 +299,18 @@ def _prepare(target, drafter, prompts, options: SamplingOptions | None = None, *
                          f"this {'generation has no drafter' if drafter is None else 'drafter has none'}")
     block_size = _block_size(drafter, o.block_size)
     stops = _stop_ids(target, o.stop_token_ids)
-    rows = _prompt_rows(prompts, vocab)
-    longest = max(len(r) for r in rows)
-    limit = target.config.max_position_embeddings
-    if longest + o.max_new_tokens > limit:
-        raise ValueError(f"prompt too long: {longest} prompt tokens + max_new_tokens {o.max_new_tokens} "
-                         f"exceed the target's max_position_embeddings ({limit})")
     sampled = o.temperature > 0
     cfg = GenerationConfig(max_new_tokens=o.max_new_tokens, block_size=block_size, sampling=sampled,
                            top_k=o.top_k if sampled else 0, use_top_p=sampled and o.top_p < 1.0,
                            acceptance=o.acceptance, lookup=o.lookup, gate_drafts=o.min_draft_probability > 0,
                            draft_context=o.draft_context if drafter is not None else 0)
-    tokens = np.zeros((len(rows), prompt_bucket(longest)), np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = r
-    lengths = np.asarray([len(r) for r in rows], np.int32)
     padded_stops = np.full(max(_STOP_ID_SLOTS, round_up(len(stops), _STOP_ID_SLOTS)), -1, np.int32)
     padded_stops[: len(stops)] = stops
     params = SamplingParams(temperature=jnp.float32(max(o.temperature, 1e-6)), top_p=jnp.float32(o.top_p),
                             stop_token_ids=jnp.asarray(padded_stops),
                             min_draft_probability=jnp.float32(o.min_draft_probability),
                             confidence_threshold=jnp.float32(o.confidence_threshold) if confidence else None)
-    inputs = (jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(o.seed), params)
-    return cfg, inputs, stops
+    return cfg, params, stops
 
 
 # ----------------------------------------------------------------------------------------------
@@ -516,6 +522,18 @@ class Generator:
         cfg, args, stops = self._prepare(prompts, options)
         prefill_fn, cycle_fn, compile_seconds = self._executables(cfg, args, "cycle")
         return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, cfg, args, stops), compile_seconds)
+
+    def engine(self, *, slots: int = 8, max_prompt_tokens: int = 1024, cycles_per_chunk: int = 1,
+               max_cycles: int | None = None, **options):
+        """A `BatchEngine` over this Generator's models: `slots` rows decoded together, refilled from a
+        queue of prompts as rows finish (continuous batching; `dflash_jax._engine`). options: the
+        keywords of `generate` (max_new_tokens, temperature, ...), the same for every prompt it runs.
+        max_prompt_tokens: the longest prompt a slot holds (longer ones are refused one by one)."""
+        from dflash_jax._engine import DEFAULT_MAX_CYCLES, BatchEngine
+
+        return BatchEngine(self, slots=slots, max_prompt_tokens=max_prompt_tokens, options=SamplingOptions(**options),
+                           cycles_per_chunk=cycles_per_chunk,
+                           max_cycles=DEFAULT_MAX_CYCLES if max_cycles is None else max_cycles)
 
     def _prepare(self, prompts, options: SamplingOptions | None = None, **keywords):
         """Check every argument (`options`, or its fields as keywords) -> (GenerationConfig,

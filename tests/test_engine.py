@@ -1,0 +1,105 @@
+"""The batch engine (`dflash_jax._engine`): many prompts through a few slots, each prompt's output what
+`generate` gives it alone, its programs compiled once; sampling with a key per prompt; bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support import fitted_models
+from support.sampling import PROMPT, chi_square_pvalue, exact_joint, sampling_pair
+
+from dflash_jax import generate, generate_batch
+from dflash_jax._speculative import Generator
+
+
+def _prompts(count=40, seed=0):
+    """count prompts of 3..300 tokens: the fitted pattern (every other one) and noise, lengths spread."""
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(3, 300, count).astype(int)
+    rng.shuffle(lengths)
+    out = []
+    for i, n in enumerate(lengths):
+        if i % 2:
+            out.append([int(t) for t in fitted_models.pattern_batch(rng, 1, int(n))[0]])
+        else:
+            out.append([int(t) for t in rng.integers(0, 40, size=int(n))])
+    return out
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "plain"])
+def test_forty_prompts_through_eight_slots_equal_generate_alone(fitted, speculative):
+    target, drafter = fitted
+    drafter = drafter if speculative else None
+    prompts = _prompts()
+    engine = Generator(target, drafter).engine(slots=8, max_prompt_tokens=300, max_new_tokens=24,
+                                               stop_token_ids=(5,))
+    results = engine.generate(prompts)
+    chunk_sizes = {min(max(16, 1 << (len(p) - 1).bit_length()), 256) for p in prompts}
+    assert engine.compiled_programs == 2 + len(chunk_sizes)  # the empty state, the decode loop, a prefill each
+    assert engine.stats.returns > 40 // 8  # slots were refilled while others decoded
+    if speculative:  # each prompt alone
+        want = [generate(target, drafter, [p], max_new_tokens=24, stop_token_ids=(5,)) for p in prompts]
+        want_tokens = [w.tokens[0] for w in want]
+        assert [r.acceptance_lengths for r in results] == [w.acceptance_lengths[0] for w in want]
+    else:  # one ragged batch (test_generate: its rows equal each prompt alone), fewer compiles
+        want_tokens = generate(target, drafter, prompts, max_new_tokens=24, stop_token_ids=(5,)).tokens
+    assert all(r.ok for r in results)
+    assert [r.tokens for r in results] == want_tokens
+    if speculative:  # the fitted drafter is accepted on the pattern's prompts: blocks, not steps
+        assert np.mean([r.tau for r in results[1::2]]) > 2
+    again = dict(engine.run(prompts[::-1]))
+    assert engine.stats.compile_seconds == 0.0  # nothing compiled again for another order
+    assert [again[i].tokens for i in range(40)] == [r.tokens for r in results[::-1]]
+
+
+def test_results_come_back_as_prompts_complete(fitted):
+    target, drafter = fitted
+    prompts = [[1, 2, 3], [7, 9, 11, 13], [2, 4], list(range(1, 40)), [5, 6, 7]]
+    engine = Generator(target, drafter).engine(slots=2, max_prompt_tokens=64, max_new_tokens=16,
+                                               stop_token_ids=())
+    run = engine.run(prompts)
+    first_index, first = next(run)
+    assert engine.stats.prefill_chunks == 2  # yielded while three prompts still wait for a slot
+    rest = dict(run)
+    assert sorted([first_index, *rest]) == [0, 1, 2, 3, 4] and first_index in (0, 1)
+    assert len(first.tokens) == 16 and all(len(r.tokens) == 16 for r in rest.values())
+
+
+def test_sampling_through_the_engine_is_the_target_distribution_in_any_order():
+    target, drafter = sampling_pair()
+    depth, count = 2, 1500
+    others = [[2, 3], [5, 1, 1, 4], [3]]
+    prompts = [PROMPT] * count + others * 20
+    order = np.random.default_rng(0).permutation(len(prompts))
+    seeds = list(range(len(prompts)))
+    engine = Generator(target, drafter).engine(slots=48, max_prompt_tokens=8, max_new_tokens=depth,
+                                               stop_token_ids=(), temperature=1.0)
+    results = engine.generate([prompts[i] for i in order], seeds=[seeds[i] for i in order])
+    by_prompt = {int(i): r.tokens for i, r in zip(order, results)}
+    samples = [tuple(by_prompt[i]) for i in range(count)]
+    assert chi_square_pvalue(samples, exact_joint(target, depth=depth)) > 1e-3
+    # a prompt's sample follows its own seed: the same in another order and other slots
+    shuffled = np.random.default_rng(1).permutation(len(prompts))[:120]
+    engine_small = Generator(target, drafter).engine(slots=5, max_prompt_tokens=8, max_new_tokens=depth,
+                                                     stop_token_ids=(), temperature=1.0)
+    again = engine_small.generate([prompts[i] for i in shuffled], seeds=[seeds[i] for i in shuffled])
+    assert [r.tokens for r in again] == [by_prompt[int(i)] for i in shuffled]
+
+
+def test_bad_input(fitted):
+    target, drafter = fitted
+    generator = Generator(target, drafter)
+    engine = generator.engine(slots=2, max_prompt_tokens=20, max_new_tokens=8, stop_token_ids=())
+    with pytest.raises(ValueError, match="no prompts"):
+        engine.generate([])
+    with pytest.raises(ValueError, match="slots"):
+        generator.engine(slots=0)
+    with pytest.raises(ValueError, match="prompts\\[1\\] is empty"):
+        engine.generate([[1, 2], []])
+    with pytest.raises(ValueError, match="seeds"):
+        engine.generate([[1, 2]], seeds=[1, 2])
+    results = engine.generate([[1, 2, 3], list(range(1, 30)), [4, 5]])
+    assert [r.ok for r in results] == [True, False, True]
+    assert "prompt too long: 29 tokens" in results[1].error and results[1].tokens == []
+    assert results[0].tokens == generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, stop_token_ids=()).tokens[0]
+    assert generate_batch(target, drafter, [[1, 2, 3]], max_new_tokens=8, stop_token_ids=())[0].tokens == \
+        results[0].tokens

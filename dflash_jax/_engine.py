@@ -64,17 +64,29 @@ class PromptResult:
 
 @dataclasses.dataclass
 class EngineStats:
-    """What the last `run` did: host round trips (`returns`: decode-loop calls), cycles, prefill
-    chunks, and where the time went. `host_seconds` is the time between device calls (bookkeeping,
-    reading rows back); `device_seconds` the time in programs, including the reads that wait for them."""
+    """What the last `run` did: host round trips (`returns`: decode-loop calls), cycles (of the whole
+    batch), tokens the target verified in them, prefill chunks, and where the time went.
+    `prefill_seconds` and `decode_seconds` are the time in those programs (including the reads that
+    wait for them); `host_seconds` the time between device calls (bookkeeping, reading rows back)."""
 
     returns: int = 0
     cycles: int = 0
+    verified_tokens: int = 0
     prefill_chunks: int = 0
-    device_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
     host_seconds: float = 0.0
     compile_seconds: float = 0.0
     generated_tokens: int = 0
+
+    @property
+    def device_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def verified_per_cycle(self) -> float:
+        """Tokens the target verified per cycle, over the batch (live rows x the verified width)."""
+        return self.verified_tokens / self.cycles if self.cycles else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -235,18 +247,25 @@ class BatchEngine:
                     slots[b] = _Slot(i, rows[i], keys[i], chunk=chunk)
             device = time.perf_counter()
             self.stats.host_seconds += device - clock
-            for b, slot in enumerate(slots):
-                if slot is not None and slot.prefilling:
-                    state = self._prefill_chunk(state, b, slot)
+            prefilling = [b for b, slot in enumerate(slots) if slot is not None and slot.prefilling]
+            for b in prefilling:
+                state = self._prefill_chunk(state, b, slots[b])
+            if prefilling:
+                jax.block_until_ready(state.lengths)
+                clock = time.perf_counter()
+                self.stats.prefill_seconds += clock - device
+                device = clock
             decoding = [b for b, s in enumerate(slots) if s is not None and not s.prefilling]
+            ran = jnp.zeros((), jnp.int32)
             if decoding:
                 waiting = any(s is not None and s.prefilling for s in slots)
                 state, ran = self._decode(state, self.cycles_per_chunk if waiting else self.max_cycles, bool(queue))
                 self.stats.returns += 1
-                self.stats.cycles += int(ran)
-            done = np.asarray(_fetch(state.done))
+            done, ran, verified = _fetch((state.done, ran, state.verified))
+            self.stats.cycles += int(ran)
+            self.stats.verified_tokens = int(verified)
             clock = time.perf_counter()
-            self.stats.device_seconds += clock - device
+            self.stats.decode_seconds += clock - device
             finished = [b for b in decoding if done[b]]
             if finished:
                 for b, result in self._read(state, finished, slots):

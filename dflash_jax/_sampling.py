@@ -124,7 +124,7 @@ def sample(key, probs):
     return (which * chunk + offset).astype(jnp.int32)
 
 
-def _leading_true(matches):
+def leading_true(matches):
     """Number of leading True values along the last axis."""
     return jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
@@ -132,7 +132,7 @@ def _leading_true(matches):
 def accept_greedy(draft_tokens, target_logits):
     """Accept while the draft equals the target argmax; next = argmax after the accepted prefix."""
     best = greedy(target_logits)  # [B, G]
-    accepted = _leading_true(draft_tokens == best[:, :-1])
+    accepted = leading_true(draft_tokens == best[:, :-1])
     return accepted, gather_rows(best, accepted)
 
 
@@ -141,7 +141,7 @@ def accept_match(key, draft_tokens, target_probs):
     if per_row_keys(key):
         return _each_row(accept_match, key, draft_tokens, target_probs)
     posterior = sample(key, target_probs)  # [B, G]
-    accepted = _leading_true(draft_tokens == posterior[:, :-1])
+    accepted = leading_true(draft_tokens == posterior[:, :-1])
     return accepted, gather_rows(posterior, accepted)
 
 
@@ -157,7 +157,7 @@ def accept_exact(key, draft_tokens, draft_probs, target_probs):
     p_target = jnp.take_along_axis(target_probs[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]
     p_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(accept_key, p_target.shape)
-    accepted = _leading_true(u * p_draft < p_target)
+    accepted = leading_true(u * p_draft < p_target)
     # Distribution of the next token: the residual at the rejected slot, or p_t at the last slot.
     padded_draft = jnp.concatenate([draft_probs, jnp.zeros_like(target_probs[:, :1])], axis=1)
     target_next = gather_rows(target_probs, accepted)

@@ -103,3 +103,28 @@ def test_bad_input(fitted):
     assert results[0].tokens == generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, stop_token_ids=()).tokens[0]
     assert generate_batch(target, drafter, [[1, 2, 3]], max_new_tokens=8, stop_token_ids=())[0].tokens == \
         results[0].tokens
+
+
+def test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens(fitted):
+    target, drafter = fitted
+    prompts = _prompts(12, seed=3)
+    full = Generator(target, drafter).engine(slots=4, max_prompt_tokens=300, max_new_tokens=20, stop_token_ids=())
+    want = full.generate(prompts)
+    g = drafter.config.block_size
+    budget = Generator(target, drafter).engine(slots=4, max_prompt_tokens=300, max_new_tokens=20, stop_token_ids=(),
+                                               verify_budget=4 + 6)  # < slots x block
+    got = budget.generate(prompts)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    longest = max(n for r in got for n in r.acceptance_lengths)
+    assert longest <= 7 and max(n for r in want for n in r.acceptance_lengths) > longest  # the budget bound
+    # a cost table that makes wide verifies dear: narrower cycles, the same tokens
+    costs = {1: 1.0, 2: 1.05, 4: 1.5, g: 8.0}
+    cheap = generate(target, drafter, prompts, max_new_tokens=20, stop_token_ids=(), verify_costs=costs)
+    assert cheap.tokens == [r.tokens for r in want]
+    assert max(n for row in cheap.acceptance_lengths for n in row) <= 4 < g
+    with pytest.raises(ValueError, match="pass one"):
+        generate(target, drafter, prompts[:1], verify_budget=8, verify_costs=costs)
+    with pytest.raises(ValueError, match="need a drafter"):
+        generate(target, None, prompts[:1], verify_budget=8)
+    with pytest.raises(ValueError, match="verify_costs: a width"):
+        generate(target, drafter, prompts[:1], verify_costs={g + 1: 1.0})

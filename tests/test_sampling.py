@@ -150,3 +150,12 @@ def test_chunked_sample_follows_the_distribution():
     assert counts[11] == 0 and counts[:11][probs == 0].sum() == 0
     support = probs > 0
     assert stats.chisquare(counts[:11][support], probs[support] * n).pvalue > 1e-3
+
+
+def test_sampling_under_a_verify_budget_matches_target_distribution(pair):
+    """Rows verify prefixes of their blocks chosen from the drafter's probabilities (a budget of
+    about two tokens a row): the exact rule on each prefix keeps the target's distribution."""
+    target, drafter = pair
+    samples, result = sample_sequences(target, drafter, seed=17, temperature=1.0, verify_budget=2 * SAMPLES)
+    assert chi_square_pvalue(samples, exact_joint(target)) > 1e-3
+    assert result.tau > 1.05

@@ -268,6 +268,12 @@ def _spark(drafter, cfg, drafter_params, anchors, draft_cache, key, params):
     probs_fn = (lambda z: _target_probs(cfg, params, z)) if exact else None
     drafts, _, probs, confidences = dspark.draft(dc.dspark, module, hidden, logits, anchors, probs_fn, key)
     first = _confidence(cfg, logits)
+    if cfg.verify_policy == "budget" and confidences is not None:
+        # its confidence head ranks the budget's pairs: c_k reads the token drafted before slot k,
+        # never the one at k, and a row verifies its own leading run of chosen pairs, so whether
+        # draft k is verified depends on drafts before it only (lossless when sampling). The
+        # "costs" policy's one width for all rows would read later slots: it keeps `_confidence`.
+        first = confidences
     limit = None
     if confidences is not None and params.confidence_threshold is not None:
         limit = dspark.proposal_limit(confidences, params.confidence_threshold)
@@ -386,8 +392,9 @@ def _verify_plan(cfg: GenerationConfig, params: SamplingParams, draft_p, done, l
     """How much a cycle verifies (`GenerationConfig.verify_policy`) -> (limit [B], the index of the
     narrowest of cfg.verify_widths that holds 1 + every live row's limit).
 
-    A row's k-th draft survives verification with about the product of the drafter's probabilities
-    of drafts 0..k (draft_p [B, G-1]; a looked-up draft counts 1). "budget": each live row verifies
+    A row's k-th draft survives verification with about the product of the drafter's confidences in
+    slots 0..k (draft_p [B, G-1]: `_confidence`, or a DSpark confidence head's under "budget"; a
+    looked-up draft counts 1). "budget": each live row verifies
     its anchor, and the rest of params.verify_budget tokens go to the (row, draft) pairs of highest
     survival (a row's pairs are taken in order: its limit is its leading run of chosen drafts).
     "costs": every row verifies up to the width w that maximises the expected tokens of the cycle

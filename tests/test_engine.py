@@ -128,3 +128,20 @@ def test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens(f
         generate(target, None, prompts[:1], verify_budget=8)
     with pytest.raises(ValueError, match="verify_costs: a width"):
         generate(target, drafter, prompts[:1], verify_costs={g + 1: 1.0})
+
+
+def test_a_reused_slot_starts_clean_with_a_hybrid_target_and_a_ring_draft_cache():
+    """A Qwen3.5 hybrid (its slots carry recurrent states that a new prompt must not inherit) with a
+    drafter that sees only its last 8 positions (a ring context cache): ten prompts through three
+    slots equal one ragged `generate` of them (whose rows equal each prompt alone)."""
+    from support.families import tiny_target
+    from support.speculative import tiny_drafter
+
+    target = tiny_target("qwen3_5")
+    drafter = tiny_drafter(target, block_size=4)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(0, target.config.vocab_size - 1, size=n)]
+               for n in (3, 40, 9, 17, 5, 33, 12, 4, 25, 7)]
+    options = dict(max_new_tokens=12, stop_token_ids=(), draft_context=8)
+    got = Generator(target, drafter).engine(slots=3, max_prompt_tokens=40, **options).generate(prompts)
+    assert [r.tokens for r in got] == generate(target, drafter, prompts, **options).tokens

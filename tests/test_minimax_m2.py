@@ -1,6 +1,7 @@
 """MiniMax-M2 targets, what is theirs alone: reading config.json (rotary_dim, MiniMaxM2Config's defaults, the
 released config's own fields and what is refused by name), q and k normalised over all heads (against a
-numpy reference, and with kv heads replicated for a tensor axis), the released checkpoint names, an
+numpy reference, and with kv heads replicated for a tensor axis), the released checkpoint names and its
+block-scaled FP8 loaded dequantised, an
 8-device sharded generation equal to one device's, and the minimax-m2 random-target preset. Parity with
 transformers, the cached ragged prefill, speculative decoding with rejections and sampling are the
 conformance suite's (the minimax_m2 row of support/families.py)."""
@@ -20,6 +21,10 @@ from support import families
 from support.devices import run_8_devices
 
 MINIMAX = {"architectures": ["MiniMaxM2ForCausalLM"], **families.MINIMAX_M2}
+# the released checkpoints' quantization_config (MiniMaxAI/MiniMax-M2's config.json)
+MINIMAX_FP8 = {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+               "weight_block_size": [128, 128],
+               "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
 
 
 def test_config_reads_the_family_fields():
@@ -50,7 +55,10 @@ def test_config_reads_the_family_fields():
     ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
     ({"attn_type_list": [0, 1]}, "lightning attention is not supported"),
     ({"partial_rotary_factor": 0.25}, "rotary_dim 8 and partial_rotary_factor 0.25 disagree"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.quant_method 'fp8' is not supported"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}},
+     "quantization_config.quant_method 'bitsandbytes' is not supported"),
+    ({"quantization_config": {**MINIMAX_FP8, "weight_block_size": [1, 32]}}, "weight_block_size"),
+    ({"quantization_config": {**MINIMAX_FP8, "scale_fmt": "ue8m0"}}, "scale_fmt 'ue8m0'"),
     ({"attention_bias": True}, "no attention biases"),
 ])
 def test_config_refuses_what_it_cannot_compute(fields, message):
@@ -143,3 +151,13 @@ def test_random_target_preset_builds_cut_to_a_few_layers():
     assert drafter.num_target_layers == 2 and drafter.mask_token_id == 200063
     full, _ = random_configs("minimax-m2", None, None)
     assert full.num_layers == 62 and full.max_position_embeddings == 196608
+
+
+def test_fp8_checkpoint_loads_dequantised(tmp_path):
+    """The released format: attention and experts float8_e4m3fn with float32 128 x 128 block scales
+    (`weight_scale_inv`), the routers, correction biases, norms, embedding and head unquantised; loaded, the
+    params are the float64 reference's dequantised weights bit for bit and the logits those of the model of the
+    dequantised weights."""
+    from support.fp8 import assert_loads_dequantised
+
+    assert_loads_dequantised(tmp_path, {**MINIMAX, "quantization_config": MINIMAX_FP8}, "block", "minimax_m2")

@@ -247,6 +247,7 @@ def test_drafter_training_online_and_from_cached_features(tmp_path):
 
 # zai-org/GLM-4.5-Air-FP8's quantization_config (llm-compressor's FP8 channel scheme), cut to the tiny model
 GLM_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": None,
+           "sparsity_config": {}, "quantization_status": "compressed",
            "ignore": ["lm_head", "model.layers.1.mlp.gate", "model.layers.2.mlp.gate"],
            "config_groups": {"group_0": {
                "targets": ["Linear"], "output_activations": None,
@@ -303,7 +304,8 @@ def test_glm_block_fp8_checkpoint_loads_dequantised(tmp_path):
     ({**GLM_FP8, "config_groups": {"group_0": {**GLM_FP8["config_groups"]["group_0"],
                                                "input_activations": {"num_bits": 8, "type": "float",
                                                                      "dynamic": False}}}}, "input_activations"),
-    ({**GLM_FP8, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme")])
+    ({**GLM_FP8, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({**GLM_FP8, "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config")])
 def test_quantisation_configs_it_cannot_read_are_refused_by_name(quant, named):
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_hf_config({**GLM, "quantization_config": quant})

@@ -66,7 +66,7 @@ UNREAD_SCHEMES = {".weight_zero_point": "compressed-tensors with zero points (as
 def check_quantization(fields: ConfigFields, family: str) -> None:
     """ConfigError naming the field unless the config's `quantization_config` is absent, block-scaled FP8
     (`FP8_BLOCK_FIELDS`) or compressed-tensors "float-quantized" FP8 of strategy "channel" or "tensor" with no
-    static activation scales and no KV-cache quantisation."""
+    static activation scales, KV-cache quantisation, sparsity or transforms."""
     quant = fields.section("quantization_config").hf
     method = quant.get("quant_method")
     if method not in QUANT_METHODS:
@@ -82,9 +82,10 @@ def check_quantization(fields: ConfigFields, family: str) -> None:
     groups = quant.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise fields.error("quantization_config: a compressed-tensors checkpoint without config_groups")
-    if quant.get("kv_cache_scheme") is not None:
-        raise fields.error(f"quantization_config.kv_cache_scheme {quant['kv_cache_scheme']!r} is not supported for "
-                           f"{family} (a quantised KV cache)")
+    for name, what in (("kv_cache_scheme", "a quantised KV cache"), ("sparsity_config", "sparse weights"),
+                       ("transform_config", "rotated weights")):
+        if quant.get(name):
+            raise fields.error(f"quantization_config.{name} {quant[name]!r} is not supported for {family} ({what})")
     for name, group in groups.items():
         group = group or {}
         weights, act = group.get("weights") or {}, group.get("input_activations")

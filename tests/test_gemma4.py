@@ -287,12 +287,14 @@ def test_sharded_generation_on_a_tensor_axis_equals_one_device():
 def test_kv_heads_copied_per_layer_kind_compute_what_one_device_computes():
     """On one device, each layer kind's kv heads copied as a tensor axis of 8 needs (the sliding layers' 8 not,
     the full layers' one 8 times; `sharding.group_kv_replicas`): the same logits and captured layers through the
-    cached prefill and a decode step, the cache holding each group's copies; the k/v projections split over
-    `tensor` where their group's heads are, else replicated."""
+    cached prefill and a decode step (kv-shared layers reading the copies), the cache holding each group's
+    copies; the k/v projections split over `tensor` where their group's heads are, else replicated."""
     from dflash_jax import sharding
     from dflash_jax._target import target_param_shapes
 
-    target = families.tiny_target("gemma4", **TENSOR_SPLIT)
+    # layers 2 and 3 read the copied keys of layers 0 and 1
+    target = families.tiny_target("gemma4", **TENSOR_SPLIT, num_hidden_layers=4, num_kv_shared_layers=2,
+                                  layer_types=["sliding_attention", "full_attention"] * 2)
     cfg, spec = target.config, target.spec
     assert sharding.group_kv_replicas(cfg, 8) == (1, 8) and sharding.group_kv_replicas(cfg, 2) == (1, 2)
     assert sharding.group_kv_replicas(cfg, 1) == 1

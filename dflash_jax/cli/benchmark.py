@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also decode greedily from the same ids with the same weights in transformers' generate "
                           "(needs torch) or in llama.cpp (a GGUF target; needs llama-cpp-python), and report its "
                           "decode tokens/s beside ours")
+    out.add_argument("--llama-cpp-threads", type=int, metavar="N",
+                     help="with --baseline llama.cpp: its CPU threads (default: every core; on a machine "
+                          "shared with other work fewer may be faster, as llama.cpp's threads wait for each other)")
     out.add_argument("--out", metavar="results.json", help="write per-batch records and the summary")
     out.add_argument("--plot", metavar="acceptance.png", help="acceptance histogram (needs matplotlib)")
     p.add_argument("--smoke", action="store_true",
@@ -199,6 +202,8 @@ def _check_args(parser, args) -> None:
         parser.error("--layers must be >= 1")
     if args.prompt_tokens < 1:
         parser.error("--prompt-tokens must be >= 1")
+    if args.llama_cpp_threads is not None and (args.baseline != "llama.cpp" or args.llama_cpp_threads < 1):
+        parser.error("--llama-cpp-threads takes a count >= 1 and applies only with --baseline llama.cpp")
 
 
 def _generations(parser, value: str | None) -> list[str]:

@@ -135,3 +135,4 @@ def test_the_baseline_runs_beside_ours_in_the_same_run(fake_llama_cpp, monkeypat
     batches = json.loads(out.read_text())["runs"][0]["batches"]
     assert [b["llama_cpp"]["new_tokens"] for b in batches] == [[5], [5]]
     assert all(b["llama_cpp_identical"] is False for b in batches)
+    assert summary["common_prefix_tokens"] == [b["llama_cpp_common_prefix"][0] for b in batches]

@@ -156,7 +156,12 @@ def run_llama_cpp_baseline(target_path: Path, records: list[dict], args, stops: 
     run_llama_cpp(model, records[0]["prompt_ids"][:1], 2, stops)  # warm-up, not measured
     for i, record in enumerate(records):
         record["llama_cpp"] = lc = run_llama_cpp(model, record["prompt_ids"], args.max_new_tokens, stops)
-        record["llama_cpp_identical"] = lc.pop("tokens") == record["tokens"] if args.temperature == 0 else None
+        theirs = lc.pop("tokens")
+        greedy = args.temperature == 0
+        record["llama_cpp_identical"] = theirs == record["tokens"] if greedy else None
+        # its quantized arithmetic (Q8 activations) differs from ours: where the outputs part
+        record["llama_cpp_common_prefix"] = [_common_prefix(a, b) for a, b in zip(theirs, record["tokens"])] \
+            if greedy else None
         print(f"[{i + 1}/{len(records)}] llama.cpp {lc['decode_tokens_per_second']:7.1f} tok/s", flush=True)
     ours = median([r["autoregressive"]["decode_tokens_per_second"] for r in records])
     theirs = median([r["llama_cpp"]["decode_tokens_per_second"] for r in records])
@@ -166,4 +171,13 @@ def run_llama_cpp_baseline(target_path: Path, records: list[dict], args, stops: 
             "prefill_tokens_per_second_median":
                 round(median([r["llama_cpp"]["prefill_tokens_per_second"] for r in records]), 3),
             "autoregressive_over_llama_cpp": round(ours / theirs, 4),
-            "identical_batches": sum(bool(r["llama_cpp_identical"]) for r in records)}
+            "identical_batches": sum(bool(r["llama_cpp_identical"]) for r in records),
+            "common_prefix_tokens": [n for r in records for n in r["llama_cpp_common_prefix"] or ()]}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

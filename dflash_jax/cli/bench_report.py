@@ -72,7 +72,9 @@ def print_summary(summary: dict) -> None:
               f"{t['threads']} threads, llama-cpp-python {t['version']}; prefill "
               f"{t['prefill_tokens_per_second_median']:.1f} tok/s); ours autoregressive / llama.cpp = "
               f"{t['autoregressive_over_llama_cpp']:.2f}x; identical outputs in "
-              f"{t['identical_batches']}/{s['num_batches']} batches")
+              f"{t['identical_batches']}/{s['num_batches']} batches"
+              + (f", the same first {min(t['common_prefix_tokens'])}-{max(t['common_prefix_tokens'])} tokens "
+                 "per prompt" if t["common_prefix_tokens"] else ""))
     print(f"model load                    : {s['load_seconds']:.2f} s")
     for c in s["compile"]:
         print(f"compile ({c['mode']}, batch {c['batch']}, {c['prompt_tokens']}-token prompt): "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 
 import pytest
@@ -18,7 +19,7 @@ VOCAB = 64
 
 class FakeLlama:
     """llama_cpp.Llama's surface the baseline uses: reset, eval, sample(top_k, temp). Greedy
-    "decoding" of a fixed rule: the next token is (last token * 7 + 3) % VOCAB."""
+    "decoding" of a fixed rule: the next token is (last token * 7 + 3) % VOCAB; an evaluation takes 1 ms."""
 
     instances: list = []
 
@@ -36,6 +37,7 @@ class FakeLlama:
         assert len(self.history) + len(tokens) <= self.n_ctx, "past the context"
         self.evals.append(tokens)
         self.history += tokens
+        time.sleep(0.001)  # a measurable evaluation
 
     def sample(self, top_k, temp):
         assert (top_k, temp) == (1, 0.0)  # greedy
@@ -66,6 +68,24 @@ def test_missing_llama_cpp_is_an_error_naming_the_install_command(monkeypatch, n
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --baseline llama.cpp needs llama-cpp-python"), err
     assert "pip install 'llama-cpp-python>=0.3'" in err[0] and ".[llamacpp]" in err[0]
+
+
+def test_a_llama_cpp_whose_library_does_not_load_is_an_error_naming_the_reinstall(monkeypatch, no_work, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "llama_cpp":
+            raise RuntimeError("Failed to load shared library 'libllama.so'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    assert benchmark.main(["--smoke", "--baseline", "llama.cpp", "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "installed but does not load (Failed to load shared library 'libllama.so')" in err
+    assert "pip install 'llama-cpp-python>=0.3'" in err
 
 
 def test_a_target_that_is_not_a_gguf_file_is_refused(fake_llama_cpp, no_work, capsys, tmp_path):

@@ -105,6 +105,9 @@ def check_llama_cpp(target_path: Path) -> None:
     except ImportError as e:
         raise CLIError("--baseline llama.cpp needs llama-cpp-python, which is not installed: "
                        + LLAMA_CPP_INSTALL) from e
+    except (OSError, RuntimeError) as e:  # installed, but its compiled library does not load
+        raise CLIError(f"--baseline llama.cpp: llama-cpp-python is installed but does not load ({e}); "
+                       f"reinstall it: {LLAMA_CPP_INSTALL}") from e
 
 
 def load_llama_cpp_model(target_path: Path, context: int, threads: int | None = None):

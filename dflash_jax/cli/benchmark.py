@@ -321,9 +321,12 @@ def _runs(args, setup: Setup) -> list[tuple]:
     return [(impl, pair) for impl in _attention_impls(args) for pair in drafters]
 
 
-def _run_label(impl: str | None, generation: str | None) -> str:
+def _run_label(args, impl: str | None, generation: str | None) -> str:
+    """A run's heading: its attention implementation, and its drafter generation where --random-drafter
+    chose them ("" when neither is said)."""
+    shown = generation if args.random_drafter else None
     return ", ".join(x for x in (f"attention: {impl}" if impl else None,
-                                 f"drafter: random {generation}" if generation else None) if x)
+                                 f"drafter: random {shown}" if shown else None) if x)
 
 
 def _verify_block(args, drafter) -> int:
@@ -362,8 +365,8 @@ def run(args) -> int:
     for impl, (generation, drafter_g) in _runs(args, setup):
         t = target if impl is None else dataclasses.replace(target, attn_impl=impl)
         d = drafter_g if impl is None or drafter_g is None else dataclasses.replace(drafter_g, attn_impl=impl)
-        if impl is not None or generation is not None:
-            print(f"--- {_run_label(impl, generation)} ---", flush=True)
+        if _run_label(args, impl, generation):
+            print(f"--- {_run_label(args, impl, generation)} ---", flush=True)
         records, summary, runner = run_benchmark(t, d, setup.prompts, args, stops, process_start=_PROCESS_START)
         summary.update(attention=impl, batch_size=args.batch, load_seconds=round(setup.load_seconds, 3),
                        drafter_generation=generation,
@@ -388,8 +391,9 @@ def run(args) -> int:
         records, summary = reports[0]
         summary["llama_cpp"] = run_llama_cpp_baseline(setup.target_path, records, args, default_stop_ids(target))
     for records, summary in reports:
-        if summary["attention"] or summary["drafter_generation"]:
-            print(f"=== {_run_label(summary['attention'], summary['drafter_generation'])} ===")
+        label = _run_label(args, summary["attention"], summary["drafter_generation"])
+        if label:
+            print(f"=== {label} ===")
         print_summary(summary)
     if len(setup.drafters) > 1:
         print_generations(reports)

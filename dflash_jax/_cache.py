@@ -195,9 +195,12 @@ class GroupedKVCache:
     groups: tuple
 
     @classmethod
-    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32, kv_replicas: int = 1) -> "GroupedKVCache":
-        return cls(tuple(KVCache.zeros(len(ids), batch, capacity, heads * kv_replicas, dim, dtype)
-                         for (heads, dim), ids in config.kv_groups))
+    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32,
+                  kv_replicas: int | tuple[int, ...] = 1) -> "GroupedKVCache":
+        """Each group's heads x its copies (kv_replicas: one count, or one per group: `sharding.group_kv_replicas`)."""
+        copies = kv_replicas if isinstance(kv_replicas, tuple) else (kv_replicas,) * len(config.kv_groups)
+        return cls(tuple(KVCache.zeros(len(ids), batch, capacity, heads * r, dim, dtype)
+                         for ((heads, dim), ids), r in zip(config.kv_groups, copies)))
 
     lengths = property(lambda self: self.groups[0].lengths)
     capacity = property(lambda self: self.groups[0].capacity)

@@ -21,6 +21,10 @@ computation is that of a batch of one: the same prefill chunks, the same cycle);
 distribution, drawn with the prompt's own key (`seeds`, or the engine's seed folded with the prompt's
 index), so a prompt's sample does not depend on its neighbours or its slot (unless
 `min_draft_probability` is set: that gate decides for the whole batch; still lossless).
+
+On a mesh (the Generator's) the programs are compiled with the params placed by the rules and the
+state by `decode_loop.state_shardings` (rows over `data`, caches over `data` and `tensor`); the host
+loop runs in one process (a multi-process mesh is `generate`'s).
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax._decode_loop import admit, decode_until, empty_state, round_up
+from dflash_jax import sharding
+from dflash_jax._decode_loop import admit, decode_until, empty_state, round_up, state_shardings
 from dflash_jax._speculative import SamplingOptions, _configure, _cut, _fetch, _is_int, _prompt_rows, prompt_bucket
 from dflash_jax._target import PREFILL_CHUNK
 from dflash_jax.kernels import KEY_TILE
@@ -127,9 +132,6 @@ class BatchEngine:
         for name, value in (("cycles_per_chunk", cycles_per_chunk), ("max_cycles", max_cycles)):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if generator.mesh is not None:
-            raise ValueError("the batch engine runs on one device: make its Generator without a mesh "
-                             "(generate(..., mesh=...) shards a static batch)")
         self.generator = generator
         self.options = SamplingOptions() if options is None else options
         target, drafter = generator.target, generator.drafter
@@ -144,17 +146,37 @@ class BatchEngine:
                                  + self.config.block_size, KEY_TILE)
         self.cycles_per_chunk, self.max_cycles = cycles_per_chunk, max_cycles
         self.stats = EngineStats()
+        self._state_sharding = None
 
     # programs ---------------------------------------------------------------------------------
 
-    def _program(self, name: str, fn, *args, donate: int | None = None):
+    def _program(self, name: str, fn, *args, donate: int | None = None, state_out: bool = True):
         """The compiled `fn` for these argument shapes (held by the Generator), and the seconds spent
-        compiling it (0.0 when it was held)."""
+        compiling it (0.0 when it was held). On the Generator's mesh: the params placed by the rules,
+        the state by `state_shardings` (in and out), every other argument replicated."""
         leaves = jax.tree_util.tree_leaves(args)
         signature = tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves)
         key = ("engine", name, *self.generator.specs, self.config, self.slots, self.capacity, signature)
-        jitted = jax.jit(fn) if donate is None else jax.jit(fn, donate_argnums=donate)
+        mesh = self.generator.mesh
+        if mesh is None:
+            jitted = jax.jit(fn) if donate is None else jax.jit(fn, donate_argnums=donate)
+        else:
+            g, replicated = self.generator, sharding.replicated(mesh)
+            state = self._state_shardings()
+            inputs = [jax.tree_util.tree_map(lambda _: replicated, a) for a in args]
+            if args:  # (target params, drafter params, state, ...)
+                inputs[:3] = [g._target_shardings, g._drafter_shardings, state]
+            out = state if state_out else (state, replicated)
+            jitted = jax.jit(fn, in_shardings=tuple(inputs), out_shardings=out,
+                             **({} if donate is None else {"donate_argnums": donate}))
         return self.generator._compiled_executable(key, lambda: jitted.lower(*args).compile())
+
+    def _state_shardings(self):
+        """The decode state's shardings on the Generator's mesh (`state_shardings`)."""
+        if self._state_sharding is None:
+            shapes = jax.eval_shape(lambda: empty_state(*self._static(), self.slots, self.capacity))
+            self._state_sharding = state_shardings(self.generator.mesh, shapes)
+        return self._state_sharding
 
     def _static(self):
         return (*self.generator.specs, self.config)
@@ -179,7 +201,7 @@ class BatchEngine:
         g = self.generator
         args = (g._target_params, g._drafter_params, state, self._params, jnp.int32(max_cycles), jnp.bool_(refill))
         program, seconds = self._program("decode", functools.partial(decode_until, *self._static()), *args,
-                                         donate=2)
+                                         donate=2, state_out=False)
         self.stats.compile_seconds += seconds
         return program(*args)
 
@@ -296,15 +318,16 @@ class BatchEngine:
             yield b, PromptResult(slots[b].index, generated, accepted, self.config.block_size)
 
 
-def generate_batch(target, drafter, prompts, *, slots: int = 8, seeds: Sequence[int] | None = None,
+def generate_batch(target, drafter, prompts, *, slots: int = 8, seeds: Sequence[int] | None = None, mesh=None,
                    **options) -> list[PromptResult]:
     """Generate for many prompts through a `BatchEngine` of `slots` rows (continuous batching), each
     prompt's result as `generate` would give it alone (module docstring), in submission order.
     options: the keywords of `generate` but mesh (max_new_tokens, temperature, ...). seeds: one per
-    prompt (None: `seed` folded with the prompt's index). Uses `generate`'s Generator for the pair."""
+    prompt (None: `seed` folded with the prompt's index). mesh: as `generate`'s (None: the target's).
+    Uses `generate`'s Generator for the pair."""
     from dflash_jax._speculative import generator_for
 
-    generator = generator_for(target, drafter)
+    generator = generator_for(target, drafter, mesh)
     rows = _prompt_rows(prompts, target.config.vocab_size)
     engine = generator.engine(slots=slots, max_prompt_tokens=max(len(r) for r in rows), **options)
     return engine.generate(rows, seeds)

@@ -145,3 +145,41 @@ def test_a_reused_slot_starts_clean_with_a_hybrid_target_and_a_ring_draft_cache(
     options = dict(max_new_tokens=12, stop_token_ids=(), draft_context=8)
     got = Generator(target, drafter).engine(slots=3, max_prompt_tokens=40, **options).generate(prompts)
     assert [r.tokens for r in got] == generate(target, drafter, prompts, **options).tokens
+
+
+def sharded_engine_run(out):
+    """(In a process with 8 CPU devices.) A tiny target and drafter on a data=2 x tensor=2 mesh: the
+    engine's outputs, and one device's."""
+    import json
+
+    import jax
+
+    from dflash_jax import sharding
+    from dflash_jax._config import ModelConfig
+    from dflash_jax._target import Target, init_target_params
+    from support.speculative import tiny_drafter
+
+    config = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, max_position_embeddings=256)
+    target = Target(config, init_target_params(config, jax.random.PRNGKey(0)))
+    drafter = tiny_drafter(target, block_size=4)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, 60, size=n)] for n in (3, 21, 8, 40, 5, 12)]
+    options = dict(max_new_tokens=10, stop_token_ids=())
+    mesh = sharding.make_mesh(data=2, tensor=2, devices=jax.devices()[:4])
+    found = {}
+    for name, m in (("one", None), ("mesh", mesh)):
+        for mode, d in (("spec", drafter), ("plain", None)):
+            found[f"{name}-{mode}"] = [r.tokens for r in generate_batch(target, d, prompts, slots=4, mesh=m, **options)]
+    found["generate"] = generate(target, drafter, prompts, **options).tokens
+    with open(out, "w") as f:
+        json.dump(found, f)
+
+
+@pytest.mark.slow
+def test_the_engine_on_a_mesh_gives_one_devices_output():
+    from support.devices import run_8_devices
+
+    found = run_8_devices("sharded_engine_run({out})", "test_engine")
+    assert found["mesh-spec"] == found["one-spec"] == found["generate"]
+    assert found["mesh-plain"] == found["one-plain"] == found["generate"]

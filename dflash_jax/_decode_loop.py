@@ -59,9 +59,9 @@ class GenerationConfig:
     # ascending, each <= block_size; (): always the whole block. A cycle picks the narrowest that
     # holds what `verify_policy` asks for (`_verify_plan`).
     verify_widths: tuple[int, ...] = ()
-    # "budget": SamplingParams.verify_budget tokens per cycle over the batch, given to the (row, draft)
-    # pairs most likely to be accepted; "costs": the width with the most expected tokens per second
-    # (SamplingParams.verify_costs); "": none (verify_widths is then one width, always verified)
+    # "costs": the width with the most expected tokens per second (SamplingParams.verify_costs, within
+    # SamplingParams.verify_budget where given); "budget": the widest the budget allows; "": the one
+    # width (verify_widths is then one width)
     verify_policy: str = ""
 
     def __post_init__(self):
@@ -99,8 +99,7 @@ class SamplingParams:
     # [] float32, a DSpark drafter with a confidence head only: each row verifies its drafts up to
     # the first whose confidence is below this (0: all of them; `_dspark.proposal_limit`)
     confidence_threshold: jax.Array | None = None
-    # [] int32, GenerationConfig.verify_policy "budget": tokens verified per cycle over the batch (each
-    # live row's anchor counts one)
+    # [] int32: the most tokens a cycle verifies over the batch (rows x the verify width; None: no bound)
     verify_budget: jax.Array | None = None
     # [len(verify_widths)] float32, verify_policy "costs": seconds of a cycle verifying each width
     verify_costs: jax.Array | None = None
@@ -119,8 +118,8 @@ class DecodeState:
     # [B, max_new_tokens]: tokens emitted by each cycle (accepted drafts + 1, the tau samples);
     # entries at and past cycles[b] are 0.
     emitted_per_cycle: jax.Array
-    # [] int32: tokens the target verified, summed over cycles (live rows x the verified width); the
-    # batch engine's (`empty_state`), None in `generate`'s state
+    # [] int32: tokens the target verified, summed over cycles (rows x the verified width: every row is
+    # computed, live or not); the batch engine's (`empty_state`), None in `generate`'s state
     verified: jax.Array | None = None
 
 
@@ -267,13 +266,7 @@ def _spark(drafter, cfg, drafter_params, anchors, draft_cache, key, params):
     exact = cfg.sampling and cfg.acceptance == "exact"
     probs_fn = (lambda z: _target_probs(cfg, params, z)) if exact else None
     drafts, _, probs, confidences = dspark.draft(dc.dspark, module, hidden, logits, anchors, probs_fn, key)
-    first = _confidence(cfg, logits)
-    if cfg.verify_policy == "budget" and confidences is not None:
-        # its confidence head ranks the budget's pairs: c_k reads the token drafted before slot k,
-        # never the one at k, and a row verifies its own leading run of chosen pairs, so whether
-        # draft k is verified depends on drafts before it only (lossless when sampling). The
-        # "costs" policy's one width for all rows would read later slots: it keeps `_confidence`.
-        first = confidences
+    first = _confidence(cfg, logits)  # not the confidence head's: c_k reads draft k - 1 (`_verify_plan`)
     limit = None
     if confidences is not None and params.confidence_threshold is not None:
         limit = dspark.proposal_limit(confidences, params.confidence_threshold)
@@ -390,41 +383,32 @@ def _padded(outputs, pad: int):
 
 def _verify_plan(cfg: GenerationConfig, params: SamplingParams, draft_p, done, limit):
     """How much a cycle verifies (`GenerationConfig.verify_policy`) -> (limit [B], the index of the
-    narrowest of cfg.verify_widths that holds 1 + every live row's limit).
+    width in cfg.verify_widths every row verifies).
 
-    A row's k-th draft survives verification with about the product of the drafter's confidences in
-    slots 0..k (draft_p [B, G-1]: `_confidence`, or a DSpark confidence head's under "budget"; a
-    looked-up draft counts 1). "budget": each live row verifies
-    its anchor, and the rest of params.verify_budget tokens go to the (row, draft) pairs of highest
-    survival (a row's pairs are taken in order: its limit is its leading run of chosen drafts).
-    "costs": every row verifies up to the width w that maximises the expected tokens of the cycle
-    (live rows + the survivals of drafts 0..w-2) per second of a cycle of that width
-    (params.verify_costs). "": the one width. A proposer's own limit (DSpark's confidence) still
-    holds. Nothing here looks at the target, so any choice is lossless (`_verify`'s limit rule)."""
+    The target computes every row at the chosen width (static shapes), so the choice is one width w
+    for the batch, every row verifying up to w - 1 drafts (a proposer's own limit, DSpark's
+    confidence threshold, still holds). "costs": the width with the most expected tokens per second
+    of a cycle of that width (params.verify_costs): the live rows, plus each live row's chance of
+    getting past draft k, about the product of the drafter's confidences in slots 0..k (draft_p
+    [B, G-1], `_confidence`; a looked-up draft counts 1), summed over the drafts the width holds.
+    "budget": the widest width with rows x w <= params.verify_budget (the narrowest if none fits).
+    Both: the cost table's choice among the widths the budget allows. "": the one width.
+
+    The choice reads draft_p, which depends on the context, never on a drafted token, so whether a
+    draft is verified is independent of it: lossless at any temperature (`_verify`'s limit rule)."""
     widths = jnp.asarray(cfg.verify_widths, jnp.int32)
-    live = ~done
-    survival = jnp.where(live[:, None], jnp.cumprod(draft_p.astype(jnp.float32), axis=-1), 0.0)  # [B, G-1]
-    slot = jnp.arange(survival.shape[1], dtype=jnp.int32)[None, :]
-    if limit is not None:
-        survival = jnp.where(slot < limit[:, None], survival, 0.0)
-    if cfg.verify_policy == "budget":
-        extra = params.verify_budget - jnp.sum(live)
-        flat = survival.reshape(-1)
-        rank = jnp.zeros(flat.shape, jnp.int32).at[jnp.argsort(-flat, stable=True)].set(
-            jnp.arange(flat.shape[0], dtype=jnp.int32))
-        chosen = ((rank < extra) & (flat > 0)).reshape(survival.shape)
-        plan = sampling.leading_true(chosen)
-    elif cfg.verify_policy == "costs":
+    allowed = jnp.ones(widths.shape, bool)
+    if params.verify_budget is not None:
+        allowed = (widths * done.shape[0] <= params.verify_budget) | (widths == widths[0])
+    if cfg.verify_policy == "costs":
+        live = ~done
+        survival = jnp.where(live[:, None], jnp.cumprod(draft_p.astype(jnp.float32), axis=-1), 0.0)  # [B, G-1]
         gains = jnp.sum(live) + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.sum(survival, axis=0))])  # [G]
-        best = jnp.argmax(gains[widths - 1] / params.verify_costs)
-        plan = jnp.full(done.shape, widths[best] - 1, jnp.int32)
+        index = jnp.argmax(jnp.where(allowed, gains[widths - 1] / params.verify_costs, -jnp.inf))
     else:
-        plan = jnp.full(done.shape, widths[-1] - 1, jnp.int32)
-    if limit is not None:
-        plan = jnp.minimum(plan, limit)
-    need = 1 + jnp.max(jnp.where(live, plan, 0))
-    index = jnp.minimum(jnp.sum(widths < need), widths.shape[0] - 1)
-    return plan, index
+        index = jnp.sum(allowed) - 1  # the widest allowed (allowed is a prefix of the ascending widths)
+    plan = jnp.full(done.shape, widths[index] - 1, jnp.int32)
+    return (plan if limit is None else jnp.minimum(plan, limit)), index
 
 
 def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params, state: DecodeState,
@@ -476,8 +460,8 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     emitted_per_cycle = state.emitted_per_cycle.at[rows, index].set(
         jnp.where(live, num_emitted, state.emitted_per_cycle[rows, index]))
     verified = state.verified
-    if verified is not None:
-        verified = verified + width * jnp.sum(live).astype(jnp.int32)
+    if verified is not None:  # every row is computed at the width, live or not
+        verified = verified + width * state.done.shape[0]
     return state.replace(tokens=tokens, lengths=lengths, done=done, target_cache=target_cache,
                          draft_cache=draft_cache, rng=rng, cycles=state.cycles + live,
                          emitted_per_cycle=emitted_per_cycle, verified=verified)

@@ -16,11 +16,13 @@ cycles); then the decode loop runs on the device until a row finishes while prom
 is refilled at once), or `cycles_per_chunk` cycles while a prompt is half prefilled, or
 `max_cycles`. Finished rows are read back and their slots freed.
 
-Each prompt's output is what `generate` gives it alone: greedy, the same tokens (each row's
-computation is that of a batch of one: the same prefill chunks, the same cycle); sampling, the same
-distribution, drawn with the prompt's own key (`seeds`, or the engine's seed folded with the prompt's
-index), so a prompt's sample does not depend on its neighbours or its slot (unless
-`min_draft_probability` is set: that gate decides for the whole batch; still lossless).
+Each prompt's output is what `generate` gives it alone: greedy, the same tokens (a row is prefilled
+as a batch of one in `generate`'s chunks, and decoded by the same cycle in a batch, as `generate`'s
+own rows are: bit-identical in the tests, float32 on a CPU); sampling, the same distribution, drawn
+with the prompt's own key (`seeds`, or the engine's seed folded with the prompt's index), so a
+prompt's sample does not depend on its neighbours or its slot, unless `min_draft_probability`,
+`verify_budget` or `verify_costs` is set: those decide what a cycle verifies for the whole batch
+(the distribution stays exact; the sample then depends on the batch).
 
 On a mesh (the Generator's) the programs are compiled with the params placed by the rules and the
 state by `decode_loop.state_shardings` (rows over `data`, caches over `data` and `tensor`); the host
@@ -70,9 +72,11 @@ class PromptResult:
 @dataclasses.dataclass
 class EngineStats:
     """What the last `run` did: host round trips (`returns`: decode-loop calls), cycles (of the whole
-    batch), tokens the target verified in them, prefill chunks, and where the time went.
-    `prefill_seconds` and `decode_seconds` are the time in those programs (including the reads that
-    wait for them); `host_seconds` the time between device calls (bookkeeping, reading rows back)."""
+    batch), tokens the target verified in them (slots x the verify width: every row is computed, live
+    or not), prefill chunks, and where the time went: `prefill_seconds` and `decode_seconds` in those
+    programs (including the reads that wait for them), `host_seconds` between device calls
+    (bookkeeping, reading rows back), `compile_seconds` compiling; each apart from the others, and none
+    counting the caller's time between the results `run` yields."""
 
     returns: int = 0
     cycles: int = 0
@@ -90,7 +94,7 @@ class EngineStats:
 
     @property
     def verified_per_cycle(self) -> float:
-        """Tokens the target verified per cycle, over the batch (live rows x the verified width)."""
+        """Tokens the target verified per cycle, over the batch (slots x the verify width)."""
         return self.verified_tokens / self.cycles if self.cycles else 0.0
 
     @property
@@ -154,8 +158,8 @@ class BatchEngine:
         """The compiled `fn` for these argument shapes (held by the Generator), and the seconds spent
         compiling it (0.0 when it was held). On the Generator's mesh: the params placed by the rules,
         the state by `state_shardings` (in and out), every other argument replicated."""
-        leaves = jax.tree_util.tree_leaves(args)
-        signature = tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves)
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        signature = (treedef, tuple((x.shape, jnp.dtype(x.dtype).name) for x in leaves))
         key = ("engine", name, *self.generator.specs, self.config, self.slots, self.capacity, signature)
         mesh = self.generator.mesh
         if mesh is None:
@@ -259,6 +263,7 @@ class BatchEngine:
         if not queue:
             return
         clock = time.perf_counter()
+        compiled = self.stats.compile_seconds
         state = self._empty()
         slots: list[_Slot | None] = [None] * self.slots
         while queue or any(s is not None for s in slots):
@@ -267,16 +272,13 @@ class BatchEngine:
                     i = queue.popleft()
                     chunk = min(prompt_bucket(len(rows[i])), PREFILL_CHUNK)
                     slots[b] = _Slot(i, rows[i], keys[i], chunk=chunk)
-            device = time.perf_counter()
-            self.stats.host_seconds += device - clock
+            clock, compiled = self._account("host_seconds", clock, compiled)
             prefilling = [b for b, slot in enumerate(slots) if slot is not None and slot.prefilling]
             for b in prefilling:
                 state = self._prefill_chunk(state, b, slots[b])
             if prefilling:
                 jax.block_until_ready(state.lengths)
-                clock = time.perf_counter()
-                self.stats.prefill_seconds += clock - device
-                device = clock
+                clock, compiled = self._account("prefill_seconds", clock, compiled)
             decoding = [b for b, s in enumerate(slots) if s is not None and not s.prefilling]
             ran = jnp.zeros((), jnp.int32)
             if decoding:
@@ -286,16 +288,23 @@ class BatchEngine:
             done, ran, verified = _fetch((state.done, ran, state.verified))
             self.stats.cycles += int(ran)
             self.stats.verified_tokens = int(verified)
-            clock = time.perf_counter()
-            self.stats.decode_seconds += clock - device
+            clock, compiled = self._account("decode_seconds", clock, compiled)
             finished = [b for b in decoding if done[b]]
-            if finished:
-                for b, result in self._read(state, finished, slots):
-                    slots[b] = None
-                    self.stats.generated_tokens += len(result.tokens)
-                    yield result.index, result
-                clock = time.perf_counter()
-        self.stats.host_seconds += time.perf_counter() - clock
+            for b, result in self._read(state, finished, slots):
+                slots[b] = None
+                self.stats.generated_tokens += len(result.tokens)
+                clock, compiled = self._account("host_seconds", clock, compiled)
+                yield result.index, result
+                clock = time.perf_counter()  # the caller's time between results is not the engine's
+        self._account("host_seconds", clock, compiled)
+
+    def _account(self, field: str, since: float, compiled: float) -> tuple[float, float]:
+        """Add the time since `since`, less what was spent compiling since then, to stats.<field>; ->
+        (now, the compile seconds so far)."""
+        now = time.perf_counter()
+        spent = now - since - (self.stats.compile_seconds - compiled)
+        setattr(self.stats, field, getattr(self.stats, field) + max(spent, 0.0))
+        return now, self.stats.compile_seconds
 
     def _prefill_chunk(self, state, b: int, slot: _Slot):
         start = slot.filled
@@ -307,6 +316,8 @@ class BatchEngine:
         return state
 
     def _read(self, state, finished: list[int], slots):
+        if not finished:
+            return
         index = jnp.asarray(finished, jnp.int32)
         tokens, lengths, prompt_lengths, cycles, emitted = _fetch(
             (state.tokens[index], state.lengths[index], state.prompt_lengths[index], state.cycles[index],

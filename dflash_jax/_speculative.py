@@ -314,7 +314,7 @@ def _configure(target, drafter, o: SamplingOptions):
                             stop_token_ids=jnp.asarray(padded_stops),
                             min_draft_probability=jnp.float32(o.min_draft_probability),
                             confidence_threshold=jnp.float32(o.confidence_threshold) if confidence else None,
-                            verify_budget=jnp.int32(o.verify_budget) if policy == "budget" else None,
+                            verify_budget=jnp.int32(o.verify_budget) if o.verify_budget else None,
                             verify_costs=None if costs is None else jnp.asarray(costs, jnp.float32))
     return cfg, params, stops
 
@@ -332,12 +332,10 @@ def _verify_options(drafter, o: SamplingOptions, block_size: int):
     if drafter is None:
         raise ValueError("verify_budget / verify_costs choose how many drafts a cycle verifies; they need a drafter "
                          "(got drafter=None)")
-    if o.verify_budget and o.verify_costs is not None:
-        raise ValueError("verify_budget and verify_costs both choose how much a cycle verifies: pass one")
     if o.min_draft_probability:
         raise ValueError("min_draft_probability and verify_budget / verify_costs both choose what a cycle verifies: "
                          "pass one")
-    if o.verify_budget:
+    if o.verify_costs is None:
         return verify_widths_for(block_size), "budget", None
     if not isinstance(o.verify_costs, Mapping) or not o.verify_costs:
         raise TypeError(f"verify_costs must be a non-empty mapping of verify width -> seconds per cycle, got "
@@ -701,13 +699,13 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     cost for long contexts; the authors' MLX backend offers the same; still lossless).
     confidence_threshold (0 = off; a DSpark drafter with a confidence head only): each row verifies
     its drafts up to the first whose confidence is below it (the rest of the static block is
-    masked, never recompiled: the value is an argument; still lossless). verify_budget (0 = off):
-    tokens verified per cycle over the batch: each live row its anchor, the rest to the drafts most
-    likely to survive (the product of the drafter's probabilities up to each), and the cycle verifies
-    the narrowest of the widths 1, 2, 4, ..., G that holds them (`_decode_loop._verify_plan`).
-    verify_costs (None = off): {verify width: seconds of a cycle at that width} for this batch and
-    device (`infer.benchmark --profile-verify` measures them): each cycle verifies the width with the
-    most expected tokens per second. Both lossless, whatever they choose. A DSpark drafter's block
+    masked, never recompiled: the value is an argument; still lossless). verify_costs (None = off):
+    {verify width: seconds of a cycle at that width} for this batch and device (`infer.benchmark
+    --profile-verify` measures them): each cycle verifies the width (a prefix of the block, the same
+    for every row: static shapes) with the most expected tokens per second, from the drafter's
+    confidence in each slot. verify_budget (0 = off): the most tokens a cycle verifies over the batch
+    (rows x width; with verify_costs, among the widths it allows; alone, the widest it allows of 1, 2,
+    4, ..., G). Both lossless whatever they choose (`_decode_loop._verify_plan`). A DSpark drafter's block
     of G slots proposes G tokens, so its default block_size (tokens verified per cycle) is G + 1. mesh: a
     `jax.sharding.Mesh` to generate on (None: the
     target's, `Target.mesh`; see `Generator`). Bad arguments raise TypeError/ValueError naming the

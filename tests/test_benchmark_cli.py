@@ -77,7 +77,7 @@ def test_baseline_without_torch_is_skipped_with_one_notice_first(monkeypatch, ca
     (["--random-target", "qwen3-8b", "--join", "4"], "cannot be combined with --random-target"),
     (["--concurrency", "1,x"], "--concurrency: concurrency levels are integers >= 1"),
     (["--verify-budget", "8"], "apply with --concurrency"),
-    (["--concurrency", "2", "--verify-budget", "8", "--verify-costs", "c.json"], "pass one"),
+    (["--concurrency", "2", "--profile-verify", "c.json", "--baseline", "transformers"], "drop --baseline"),
 ])
 def test_bad_arguments_exit_2(argv, message, no_work, capsys):
     with pytest.raises(SystemExit) as exit_info:

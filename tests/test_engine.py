@@ -111,23 +111,29 @@ def test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens(f
     full = Generator(target, drafter).engine(slots=4, max_prompt_tokens=300, max_new_tokens=20, stop_token_ids=())
     want = full.generate(prompts)
     g = drafter.config.block_size
+    assert full.stats.verified_per_cycle == 4 * g
     budget = Generator(target, drafter).engine(slots=4, max_prompt_tokens=300, max_new_tokens=20, stop_token_ids=(),
-                                               verify_budget=4 + 6)  # < slots x block
+                                               verify_budget=4 * 2 + 3)  # slots x width <= 11: width 2
     got = budget.generate(prompts)
     assert [r.tokens for r in got] == [r.tokens for r in want]
-    longest = max(n for r in got for n in r.acceptance_lengths)
-    assert longest <= 7 and max(n for r in want for n in r.acceptance_lengths) > longest  # the budget bound
+    assert max(n for r in got for n in r.acceptance_lengths) == 2 < max(n for r in want for n in r.acceptance_lengths)
+    assert budget.stats.verified_per_cycle == 4 * 2
     # a cost table that makes wide verifies dear: narrower cycles, the same tokens
     costs = {1: 1.0, 2: 1.05, 4: 1.5, g: 8.0}
-    cheap = generate(target, drafter, prompts, max_new_tokens=20, stop_token_ids=(), verify_costs=costs)
-    assert cheap.tokens == [r.tokens for r in want]
-    assert max(n for row in cheap.acceptance_lengths for n in row) <= 4 < g
-    with pytest.raises(ValueError, match="pass one"):
-        generate(target, drafter, prompts[:1], verify_budget=8, verify_costs=costs)
+    cheap = Generator(target, drafter).engine(slots=4, max_prompt_tokens=300, max_new_tokens=20, stop_token_ids=(),
+                                              verify_costs=costs)
+    assert [r.tokens for r in cheap.generate(prompts)] == [r.tokens for r in want]
+    assert 1 < cheap.stats.verified_per_cycle / 4 <= 4  # widths 2 and 4 chosen, never the block
+    solo = generate(target, drafter, prompts[:3], max_new_tokens=20, stop_token_ids=(), verify_costs=costs,
+                    verify_budget=6)  # generate takes them too; the budget bounds the table's choice to width 2
+    assert solo.tokens == [r.tokens for r in want[:3]]
+    assert max(n for row in solo.acceptance_lengths for n in row) <= 2
     with pytest.raises(ValueError, match="need a drafter"):
         generate(target, None, prompts[:1], verify_budget=8)
     with pytest.raises(ValueError, match="verify_costs: a width"):
         generate(target, drafter, prompts[:1], verify_costs={g + 1: 1.0})
+    with pytest.raises(ValueError, match="min_draft_probability and verify_budget"):
+        generate(target, drafter, prompts[:1], verify_budget=8, min_draft_probability=0.5)
 
 
 def test_a_reused_slot_starts_clean_with_a_hybrid_target_and_a_ring_draft_cache():
@@ -183,3 +189,36 @@ def test_the_engine_on_a_mesh_gives_one_devices_output():
     found = run_8_devices("sharded_engine_run({out})", "test_engine")
     assert found["mesh-spec"] == found["one-spec"] == found["generate"]
     assert found["mesh-plain"] == found["one-plain"] == found["generate"]
+
+
+def test_what_a_cycle_verifies_never_reads_a_sampled_draft():
+    """The drafter's confidence that `_verify_plan` chooses the width from is the same whichever drafts
+    the sampling drew (two keys, different drafts): the choice is independent of the drafts, which the
+    exact rule needs (reading a sampled draft's own probability biases the output)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax import _sampling as sampling
+    from dflash_jax._decode_loop import GenerationConfig, SamplingParams, _propose, prefill
+
+    target, drafter = sampling_pair()
+    cfg = GenerationConfig(max_new_tokens=4, block_size=4, sampling=True, verify_widths=(1, 2, 4),
+                           verify_policy="costs")
+    params = SamplingParams(temperature=jnp.float32(1.0), top_p=jnp.float32(1.0),
+                            stop_token_ids=jnp.full((8,), -1, jnp.int32), verify_costs=jnp.ones((3,), jnp.float32))
+    tokens = jnp.asarray([PROMPT + [0]] * 64, jnp.int32)
+    lengths = jnp.full((64,), len(PROMPT), jnp.int32)
+
+    @jax.jit
+    def propose(key):
+        state = prefill(target.spec, drafter.spec, cfg, target.params, drafter.loop_params, tokens, lengths,
+                        jax.random.PRNGKey(0), params)
+        anchors = sampling.gather_rows(state.tokens, state.lengths - 1)
+        return _propose(target.spec, drafter.spec, cfg, target.params, drafter.loop_params, anchors,
+                        state.draft_cache, key, params)
+
+    drafts_a, _, confidence_a, _ = propose(jax.random.PRNGKey(1))
+    drafts_b, _, confidence_b, _ = propose(jax.random.PRNGKey(2))
+    assert np.any(np.asarray(drafts_a) != np.asarray(drafts_b))
+    assert confidence_a.shape == drafts_a.shape
+    np.testing.assert_array_equal(np.asarray(confidence_a), np.asarray(confidence_b))

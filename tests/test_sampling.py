@@ -152,10 +152,11 @@ def test_chunked_sample_follows_the_distribution():
     assert stats.chisquare(counts[:11][support], probs[support] * n).pvalue > 1e-3
 
 
-def test_sampling_under_a_verify_budget_matches_target_distribution(pair):
-    """Rows verify prefixes of their blocks chosen from the drafter's probabilities (a budget of
-    about two tokens a row): the exact rule on each prefix keeps the target's distribution."""
+def test_sampling_under_a_verify_cost_table_matches_target_distribution(pair):
+    """Each cycle verifies the prefix of the block a cost table chooses from the drafter's confidence
+    (its top probabilities): the exact rule on each prefix keeps the target's distribution."""
     target, drafter = pair
-    samples, result = sample_sequences(target, drafter, seed=17, temperature=1.0, verify_budget=2 * SAMPLES)
+    costs = {1: 1.0, 2: 1.05, 4: 1.1}
+    samples, result = sample_sequences(target, drafter, seed=17, temperature=1.0, verify_costs=costs)
     assert chi_square_pvalue(samples, exact_joint(target)) > 1e-3
     assert result.tau > 1.05

@@ -131,6 +131,12 @@ def _generate_turn(target, engine, dialogues: list[_Dialogue], cfg: RegenerateCo
         return
     for i, result in engine.run([ids for _, ids in pending], seeds=[seed + i for i in range(len(pending))]):
         d, tokens = pending[i][0], result.tokens
+        if not result.ok:  # longer than a slot holds (the target's positions less max_new_tokens)
+            d.messages.pop()
+            d.open = False
+            stats.skipped_long_prompt += not any(m["role"] == "assistant" for m in d.messages)
+            bar.update(1 + len(d.user_turns))
+            continue
         finished = bool(tokens) and tokens[-1] in stops
         text = tok.decode(tokens[:-1] if finished else tokens, skip_special_tokens=False)
         d.messages.append({"role": "assistant", "content": text, **({} if finished else {"truncated": True})})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.cli.common import CLIError, notice
+from dflash_jax.cli.common import CLIError, drafting_kwargs, notice
 
 
 def parse_levels(text: str) -> list[int]:
@@ -25,12 +25,18 @@ def parse_levels(text: str) -> list[int]:
     return sorted(set(levels))
 
 
-def _options(args, stops, drafter) -> dict:
+def _options(args, stops, drafter, widths: bool = False) -> dict:
+    """The engine's options for these flags (widths: the cycle's verify width is chosen by a budget or a
+    cost table, which the draft gate cannot join: it is left off)."""
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop_token_ids=stops)
     if drafter is not None:
-        options.update(block_size=args.block_size, acceptance=args.acceptance, lookup=args.lookup or 0,
-                       min_draft_probability=args.min_draft_probability or 0.0)
+        options.update(block_size=args.block_size, acceptance=args.acceptance, **drafting_kwargs(args, drafter))
+        if widths and options.get("min_draft_probability"):
+            chooser = "--profile-verify" if args.profile_verify else "--verify-budget / --verify-costs"
+            notice(f"{chooser} chooses the verify width: drafts are not gated by --min-draft-probability "
+                   f"{options['min_draft_probability']:g}")
+            options["min_draft_probability"] = 0.0
     return options
 
 
@@ -64,11 +70,16 @@ def _rows_for(prompts: list[dict], level: int) -> list[list[int]]:
     return rows
 
 
-def load_costs(path: Path) -> dict:
-    """A --profile-verify file -> {concurrency: {width: seconds}}; CLIError naming a bad file."""
+def load_costs(path: Path, block_size: int) -> dict:
+    """A --profile-verify file -> {concurrency: {width: seconds}}; CLIError naming a bad file, or one
+    measured for another block size."""
     try:
         table = json.loads(Path(path).read_text())
-        return {int(c): {int(w): float(s) for w, s in widths.items()} for c, widths in table["cycle_seconds"].items()}
+        costs = {int(c): {int(w): float(s) for w, s in widths.items()} for c, widths in table["cycle_seconds"].items()}
+        if table["block_size"] != block_size:
+            raise CLIError(f"--verify-costs {path}: measured for blocks of {table['block_size']}, this run verifies "
+                           f"blocks of {block_size} (measure again with --profile-verify)")
+        return costs
     except FileNotFoundError as e:
         raise CLIError(f"--verify-costs {path}: no such file (write one with --profile-verify)") from e
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -90,19 +101,25 @@ def run_concurrency(target, drafter, prompts: list[dict], args, stops) -> dict:
     levels = parse_levels(args.concurrency)
     ar_generator = Generator(target, None)
     spec_generator = Generator(target, drafter) if drafter is not None else None
-    costs = load_costs(args.verify_costs) if args.verify_costs else None
+    costs = None
+    if args.verify_costs and drafter is not None:
+        from dflash_jax._speculative import _block_size
+
+        costs = load_costs(args.verify_costs, _block_size(drafter, args.block_size))
+    ar_options = _options(args, stops, None)
+    spec_options = _options(args, stops, drafter, widths=bool(args.verify_budget or costs)) if drafter else None
     out = []
     for level in levels:
         rows = _rows_for(prompts, level)
         record = {"concurrency": level, "prompts": len(rows)}
-        base = _timed(ar_generator, rows, level, _options(args, stops, None))
+        base = _timed(ar_generator, rows, level, ar_options)
         record["autoregressive"] = _mode(*base)
         line = f"concurrency {level:3d}: ar {record['autoregressive']['tokens_per_second']:8.1f} tok/s"
         if spec_generator is not None:
-            options = _options(args, stops, drafter)
+            options = dict(spec_options)
             if args.verify_budget:
                 options["verify_budget"] = args.verify_budget
-            elif costs is not None:
+            if costs is not None:
                 options["verify_costs"] = _costs_for(costs, level)
             spec = _timed(spec_generator, rows, level, options)
             record["speculative"] = sp = _mode(*spec)
@@ -129,12 +146,13 @@ def profile_verify(target, drafter, prompts: list[dict], args, stops, path: Path
         raise CLIError("--profile-verify times the verify of a drafter's blocks: it needs a drafter")
     generator = Generator(target, drafter)
     widths = verify_widths_for(_block_size(drafter, args.block_size))
+    base = _options(args, stops, drafter, widths=True)
     table = {}
     for level in parse_levels(args.concurrency or "1"):
         rows = _rows_for(prompts, level)
         table[str(level)] = {}
         for width in widths:
-            options = {**_options(args, stops, drafter), "min_draft_probability": 0.0, "verify_costs": {width: 1.0}}
+            options = {**base, "verify_costs": {width: 1.0}}
             _, stats, _, _ = _timed(generator, rows, level, options)
             seconds = stats.decode_seconds / max(stats.cycles, 1)
             table[str(level)][str(width)] = round(seconds, 6)

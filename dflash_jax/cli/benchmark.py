@@ -169,11 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "the speedup, tau and the tokens verified per cycle at each; --plot draws the speedup "
                            "against concurrency")
     conc.add_argument("--verify-budget", type=int, default=0, metavar="TOKENS",
-                      help="with --concurrency: tokens the target verifies per cycle over the batch, given to the "
-                           "drafts most likely to be accepted (0: every draft; lossless either way)")
+                      help="with --concurrency: the most tokens a cycle verifies over the batch (slots x the verify "
+                           "width; 0: no bound; lossless either way)")
     conc.add_argument("--verify-costs", metavar="costs.json",
                       help="with --concurrency: a cost table from --profile-verify; each cycle verifies the width "
-                           "with the most expected tokens per second (lossless)")
+                           "with the most expected tokens per second (within --verify-budget; lossless)")
     conc.add_argument("--profile-verify", metavar="costs.json",
                       help="measure the seconds of a cycle at each verify width (1, 2, 4, ..., the block) at each "
                            "--concurrency level (default 1) on this device, write the table and exit")
@@ -228,8 +228,6 @@ def _check_args(parser, args) -> None:
         parser.error("--verify-budget and --verify-costs apply with --concurrency")
     if args.verify_budget < 0:
         parser.error("--verify-budget must be >= 0")
-    if args.verify_budget and args.verify_costs:
-        parser.error("--verify-budget and --verify-costs both choose what a cycle verifies: pass one")
     if (args.concurrency or args.profile_verify) and args.mesh:
         parser.error("--concurrency and --profile-verify run the batch engine on one device: drop --mesh")
     if (args.concurrency or args.profile_verify) and (args.baseline or len(args.generations) > 1):

@@ -191,8 +191,9 @@ def tau_estimate(accuracy):
 
 
 def drafter_block_hidden(drafter, target, drafter_params, target_params, features, tokens, anchors, valid,
-                         anchor_chunk: int = 0):
-    """Drafter output [B, N*G, D] for the packed blocks at `anchors` (frozen target embedding).
+                         anchor_chunk: int = 0, embed=None):
+    """Drafter output [B, N*G, D] for the packed blocks at `anchors` (frozen target embedding, or
+    `embed`: block token ids [B, c*G] -> embeddings, e.g. a DSpark drafter's own table).
 
     anchor_chunk > 0 runs the blocks `anchor_chunk` anchors at a time against the whole context
     (same result: blocks never see each other), so attention costs N/c x (C + c*G) x c*G instead
@@ -201,10 +202,12 @@ def drafter_block_hidden(drafter, target, drafter_params, target_params, feature
     b, n = anchors.shape
     g = drafter.config.block_size
     frozen = jax.lax.stop_gradient(target_params)
+    if embed is None:
+        embed = lambda block: drafter.config.block_embeddings(target.embed(frozen, block))  # noqa: E731
 
     def run(anchors, valid):  # [B, c] -> [B, c*G, D]
         block = block_inputs(tokens, anchors, g, drafter.config.mask_token_id)
-        embeds = drafter.config.block_embeddings(target.embed(frozen, block))
+        embeds = embed(block)
         return drafter.train_hidden(drafter_params, features, embeds, anchors, valid)
 
     if not anchor_chunk or anchor_chunk >= n:
@@ -256,3 +259,47 @@ def dflash_loss(drafter, target, drafter_params, target_params, features, tokens
     slot_counts = jnp.sum(counted, axis=(0, 1))
     accuracy = jnp.sum(per_slot * slot_counts) / jnp.maximum(jnp.sum(slot_counts), 1)
     return loss, {"loss": loss, "accuracy": accuracy}
+
+
+def map_position_chunks(fn, arrays, chunk: int = 1024):
+    """fn(*chunks) -> a pytree of [B, c, ...], applied `chunk` positions at a time over arrays, a
+    tuple of [B, M, ...] (padded at the end to a multiple of the chunk), each chunk recomputed in
+    the backward pass (jax.checkpoint), so that peak memory holds the logits of one chunk; the
+    results joined back to [B, M, ...]."""
+    b, m = arrays[0].shape[:2]
+    chunk = max(1, min(chunk, m))
+    pad = -m % chunk
+    to_chunks = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+                                       .reshape(b, -1, chunk, *x.shape[2:]), 1, 0)
+    out = jax.lax.map(lambda args: jax.checkpoint(fn)(*args), tuple(map(to_chunks, arrays)))
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :m], out)
+
+
+def block_predecessors(tokens, anchors, block_size: int):
+    """[B, N, G] the text token before each slot's label: slot k of block j (label at anchor_j + k)
+    gets tokens[anchor_j + k - 1], slot 0 the anchor (a DFlash2 selector's teacher-forced
+    predecessor; slot 0 is never weighed)."""
+    t = tokens.shape[1]
+    where = jnp.clip(anchors[..., None] + jnp.arange(block_size) - 1, 0, t - 1)
+    where = jnp.maximum(where, anchors[..., None])
+    return jnp.take_along_axis(tokens[:, None, :], where, axis=2)
+
+
+def proposal_targets(tokens, loss_mask, anchors, valid, proposals: int, decay: float):
+    """DSpark's targets (DeepSpec): proposal s = 0..P-1 of block j predicts the token at
+    anchor_j + s + 1 from the gold previous token at anchor_j + s, where the target's own
+    distribution is read too. A slot counts while every label up to it lies inside the text and
+    the loss mask (a contiguous prefix), its block is valid; weight exp(-s / decay).
+    -> (labels, previous, positions of the target's distribution, weights float32), each [B, N, P]."""
+    t = tokens.shape[1]
+    s = jnp.arange(proposals)
+    where = anchors[..., None] + s + 1  # [B, N, P]
+    inside = where < t
+    where = jnp.minimum(where, t - 1)
+    gather = lambda x, w: jnp.take_along_axis(x[:, None, :], w, axis=2)  # noqa: E731
+    labels = gather(tokens, where)
+    before = jnp.minimum(anchors[..., None] + s, t - 1)
+    counted = gather(loss_mask, where) & inside & valid[..., None]
+    counted = jnp.cumprod(counted.astype(jnp.int32), axis=2).astype(bool)
+    weights = counted * jnp.exp(-s / decay)
+    return labels, gather(tokens, before), before, weights.astype(jnp.float32)

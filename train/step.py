@@ -137,16 +137,19 @@ def target_features(target, target_params, tokens, layer_ids, *, next_tokens: bo
     return features, objective.greedy_tokens(head, hidden, logits_chunk)
 
 
-def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch):
+def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch, *, with_terms: bool = False):
     """Loss and per-slot accuracy [G] of one (micro-)batch that carries its anchors [B, N] and
-    their validity [B, N] (objective.sample_anchors).
+    their validity [B, N] (objective.sample_anchors). with_terms: (loss, (accuracy, terms)), terms
+    a dict of the loss's parts before their weights ({} for DFlash; "selector_loss" for DFlash2;
+    "ce_loss", "l1_loss" and "confidence_loss" for DSpark).
 
     frozen: {"target": target params, "target_to_draft": int32 [V] (reduced vocabulary only)}.
     Labels outside a reduced draft vocabulary weigh 0 and count as wrong for accuracy.
     A DSpark drafter's loss is `dspark_batch_loss`; a DFlash2 drafter's adds its selector's.
     """
     if config.dspark is not None:
-        return dspark_batch_loss(target, config, spec, params, frozen, batch)
+        loss, slots, terms = dspark_batch_loss(target, config, spec, params, frozen, batch)
+        return (loss, (slots, terms)) if with_terms else (loss, slots)
     dtype = DTYPES[spec.compute_dtype]
     target_params = jax.lax.stop_gradient(frozen["target"])
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
@@ -191,10 +194,11 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     loss, slots = objective.weighted_block_loss(head, hidden, labels, loss_weights, counted, spec.logits_chunk,
                                                 soft=None if soft is None else tuple(soft), scorable=weights > 0)
     if config.dflash2 is None:
-        return loss, slots
+        return (loss, (slots, {})) if with_terms else (loss, slots)
     selector = _selector_loss(config, drafter_params["candidate_selector"], head, hidden, tokens, anchors,
                               labels, weights, spec.logits_chunk)
-    return loss + spec.selector_alpha * selector, slots
+    loss = loss + spec.selector_alpha * selector
+    return (loss, (slots, {"selector_loss": selector})) if with_terms else (loss, slots)
 
 
 def _selector_loss(config: DrafterConfig, selector, head, hidden, tokens, anchors, labels, weights, chunk: int):
@@ -215,9 +219,9 @@ def _selector_loss(config: DrafterConfig, selector, head, hidden, tokens, anchor
 
 
 def dspark_batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch):
-    """A DSpark drafter's loss (module docstring) and per-proposal accuracy [P] (teacher-forced
-    argmax of the biased logits) of one (micro-)batch with its anchors; online features only: the
-    loss reads the target's whole distribution at every proposal."""
+    """A DSpark drafter's loss (module docstring), per-proposal accuracy [P] (teacher-forced argmax
+    of the biased logits) and the loss's terms of one (micro-)batch with its anchors; online
+    features only: the loss reads the target's whole distribution at every proposal."""
     if "features" in batch:
         raise ValueError("training a DSpark drafter needs the target's whole distribution at every proposal "
                          "(its L1 and confidence terms): run online (data.path of text or token records, not a "
@@ -256,11 +260,13 @@ def dspark_batch_loss(target, config: DrafterConfig, spec: StepSpec, params, fro
                                                          spec.logits_chunk)
     w = flat(weights)
     mean = lambda x: jnp.sum(w * x) / jnp.maximum(jnp.sum(w), 1e-9)  # noqa: E731
-    loss = spec.ce_alpha * mean(ce) + spec.l1_alpha * mean(l1)
+    terms = {"ce_loss": mean(ce), "l1_loss": mean(l1)}
+    loss = spec.ce_alpha * terms["ce_loss"] + spec.l1_alpha * terms["l1_loss"]
     if dc.enable_confidence_head:
-        loss = loss + spec.confidence_alpha * mean(bce)
+        terms["confidence_loss"] = mean(bce)
+        loss = loss + spec.confidence_alpha * terms["confidence_loss"]
     counted = weights > 0
-    return loss, objective.slot_accuracy(correct.reshape(b, n, p) & counted, counted)
+    return loss, objective.slot_accuracy(correct.reshape(b, n, p) & counted, counted), terms
 
 
 def _micro_batches(batch: dict, count: int) -> dict:
@@ -276,29 +282,31 @@ def make_train_step(target, config: DrafterConfig, spec: StepSpec, optimizer: op
 
     Anchors are drawn for the whole batch from fold_in(state.rng, state.step), then gradients are
     averaged over spec.grad_accum micro-batches. metrics: loss, slot_accuracy [G-1] (slots 1..G-1), tau_estimate,
-    grad_norm, learning_rate. A DSpark drafter's slot_accuracy has one entry per proposal
-    (`DrafterConfig.proposals`)."""
+    grad_norm, learning_rate, and the loss's terms (`batch_loss`). A DSpark drafter's slot_accuracy
+    has one entry per proposal (`DrafterConfig.proposals`)."""
     first_proposal = 0 if config.dspark is not None else 1  # the accuracy vector's first proposing slot
 
     def step(state: TrainState, frozen, batch):
         anchors, valid = objective.sample_anchors(jax.random.fold_in(state.rng, state.step),
                                                   batch["loss_mask"], spec.num_anchors)
         batch = {**batch, "anchors": anchors, "valid": valid}
-        grad_fn = jax.value_and_grad(lambda p, mb: batch_loss(target, config, spec, p, frozen, mb), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, mb: batch_loss(target, config, spec, p, frozen, mb, with_terms=True),
+                                     has_aux=True)
 
         def accumulate(total, micro):
-            (loss, slots), grads = grad_fn(state.params, micro)
-            return jax.tree.map(jnp.add, total, grads), (loss, slots)
+            (loss, (slots, terms)), grads = grad_fn(state.params, micro)
+            return jax.tree.map(jnp.add, total, grads), (loss, slots, terms)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (losses, slots) = jax.lax.scan(accumulate, zeros, _micro_batches(batch, spec.grad_accum))
+        grads, (losses, slots, terms) = jax.lax.scan(accumulate, zeros, _micro_batches(batch, spec.grad_accum))
         grads = jax.tree.map(lambda g: g / spec.grad_accum, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         slot_accuracy = jnp.mean(slots, axis=0)[first_proposal:]
         metrics = {"loss": jnp.mean(losses), "slot_accuracy": slot_accuracy,
                    "tau_estimate": objective.tau_estimate(slot_accuracy),
-                   "grad_norm": optax.global_norm(grads), "learning_rate": schedule(state.step)}
+                   "grad_norm": optax.global_norm(grads), "learning_rate": schedule(state.step),
+                   **{name: jnp.mean(value) for name, value in terms.items()}}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step

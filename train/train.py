@@ -301,7 +301,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
                         "slot_accuracy": [round(float(a), 5) for a in metrics["slot_accuracy"]],
                         "grad_norm": float(metrics["grad_norm"]), "learning_rate": float(metrics["learning_rate"]),
                         "step_time": elapsed / steps_done, "tokens_per_s": tokens / elapsed,
-                        "block_tokens_per_s": blocks / elapsed}
+                        "block_tokens_per_s": blocks / elapsed,
+                        **{k: float(v) for k, v in metrics.items() if k.endswith("_loss")}}  # the loss's terms
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0:
                     last["tau"] = measure_tau(target, drafter_config, state.params, prompts,
                                               cfg.run.eval_max_new_tokens, vocab)

@@ -318,3 +318,68 @@ def test_what_a_generation_cannot_train_with_fails_with_one_clear_error(data, fi
     with pytest.raises(ValueError, match="DSpark drafter needs the target's whole distribution"):
         step_lib.dspark_batch_loss(fitted_target, config, spec, None, None, {"features": None})
     assert not (tmp_path / "x").exists()
+
+
+def sharded_steps(out: str, data: int, fsdp: int) -> None:
+    """Two train steps of a DFlash2 and a DSpark drafter (weight decay 0.1) on a fixed batch over a
+    (data, fsdp) mesh, the target sharded too; saves each generation's losses and params to `out`."""
+    import pickle
+
+    from dflash_jax import sharding
+
+    target = _random_target()
+    tokens = fitted_models.pattern_batch(np.random.default_rng(0), 8, 24)
+    loss_mask = np.arange(24)[None].repeat(8, 0) >= np.arange(8)[:, None] % 5
+    mesh = sharding.make_mesh(data=data, fsdp=fsdp)
+    found = {}
+    for name, extra in (("dflash2", {"dflash2": DFlash2Config(2, 16, 8, 4)}),
+                        ("dspark", {"dspark": DSparkConfig(8, True, True)})):
+        config = dataclasses.replace(fitted_models.drafter_config(block_size=4), **extra)
+        schedule = step_lib.learning_rate_schedule(1e-3, 10, 0.1)
+        optimizer = step_lib.make_optimizer(schedule, weight_decay=0.1, frozen=step_lib.frozen_paths(config))
+        spec = step_lib.StepSpec(num_anchors=6, decay=4.0, grad_accum=2)
+        state = step_lib.init_state(drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1)),
+                                    optimizer, seed=3)
+        state_shardings = sharding.fsdp_shardings(mesh, state)
+        frozen_shardings = sharding.fsdp_shardings(mesh, {"target": target.params}, shard=True)
+        state = jax.device_put(state, state_shardings)
+        frozen = jax.device_put({"target": target.params}, frozen_shardings)
+        step = jax.jit(step_lib.make_train_step(target, config, spec, optimizer, schedule),
+                       in_shardings=(state_shardings, frozen_shardings, sharding.train_batch_sharding(mesh)),
+                       out_shardings=(state_shardings, sharding.replicated(mesh)))
+        losses, batch = [], {"tokens": tokens, "loss_mask": loss_mask}
+        for _ in range(2):
+            state, metrics = step(state, frozen, sharding.global_batch(mesh, batch))
+            losses.append(float(metrics["loss"]))
+        params = jax.jit(lambda p: p, out_shardings=sharding.replicated(mesh))(state.params)
+        found[name] = (losses, jax.device_get(params))
+    with open(out, "wb") as f:
+        pickle.dump(found, f)
+
+
+@pytest.mark.slow  # two subprocesses, one of 8 simulated devices: `make test-all`
+def test_a_sharded_step_equals_one_device_and_keeps_the_frozen_tables(tmp_path):
+    import os
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    runs = {}
+    for devices, data, fsdp in ((1, 1, 1), (8, 4, 2)):
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+               "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+        out = tmp_path / f"{devices}.pkl"
+        code = f"import test_train_generations as t; t.sharded_steps({str(out)!r}, {data}, {fsdp})"
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[devices] = pickle.loads(out.read_bytes())
+    target = _random_target()
+    for name in ("dflash2", "dspark"):
+        (losses_1, params_1), (losses_8, params_8) = runs[1][name], runs[8][name]
+        np.testing.assert_allclose(losses_1, losses_8, rtol=2e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), params_1, params_8)
+    tables = runs[8]["dspark"][1]["drafter"]
+    np.testing.assert_array_equal(tables["embed_tokens"]["embedding"], target.params["embed_tokens"]["embedding"])
+    np.testing.assert_array_equal(tables["lm_head"]["kernel"], drafter_init.target_head_kernel(target, target.params))

@@ -78,7 +78,7 @@ def block_targets(tokens, loss_mask, anchors, valid, block_size: int, decay: flo
     return labels, weights.astype(jnp.float32)
 
 
-def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024, soft=None):
+def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024, soft=None, extra=None):
     """Cross-entropy and argmax-correctness through an LM head, `chunk` positions at a time.
 
     head: hidden [..., D] -> float32 logits [..., V]; hidden [B, M, D]; labels [B, M].
@@ -87,7 +87,9 @@ def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024, soft=None):
     positions that do not count); correctness still compares the argmax with `labels`.
     Each chunk's logits are recomputed in the backward pass (jax.checkpoint), so peak memory holds
     B x chunk x V logits instead of B x M x V (M = N blocks x G slots, V ~ 150k for Qwen3).
-    Returns (ce [B, M], correct [B, M]).
+    extra: None, or (fn, arrays): fn(hidden [B, c, D], logits [B, c, V], *the arrays' chunks) ->
+    [B, c] float32, another per-position term from the same logits (arrays: a tuple of [B, M, ...]).
+    Returns (ce [B, M], correct [B, M]), and that term [B, M] with `extra`.
     """
     b, m, d = hidden.shape
     chunk = max(1, min(chunk, m))
@@ -96,18 +98,18 @@ def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024, soft=None):
                                        .reshape(b, -1, chunk, *x.shape[2:]), 1, 0)
     if soft is None:
         soft = (labels[..., None], jnp.ones(labels.shape + (1,), jnp.float32))
+    extra_fn, extra_inputs = (None, ()) if extra is None else extra
 
     @jax.checkpoint
-    def one(h, y, ids, probs):  # [B, chunk, D], [B, chunk], [B, chunk, K] x 2
+    def one(h, y, ids, probs, *more):  # [B, chunk, D], [B, chunk], [B, chunk, K] x 2, extra's
         logits = head(h)
         log_z = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.sum(probs * jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
-        return jnp.sum(probs, axis=-1) * log_z - picked, jnp.argmax(logits, axis=-1) == y
+        out = (jnp.sum(probs, axis=-1) * log_z - picked, jnp.argmax(logits, axis=-1) == y)
+        return out if extra_fn is None else (*out, extra_fn(h, logits, *more))
 
-    ce, correct = jax.lax.map(lambda args: one(*args), tuple(map(to_chunks, (hidden, labels, *soft))))
-    ce = jnp.moveaxis(ce, 0, 1).reshape(b, -1)[:, :m]
-    correct = jnp.moveaxis(correct, 0, 1).reshape(b, -1)[:, :m]
-    return ce, correct
+    out = jax.lax.map(lambda args: one(*args), tuple(map(to_chunks, (hidden, labels, *soft, *extra_inputs))))
+    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, -1)[:, :m] for x in out)
 
 
 def _over_position_chunks(fn, hidden, chunk: int):
@@ -220,24 +222,26 @@ def drafter_block_hidden(drafter, target, drafter_params, target_params, feature
 
 
 def weighted_block_loss(head, hidden, labels, weights, counted, logits_chunk: int = 1024, soft=None,
-                        scorable=None):
+                        scorable=None, extra=None):
     """Decayed block cross-entropy through `head` and per-slot accuracy.
 
     hidden [B, N*G, D]; labels, weights [B, N, G] (labels in head's vocabulary); counted [B, N, G]
     marks the slots that count for accuracy; scorable [B, N, G] (default weights > 0) those whose
     label the head can produce (the others count as wrong). soft: None, or (ids, probs)
     [B, N, G, K] (`block_distributions`): the loss learns that distribution instead of `labels`.
-    Returns (loss, per-slot accuracy [G]).
+    extra: None, or (fn, arrays [B, N*G, ...]): another per-position term from the same logits
+    (`chunked_cross_entropy`), returned [B, N*G] after the accuracy.
+    Returns (loss, per-slot accuracy [G]) (and the extra term).
     """
     b, n, g = labels.shape
     flat = lambda x: x.reshape(b, n * g, *x.shape[3:])
-    ce, correct = chunked_cross_entropy(head, hidden, flat(labels), logits_chunk,
-                                        None if soft is None else tuple(map(flat, soft)))
+    ce, correct, *more = chunked_cross_entropy(head, hidden, flat(labels), logits_chunk,
+                                               None if soft is None else tuple(map(flat, soft)), extra)
     weights = flat(weights)
     loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
     scorable = weights > 0 if scorable is None else flat(scorable)
     correct = (correct & scorable).reshape(b, n, g)
-    return loss, slot_accuracy(correct, counted)
+    return (loss, slot_accuracy(correct, counted), *more)
 
 
 def dflash_loss(drafter, target, drafter_params, target_params, features, tokens, loss_mask, anchors,

@@ -191,31 +191,30 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     else:
         head = lambda h: config.draft_logits(target.logits(target_params, h))
     loss_weights = weights if soft is None else soft_weights
-    loss, slots = objective.weighted_block_loss(head, hidden, labels, loss_weights, counted, spec.logits_chunk,
-                                                soft=None if soft is None else tuple(soft), scorable=weights > 0)
+    extra = None if config.dflash2 is None else _selector_term(config, drafter_params, tokens, anchors, labels)
+    loss, slots, *selector = objective.weighted_block_loss(
+        head, hidden, labels, loss_weights, counted, spec.logits_chunk, soft=None if soft is None else tuple(soft),
+        scorable=weights > 0, extra=extra)
     if config.dflash2 is None:
         return (loss, (slots, {})) if with_terms else (loss, slots)
-    selector = _selector_loss(config, drafter_params["candidate_selector"], head, hidden, tokens, anchors,
-                              labels, weights, spec.logits_chunk)
+    w = weights.reshape(selector[0].shape)
+    selector = jnp.sum(w * selector[0]) / jnp.maximum(jnp.sum(w), 1e-9)
     loss = loss + spec.selector_alpha * selector
     return (loss, (slots, {"selector_loss": selector})) if with_terms else (loss, slots)
 
 
-def _selector_loss(config: DrafterConfig, selector, head, hidden, tokens, anchors, labels, weights, chunk: int):
-    """A DFlash2 drafter's selector term: sum(w * K-way CE) / sum(w) with the backbone's slot
-    weights, the teacher-forced predecessor the text token before each label; the draft logits
-    recomputed `chunk` positions at a time."""
+def _selector_term(config: DrafterConfig, drafter_params, tokens, anchors, labels):
+    """A DFlash2 drafter's selector cross-entropy as an extra term of the block loss's chunks (the
+    same draft logits; `objective.chunked_cross_entropy`): the teacher-forced predecessor is the
+    text token before each label. Weighed afterwards with the backbone's slot weights."""
     b, n, g = labels.shape
     flat = lambda x: x.reshape(b, n * g)  # noqa: E731
-    predecessors = flat(objective.block_predecessors(tokens, anchors, g))
-    top_k = config.dflash2.selector_top_k
+    selector, top_k = drafter_params["candidate_selector"], config.dflash2.selector_top_k
 
-    def one(h, prev, y):
-        return dflash2.selector_cross_entropy(selector, h, head(h), prev, y, top_k)[0]
+    def term(h, logits, prev, y):
+        return dflash2.selector_cross_entropy(selector, h, logits, prev, y, top_k)[0]
 
-    ce = objective.map_position_chunks(one, (hidden, predecessors, flat(labels)), chunk)
-    weights = flat(weights)
-    return jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
+    return term, (flat(objective.block_predecessors(tokens, anchors, g)), flat(labels))
 
 
 def dspark_batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch):

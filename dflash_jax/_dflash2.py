@@ -20,6 +20,10 @@ and S (successor) [V, r]. A walk from prev = the anchor: score[k] = z[k] + sum_r
 S[cand[k], r]; greedy: the argmax; at temperature T > 0: one of the K drawn from
 q = softmax(score / T); prev = the chosen candidate. The draft distribution over the vocabulary
 that the acceptance rule reads is q scattered on the candidate ids, zero elsewhere (`scatter_q`).
+
+Training (`selector_cross_entropy`): the same scores with the gold previous token as predecessor,
+over the top K with the gold put in place of the lowest when missing (`training_candidates`), and
+the K-way cross-entropy of the gold.
 """
 from __future__ import annotations
 

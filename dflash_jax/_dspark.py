@@ -21,6 +21,9 @@ Markov features): c_k = sigmoid(w . [h_k ; e_k] + b), an estimate of the chance 
 accepted. A verify-length policy (`proposal_limit`) stops the proposal before the first slot whose
 confidence is below a threshold; the loop verifies only that prefix (`_decode_loop._verify`), so the
 output is the target's whatever the policy.
+
+Training (DeepSpec's loss; `train.step.dspark_batch_loss`): every slot teacher-forced on the gold
+previous token (`teacher_forced`), its terms against the target's distribution (`loss_terms`).
 """
 from __future__ import annotations
 

@@ -255,9 +255,10 @@ def data(tmp_path_factory, fitted_target):
 
 
 def settings(data, out_dir, generation, **run):
+    own = {"dflash2": {"selector_rank": 8, "selector_top_k": 4}, "dspark": {"markov_rank": 8}}.get(generation, {})
     return {"model": {"target": "fitted", "num_layers": 1, "intermediate_size": 128, "block_size": 4,
                       "target_layer_ids": [0, 2], "mask_token_id": fitted_models.MASK, "generation": generation,
-                      "selector_rank": 8, "selector_top_k": 4, "markov_rank": 8},
+                      **own},
             "data": {"path": str(data[0]), "max_length": 32, "batch_size": 8, "seed": 3},
             "optim": {"learning_rate": 3e-3, "warmup_ratio": 0.05},
             "run": {"out_dir": str(out_dir), "steps": STEPS, "num_anchors": 8, "log_every": 1,
@@ -323,6 +324,14 @@ def test_what_a_generation_cannot_train_with_fails_with_one_clear_error(data, fi
         base("dspark", "run.labels=target")
     with pytest.raises(ConfigError, match="confidence_head_with_markov needs a Markov head"):
         base("dspark", "model.markov_rank=0")
+    with pytest.raises(ConfigError, match="model.markov_rank is a dspark drafter's field; model.generation is dflash2"):
+        base("dflash2", "model.markov_rank=8")
+    with pytest.raises(ConfigError, match="model.selector_top_k is a dflash2 drafter's field; model.generation is "
+                                          "dflash$"):
+        base("dflash", "model.selector_top_k=8")
+    defaults = base("dflash2", "model.selector_rank=null", "model.selector_top_k=null").model
+    assert [defaults.generation_field(n) for n in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                   "selector_top_k")] == [2, 16, 256, 16]
     with pytest.raises(ConfigError, match="run.selector_loss_alpha must be a finite number >= 0"):
         base("dflash2", "run.selector_loss_alpha=-1")
     spec = step_lib.StepSpec(num_anchors=2, decay=4.0)

@@ -34,6 +34,13 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 LABELS = ("tokens", "target", "distribution")  # run.labels: see train.step
 FC_INITS = ("random", "last_feature")
 GENERATIONS = ("dflash", "dflash2", "dspark")  # model.generation: the drafter architecture trained
+# Each newer generation's own model fields and their defaults (those of the released drafters:
+# DESIGN.md section 9; DeepSpec's config/dspark/dspark_qwen3_4b_online.py)
+GENERATION_FIELDS = {
+    "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+    "dspark": {"markov_rank": 256, "confidence_head": True, "confidence_head_with_markov": True,
+               "sample_from_anchor": True},
+}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -62,17 +69,17 @@ class ModelSettings:
                                   # start the run instead of warm_start/fc_init; block_size may differ
     # The drafter's generation: "dflash", "dflash2" (convolutions and a candidate selector: the
     # conv_* and selector_* fields) or "dspark" (own tables, Markov and confidence heads: markov_rank,
-    # confidence_head*, sample_from_anchor). Defaults: the released drafters' (DESIGN.md section 9;
-    # DeepSpec's config/dspark/dspark_qwen3_4b_online.py).
+    # confidence_head*, sample_from_anchor). A generation's fields may be set only for it; unset
+    # (null) ones take GENERATION_FIELDS' defaults (`generation_field`).
     generation: str = "dflash"
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    markov_rank: int = 256  # 0: no Markov head
-    confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    sample_from_anchor: bool = True  # False: the older 1+N block, whose anchor slot does not propose
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    markov_rank: int | None = None  # 0: no Markov head
+    confidence_head: bool | None = None
+    confidence_head_with_markov: bool | None = None
+    sample_from_anchor: bool | None = None  # False: the older 1+N block, whose anchor slot does not propose
 
     def __post_init__(self):
         _check(self.target_dtype in COMPUTE_DTYPES, f"model.target_dtype must be one of {COMPUTE_DTYPES}")
@@ -90,12 +97,22 @@ class ModelSettings:
         if self.generation != "dflash":
             _check(not self.draft_vocab_size, f"model.draft_vocab_size: a {self.generation} drafter drafts over the "
                                               "whole vocabulary (set it to 0)")
+        for generation, fields in GENERATION_FIELDS.items():
+            for name in fields:
+                _check(generation == self.generation or getattr(self, name) is None,
+                       f"model.{name} is a {generation} drafter's field; model.generation is {self.generation}")
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            _check(getattr(self, name) >= 1, f"model.{name} must be >= 1")
-        _check(self.markov_rank >= 0, "model.markov_rank must be >= 0 (0: no Markov head)")
-        _check(not (self.generation == "dspark" and self.confidence_head and self.confidence_head_with_markov
-                    and self.markov_rank == 0),
-               "model.confidence_head_with_markov needs a Markov head (model.markov_rank > 0), or set it to false")
+            _check(getattr(self, name) is None or getattr(self, name) >= 1, f"model.{name} must be >= 1")
+        _check(self.markov_rank is None or self.markov_rank >= 0, "model.markov_rank must be >= 0 (0: no Markov head)")
+        if self.generation == "dspark":
+            f = self.generation_field
+            _check(not (f("confidence_head") and f("confidence_head_with_markov") and f("markov_rank") == 0),
+                   "model.confidence_head_with_markov needs a Markov head (model.markov_rank > 0), or set it to false")
+
+    def generation_field(self, name: str):
+        """A field of model.generation's own: its value, or its default when unset."""
+        value = getattr(self, name)
+        return GENERATION_FIELDS[self.generation][name] if value is None else value
 
 
 @dataclasses.dataclass(frozen=True)

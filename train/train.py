@@ -50,15 +50,14 @@ def load_target_model(cfg: TrainConfig):
 def generation_configs(m) -> dict:
     """model.generation's own drafter config fields: {"dflash2": DFlash2Config} or {"dspark":
     DSparkConfig}, or {} for a DFlash drafter."""
+    f = m.generation_field
     if m.generation == "dflash2":
-        return {"dflash2": DFlash2Config(m.conv_kernel_size, m.conv_group_size, m.selector_rank, m.selector_top_k)}
+        return {"dflash2": DFlash2Config(*map(f, ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                  "selector_top_k")))}
     if m.generation == "dspark":
-        try:
-            return {"dspark": DSparkConfig(m.markov_rank, m.confidence_head,
-                                           m.confidence_head and m.confidence_head_with_markov,
-                                           sample_from_anchor=m.sample_from_anchor)}
-        except ValueError as e:
-            raise ConfigError(f"model: {e}") from e
+        return {"dspark": DSparkConfig(f("markov_rank"), f("confidence_head"),
+                                       f("confidence_head") and f("confidence_head_with_markov"),
+                                       sample_from_anchor=f("sample_from_anchor"))}
     return {}
 
 

@@ -21,7 +21,7 @@ from support.drafter_reference import random_drafter_params
 from train import checkpointing, drafter_init, step as step_lib
 from train.config import ConfigError, config_from_dict
 from train.export import export
-from train.train import drafter_config_for, train
+from train.train import drafter_config_for, step_spec, train
 
 F64 = np.float64
 
@@ -334,6 +334,13 @@ def test_what_a_generation_cannot_train_with_fails_with_one_clear_error(data, fi
                                                    "selector_top_k")] == [2, 16, 256, 16]
     with pytest.raises(ConfigError, match="run.selector_loss_alpha must be a finite number >= 0"):
         base("dflash2", "run.selector_loss_alpha=-1")
+    with pytest.raises(ConfigError, match="run.l1_loss_alpha weighs a dspark drafter's loss; model.generation is "
+                                          "dflash2"):
+        base("dflash2", "run.l1_loss_alpha=0.5")
+    dspark_run = base("dspark", "run.ce_loss_alpha=0.2")
+    spec = step_spec(dspark_run, drafter_config_for(dspark_run, fitted_target))
+    assert (spec.ce_alpha, spec.l1_alpha, spec.confidence_alpha, spec.decay) == (0.2, 0.9, 1.0, 4.0)
+    assert step_spec(base("dflash2"), drafter_config_for(base("dflash2"), fitted_target)).selector_alpha == 1.0
     spec = step_lib.StepSpec(num_anchors=2, decay=4.0)
     config = dataclasses.replace(fitted_models.drafter_config(4), dspark=DSparkConfig(4, False))
     with pytest.raises(ValueError, match="DSpark drafter needs the target's whole distribution"):

@@ -41,6 +41,12 @@ GENERATION_FIELDS = {
     "dspark": {"markov_rank": 256, "confidence_head": True, "confidence_head_with_markov": True,
                "sample_from_anchor": True},
 }
+# ... and their loss weights in `run` (the references' defaults: speculators' and SpecForge's DFlash2
+# selector_loss_alpha; DeepSpec's ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
+GENERATION_LOSS_WEIGHTS = {
+    "dflash2": {"selector_loss_alpha": 1.0},
+    "dspark": {"ce_loss_alpha": 0.1, "l1_loss_alpha": 0.9, "confidence_loss_alpha": 1.0},
+}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -157,15 +163,14 @@ class RunSettings:
     eval_path: str | None = None  # pre-tokenized JSONL; the prompt is each record's unmasked prefix
     eval_prompts: int = 4
     eval_max_new_tokens: int = 64
-    # Loss weights of the newer generations (the references' defaults): DFlash2's selector
-    # cross-entropy (speculators' and SpecForge's dflash2 selector_loss_alpha, 1.0); DSpark's
-    # cross-entropy, L1 distance |p_d - p_t|_1 and confidence BCE (DeepSpec's ce_loss_alpha,
-    # l1_loss_alpha, confidence_head_alpha: 0.1, 0.9, 1.0). DSpark's decay (run.decay None): 4.0,
-    # DeepSpec's loss_decay_gamma.
-    selector_loss_alpha: float = 1.0
-    ce_loss_alpha: float = 0.1
-    l1_loss_alpha: float = 0.9
-    confidence_loss_alpha: float = 1.0
+    # Loss weights of the newer generations, only with model.generation their own; unset (null):
+    # GENERATION_LOSS_WEIGHTS' defaults (`TrainConfig.loss_weight`). DFlash2's selector
+    # cross-entropy; DSpark's cross-entropy, L1 distance |p_d - p_t|_1 and confidence BCE. DSpark's
+    # decay (run.decay null): 4.0, DeepSpec's loss_decay_gamma.
+    selector_loss_alpha: float | None = None
+    ce_loss_alpha: float | None = None
+    l1_loss_alpha: float | None = None
+    confidence_loss_alpha: float | None = None
 
     def __post_init__(self):
         _check(self.steps >= 1, "run.steps must be >= 1")
@@ -181,7 +186,8 @@ class RunSettings:
             _check(getattr(self, name) >= 1, f"run.{name} must be >= 1")
         _check(self.eval_every == 0 or self.eval_path, "run.eval_every > 0 needs run.eval_path")
         for name in ("selector_loss_alpha", "ce_loss_alpha", "l1_loss_alpha", "confidence_loss_alpha"):
-            _check(0 <= getattr(self, name) < float("inf"), f"run.{name} must be a finite number >= 0")
+            _check(getattr(self, name) is None or 0 <= getattr(self, name) < float("inf"),
+                   f"run.{name} must be a finite number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,9 +202,18 @@ class TrainConfig:
         _check(self.data.batch_size % self.optim.grad_accum == 0,
                f"data.batch_size ({self.data.batch_size}) must be a multiple of optim.grad_accum "
                f"({self.optim.grad_accum})")
+        for generation, weights in GENERATION_LOSS_WEIGHTS.items():
+            for name in weights:
+                _check(generation == self.model.generation or getattr(self.run, name) is None,
+                       f"run.{name} weighs a {generation} drafter's loss; model.generation is {self.model.generation}")
         _check(self.model.generation != "dspark" or self.run.labels == "tokens",
                "run.labels: a dspark drafter learns the text's next tokens with the target's whole distribution "
                "(DeepSpec's loss); run.labels must be 'tokens'")
+
+    def loss_weight(self, name: str) -> float:
+        """A loss weight of model.generation's own (GENERATION_LOSS_WEIGHTS): run's value, or its default."""
+        value = getattr(self.run, name)
+        return GENERATION_LOSS_WEIGHTS[self.model.generation][name] if value is None else value
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

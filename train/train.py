@@ -75,12 +75,16 @@ def step_spec(cfg: TrainConfig, drafter_config) -> step_lib.StepSpec:
     DeepSpec's 4.0 for DSpark, the paper's value for the block size otherwise)."""
     r = cfg.run
     decay = r.decay or (DSPARK_DECAY if drafter_config.dspark is not None else default_decay(drafter_config.block_size))
+    weights = {}
+    if cfg.model.generation == "dflash2":
+        weights = {"selector_alpha": cfg.loss_weight("selector_loss_alpha")}
+    if cfg.model.generation == "dspark":
+        weights = {"ce_alpha": cfg.loss_weight("ce_loss_alpha"), "l1_alpha": cfg.loss_weight("l1_loss_alpha"),
+                   "confidence_alpha": cfg.loss_weight("confidence_loss_alpha")}
     return step_lib.StepSpec(num_anchors=r.num_anchors, decay=decay, logits_chunk=r.logits_chunk,
                              compute_dtype=r.compute_dtype, grad_accum=cfg.optim.grad_accum,
                              anchor_chunk=r.anchor_chunk, target_labels=r.labels != "tokens",
-                             label_top_k=r.label_top_k if r.labels == "distribution" else 0,
-                             selector_alpha=r.selector_loss_alpha, ce_alpha=r.ce_loss_alpha,
-                             l1_alpha=r.l1_loss_alpha, confidence_alpha=r.confidence_loss_alpha)
+                             label_top_k=r.label_top_k if r.labels == "distribution" else 0, **weights)
 
 
 def check_feature_cache(cfg: TrainConfig, drafter_config, meta: dict) -> None:

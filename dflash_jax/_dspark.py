@@ -21,6 +21,9 @@ Markov features): c_k = sigmoid(w . [h_k ; e_k] + b), an estimate of the chance 
 accepted. A verify-length policy (`proposal_limit`) stops the proposal before the first slot whose
 confidence is below a threshold; the loop verifies only that prefix (`_decode_loop._verify`), so the
 output is the target's whatever the policy.
+
+Training (DeepSpec's loss; `train.step.dspark_batch_loss`): every slot teacher-forced on the gold
+previous token (`teacher_forced`), its terms against the target's distribution (`loss_terms`).
 """
 from __future__ import annotations
 
@@ -137,3 +140,43 @@ def proposal_limit(confidences, threshold):
     (confidences [B, G], threshold [] float32) -> [B] int32 in [0, G]."""
     keep = (confidences >= threshold).astype(jnp.int32)
     return jnp.sum(jnp.cumprod(keep, axis=-1), axis=-1).astype(jnp.int32)
+
+
+def teacher_forced(config: DSparkConfig, params, hidden, base, previous):
+    """Each proposal slot's biased logits and confidence logit with the gold previous token.
+
+    hidden [..., D] final-normed states; base [..., V] float32 their base logits (`base_logits`);
+    previous [...] the gold token before each slot's label (the anchor for the first proposal).
+    -> (logits [..., V] float32: base + W2 W1[previous]; the confidence head's logit w . [h ;
+    W1[previous]] + b [...] float32, before the sigmoid, or None without a confidence head)."""
+    f32 = jnp.float32
+    e = None
+    if config.markov_rank:
+        markov = params["markov_head"]
+        e = markov["markov_w1"]["embedding"][previous].astype(f32)
+        base = base + e @ markov["markov_w2"]["kernel"].astype(f32)
+    if not config.enable_confidence_head:
+        return base, None
+    features = hidden.astype(f32)
+    if config.confidence_head_with_markov:
+        features = jnp.concatenate([features, e], axis=-1)
+    proj = params["confidence_head"]["proj"]
+    return base, features @ proj["kernel"].astype(f32)[:, 0] + proj["bias"].astype(f32)[0]
+
+
+def loss_terms(logits, target_logits, labels, confidence_logit=None):
+    """DeepSpec's per-slot terms: the cross-entropy of the label, the L1 distance |p_d - p_t|_1
+    between the drafter's and the target's distributions (twice their total variation), and, with
+    a confidence logit, its binary cross-entropy against c* = clip(1 - |p_d - p_t|_1 / 2, 0, 1)
+    (no gradient through c*). logits, target_logits [..., V] float32; labels [...].
+    -> (ce, l1, bce or None, correct: argmax == label), each [...]."""
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    ce = -jnp.take_along_axis(log_p, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    l1 = jnp.sum(jnp.abs(jnp.exp(log_p) - jax.nn.softmax(target_logits, axis=-1)), axis=-1)
+    correct = jnp.argmax(logits, axis=-1) == labels
+    if confidence_logit is None:
+        return ce, l1, None, correct
+    accept = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
+    x = confidence_logit
+    bce = jnp.maximum(x, 0.0) - x * accept + jnp.log1p(jnp.exp(-jnp.abs(x)))
+    return ce, l1, bce, correct

@@ -377,13 +377,6 @@ def test_every_dspark_weight_has_declared_sharding_axes():
     assert axes["['lm_head']['kernel']"] == ("embed", "vocab")
 
 
-def test_training_a_dspark_drafter_is_refused_by_name():
-    from train.step import make_train_step
-
-    with pytest.raises(NotImplementedError, match="DSpark"):
-        make_train_step(None, config(), None, None, None)
-
-
 # ---- config and checkpoints ----------------------------------------------------------------------
 
 def hf_config(**kw):

@@ -11,10 +11,10 @@ from dflash_jax import generate, generate_batch
 from dflash_jax._speculative import Generator
 
 
-def _prompts(count=40, seed=0):
-    """count prompts of 3..300 tokens: the fitted pattern (every other one) and noise, lengths spread."""
+def _prompts(count=40, seed=0, longest=300):
+    """count prompts of 3..longest tokens: the fitted pattern (every other one) and noise, lengths spread."""
     rng = np.random.default_rng(seed)
-    lengths = np.linspace(3, 300, count).astype(int)
+    lengths = np.linspace(3, longest, count).astype(int)
     rng.shuffle(lengths)
     out = []
     for i, n in enumerate(lengths):
@@ -107,12 +107,12 @@ def test_bad_input(fitted):
 
 def test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens(fitted):
     target, drafter = fitted
-    prompts = _prompts(12, seed=3)
-    full = Generator(target, drafter).engine(slots=4, max_prompt_tokens=300, max_new_tokens=20, stop_token_ids=())
+    prompts = _prompts(10, seed=3, longest=60)
+    full = Generator(target, drafter).engine(slots=4, max_prompt_tokens=60, max_new_tokens=20, stop_token_ids=())
     want = full.generate(prompts)
     g = drafter.config.block_size
     assert full.stats.verified_per_cycle == 4 * g
-    budget = Generator(target, drafter).engine(slots=4, max_prompt_tokens=300, max_new_tokens=20, stop_token_ids=(),
+    budget = Generator(target, drafter).engine(slots=4, max_prompt_tokens=60, max_new_tokens=20, stop_token_ids=(),
                                                verify_budget=4 * 2 + 3)  # slots x width <= 11: width 2
     got = budget.generate(prompts)
     assert [r.tokens for r in got] == [r.tokens for r in want]
@@ -120,7 +120,7 @@ def test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens(f
     assert budget.stats.verified_per_cycle == 4 * 2
     # a cost table that makes wide verifies dear: narrower cycles, the same tokens
     costs = {1: 1.0, 2: 1.05, 4: 1.5, g: 8.0}
-    cheap = Generator(target, drafter).engine(slots=4, max_prompt_tokens=300, max_new_tokens=20, stop_token_ids=(),
+    cheap = Generator(target, drafter).engine(slots=4, max_prompt_tokens=60, max_new_tokens=20, stop_token_ids=(),
                                               verify_costs=costs)
     assert [r.tokens for r in cheap.generate(prompts)] == [r.tokens for r in want]
     assert 1 < cheap.stats.verified_per_cycle / 4 <= 4  # widths 2 and 4 chosen, never the block
@@ -138,7 +138,7 @@ def test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens(f
 
 def test_a_reused_slot_starts_clean_with_a_hybrid_target_and_a_ring_draft_cache():
     """A Qwen3.5 hybrid (its slots carry recurrent states that a new prompt must not inherit) with a
-    drafter that sees only its last 8 positions (a ring context cache): ten prompts through three
+    drafter that sees only its last 8 positions (a ring context cache): seven prompts through three
     slots equal one ragged `generate` of them (whose rows equal each prompt alone)."""
     from support.families import tiny_target
     from support.speculative import tiny_drafter
@@ -147,9 +147,9 @@ def test_a_reused_slot_starts_clean_with_a_hybrid_target_and_a_ring_draft_cache(
     drafter = tiny_drafter(target, block_size=4)
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(0, target.config.vocab_size - 1, size=n)]
-               for n in (3, 40, 9, 17, 5, 33, 12, 4, 25, 7)]
-    options = dict(max_new_tokens=12, stop_token_ids=(), draft_context=8)
-    got = Generator(target, drafter).engine(slots=3, max_prompt_tokens=40, **options).generate(prompts)
+               for n in (3, 30, 9, 17, 5, 12, 4)]
+    options = dict(max_new_tokens=10, stop_token_ids=(), draft_context=8)
+    got = Generator(target, drafter).engine(slots=3, max_prompt_tokens=30, **options).generate(prompts)
     assert [r.tokens for r in got] == generate(target, drafter, prompts, **options).tokens
 
 

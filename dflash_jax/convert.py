@@ -47,6 +47,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                        help="cast params (default: keep the dtype config.json states; float32 if none)")
         if name == "to-hf":
+            p.add_argument("--layout", choices=["auto", "official", "speculators"], default="auto",
+                           help="the checkpoint layout written: official (DFlash, DFlash2, DeepSpec's DSpark), "
+                                "speculators (a DSpark drafter as DSparkSpeculator), auto (default: the source's)")
             p.add_argument("--force", action="store_true",
                            help="replace an existing non-empty destination (written to a temporary "
                                 "directory first, then swapped in)")
@@ -60,7 +63,7 @@ def main(argv=None, prog: str = "python -m dflash_jax.convert") -> int:
         if args.command == "to-orbax":
             out = save_orbax_drafter(drafter, args.dst)
         else:
-            out = save_drafter(drafter, args.dst, overwrite=args.force)
+            out = save_drafter(drafter, args.dst, overwrite=args.force, layout=args.layout)
     except (OSError, ValueError) as e:  # missing/damaged files, bad config, torch missing, dst exists
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR

@@ -95,6 +95,11 @@ class DSparkConfig:
     # target's (the speculators layout may): filled in from the target at load time, and left out
     # again by an export in that layout. Not part of the math.
     shared_tables: tuple[str, ...] = ()
+    # A reduced draft vocabulary (the speculators layout's d2t/t2d): the drafter proposes only these
+    # Vd target ids. Its LM head and Markov W2 are held over the whole vocabulary (zero columns
+    # elsewhere) with a [V] bias of 0 at the kept ids and -inf elsewhere (`_dspark.base_logits`), so
+    # the draft distribution is zero off them. None: the whole vocabulary.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 0:
@@ -249,8 +254,11 @@ class DrafterConfig(LayerLayout):
         if self.dflash2 is not None:
             raise ValueError("a drafter is DFlash2 or DSpark, not both")
         if self.draft_vocab_size is not None:
-            raise ValueError("DSpark: a reduced draft vocabulary (draft_vocab_size, d2t) is not supported: "
-                             "DeepSpec's own layout drafts over the whole vocabulary")
+            raise ValueError("DSpark: a reduced draft vocabulary is DSparkConfig.draft_vocab_size (the "
+                             "speculators layout's d2t), not DrafterConfig.draft_vocab_size")
+        size = self.dspark.draft_vocab_size
+        if size is not None and not 1 <= size < self.vocab_size:
+            raise ValueError(f"DSpark: draft_vocab_size must lie in [1, vocab_size={self.vocab_size}), got {size}")
         for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
                               ("final_logit_softcapping", 0.0)):
             if getattr(self, name) != default:
@@ -405,9 +413,9 @@ class DrafterConfig(LayerLayout):
             raise _speculators_error(fields, f"target_hidden_size {target_hidden} differs from the drafter's "
                                              f"hidden_size {decoder['hidden_size']}; not supported")
         draft_vocab = fields.int("draft_vocab_size")
-        if draft_vocab != vocab_size:
-            raise _speculators_error(fields, f"a reduced draft vocabulary (draft_vocab_size {draft_vocab} < "
-                                             f"vocab_size {vocab_size}, d2t/t2d) is not supported for DSpark")
+        if not 1 <= draft_vocab <= vocab_size:
+            raise _speculators_error(fields, f"draft_vocab_size {draft_vocab} must lie in [1, vocab_size "
+                                             f"{vocab_size}]")
         mask_token_id = fields.int("mask_token_id", None)
         if mask_token_id is not None or tokenizer is not None:
             mask_token_id = resolve_mask_token_id(mask_token_id, tokenizer, vocab_size)
@@ -418,7 +426,8 @@ class DrafterConfig(LayerLayout):
             raise _speculators_error(fields, f"field 'markov_head_type' must be a string, got {head_type!r}")
         heads = fields.build(DSparkConfig, markov_rank=rank, enable_confidence_head=enabled,
                              confidence_head_with_markov=enabled and fields.bool("confidence_head_with_markov", True),
-                             markov_head_type=head_type, sample_from_anchor=fields.bool("sample_from_anchor", True))
+                             markov_head_type=head_type, sample_from_anchor=fields.bool("sample_from_anchor", True),
+                             draft_vocab_size=None if draft_vocab == vocab_size else draft_vocab)
         return fields.build(
             cls,
             **decoder,
@@ -439,8 +448,6 @@ class DrafterConfig(LayerLayout):
         included, whose default other readers take differently)."""
         if self.dspark is None:
             raise ValueError("the speculators layout is written here for DSpark drafters only")
-        if self.draft_vocab_size is not None:
-            raise ValueError("a reduced draft vocabulary is not written in the speculators layout here")
         hf = dict(base or {})
         layer = dict(hf.get("transformer_layer_config") or {})
         rope = dict(self.rope_scaling)
@@ -466,7 +473,7 @@ class DrafterConfig(LayerLayout):
             transformer_layer_config=layer,
             aux_hidden_state_layer_ids=[i + 1 for i in self.target_layer_ids],
             block_size=self.block_size,
-            draft_vocab_size=self.vocab_size,
+            draft_vocab_size=self.dspark.draft_vocab_size or self.vocab_size,
             sliding_window_non_causal=speculators_is_causal(self),
             markov_rank=d.markov_rank,
             markov_head_type=d.markov_head_type,
@@ -544,6 +551,9 @@ class DrafterConfig(LayerLayout):
                 dflash[name] = getattr(self.dflash2, name)
         hf["dflash_config"] = dflash
         if self.dspark is not None:  # DeepSpec's layout: its fields at the top level, no dflash_config
+            if self.dspark.draft_vocab_size is not None:
+                raise ValueError("DeepSpec's layout has no reduced draft vocabulary: write this DSpark drafter in "
+                                 "the speculators layout (layout='speculators')")
             del hf["dflash_config"]
             hf["target_layer_ids"] = list(self.target_layer_ids)
             if self.mask_token_id is not None:

@@ -140,7 +140,7 @@ def test_missing_and_unsupported_fields_are_named():
            (dict(transformer_layer_config={k: v for k, v in layer.items() if k != "vocab_size"}),
             "'transformer_layer_config.vocab_size'"),
            (dict(aux_hidden_state_layer_ids=[0, 3]), "an id of 0"),
-           (dict(draft_vocab_size=32), "reduced draft vocabulary"),
+           (dict(draft_vocab_size=V + 1), "draft_vocab_size 51 must lie in"),
            (dict(markov_head_type="gated"), "markov_head_type 'gated' is not supported"),
            (dict(markov_rank=0), "confidence_head_with_markov needs a Markov head"),
            (dict(target_hidden_size=64), "target_hidden_size 64"),
@@ -223,3 +223,100 @@ def test_tables_left_out_need_the_target(checkpoints, tmp_path):
                      tmp_path / "x", layout="speculators")
     with pytest.raises(ValueError, match="layout must be one of"):
         save_drafter(drafter, tmp_path / "y", layout="vllm")
+
+
+# ---- a reduced draft vocabulary (d2t / t2d) ----------------------------------------------------------
+
+VD = 20
+IDS = np.sort(np.random.default_rng(5).choice(V, VD, replace=False))
+
+
+@pytest.fixture(scope="module")
+def reduced_checkpoint(tmp_path_factory):
+    """A speculators DSpark checkpoint over the VD target ids IDS: its own lm_head [VD, D] and
+    markov_w2 [VD, R], d2t int64 (target id - draft id) and t2d bool [V], the embedding the target's."""
+    rng = np.random.default_rng(11)
+    t = backbone_and_heads(seed=1)
+    t2d = np.zeros(V, bool)
+    t2d[IDS] = True
+    t.update({"lm_head.weight": (rng.standard_normal((VD, D)) * 0.5).astype(np.float32),
+              "markov_head.markov_w2.weight": (rng.standard_normal((VD, R)) * 1.5).astype(np.float32),
+              "d2t": (IDS - np.arange(VD)).astype(np.int64), "t2d": t2d})
+    return write(tmp_path_factory.mktemp("dspark-reduced") / "ckpt", speculators_config(draft_vocab_size=VD), t)
+
+
+def test_a_reduced_vocabulary_drafts_only_its_ids_as_the_reference_chain(reduced_checkpoint, target):
+    """The chain in the reduced vocabulary, in float64 numpy from the description (logits over the VD
+    ids: lm_head h + W2 W1[x_{k-1}], x_{-1} the anchor, each draft mapped to its target id through
+    d2t and fed to W1 as that id): the loop's greedy drafts, confidences and, at temperature 1, q
+    (softmax over the VD ids, zero elsewhere)."""
+    from safetensors.numpy import load_file
+
+    drafter = load_drafter(reduced_checkpoint, target)
+    assert drafter.config.dspark.draft_vocab_size == VD and drafter.config.dspark.shared_tables == ("embed_tokens",)
+    t = load_file(str(reduced_checkpoint / "model.safetensors"))
+    w1 = t["markov_head.markov_w1.weight"].astype(np.float64)
+    w2, head = t["markov_head.markov_w2.weight"].astype(np.float64), t["lm_head.weight"].astype(np.float64)
+    conf_w, conf_b = t["confidence_head.proj.weight"][0].astype(np.float64), float(t["confidence_head.proj.bias"][0])
+    rng = np.random.default_rng(3)
+    features = jnp.asarray(rng.standard_normal((3, 6, 2 * D)).astype(np.float32))
+    anchors = np.array([3, 17, 44])
+    spec, params = drafter.spec, drafter.params
+    cache = spec.append_context(params, spec.init_cache(3, 32), features)
+    block = jnp.concatenate([jnp.asarray(anchors)[:, None], jnp.full((3, G - 1), MASK, jnp.int32)], axis=1)
+    hidden = np.asarray(spec.draft_hidden(params, params["embed_tokens"]["embedding"][block], cache), np.float64)
+    sampling = decode_loop.SamplingParams(jnp.float32(1.0), jnp.float32(1.0), jnp.full((8,), -1, jnp.int32),
+                                          confidence_threshold=jnp.float32(0.5))
+    greedy = decode_loop._spark(spec, decode_loop.GenerationConfig(block_size=G + 1), params, jnp.asarray(anchors),
+                                cache, jax.random.PRNGKey(0), sampling)
+    sampled = decode_loop._spark(spec, decode_loop.GenerationConfig(block_size=G + 1, sampling=True), params,
+                                 jnp.asarray(anchors), cache, jax.random.PRNGKey(1), sampling)
+    for row in range(3):
+        prev, chain, conf = int(anchors[row]), [], []
+        for k in range(G):
+            z = hidden[row, k] @ head.T + w2 @ w1[prev]
+            conf.append(1 / (1 + np.exp(-(conf_w @ np.concatenate([hidden[row, k], w1[prev]]) + conf_b))))
+            prev = int(IDS[np.argmax(z)])
+            chain.append(prev)
+        np.testing.assert_array_equal(np.asarray(greedy[0][row]), chain, err_msg=f"row {row}")
+        assert int(greedy[3][row]) == int(np.cumprod(np.asarray(conf) >= 0.5).sum()), (row, conf)
+        # at T = 1 along the sampled chain: q is the reduced softmax, zero off IDS
+        prev, drafts, q = int(anchors[row]), np.asarray(sampled[0][row]), np.asarray(sampled[1][row])
+        assert set(drafts.tolist()) <= set(IDS.tolist())
+        for k in range(G):
+            z = hidden[row, k] @ head.T + w2 @ w1[prev]
+            want = np.zeros(V)
+            want[IDS] = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            np.testing.assert_allclose(q[k], want, atol=1e-5, err_msg=f"row {row} slot {k}")
+            prev = int(drafts[k])
+
+
+@pytest.mark.slow
+def test_greedy_speculative_with_a_reduced_vocabulary_equals_plain_decoding(reduced_checkpoint, target):
+    from support.speculative import plain_greedy
+
+    drafter = load_drafter(reduced_checkpoint, target)
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12]]
+    result = Generator(target, drafter).generate(prompts, max_new_tokens=10, stop_token_ids=())
+    assert result.tokens == [plain_greedy(target, p, 10) for p in prompts]
+
+
+def test_a_reduced_vocabulary_exports_bit_exact(reduced_checkpoint, target, tmp_path):
+    from safetensors.numpy import load_file
+
+    drafter = load_drafter(reduced_checkpoint, target)
+    save_drafter(drafter, tmp_path / "again")
+    source = load_file(str(reduced_checkpoint / "model.safetensors"))
+    written = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(written) == set(source)
+    for name, value in source.items():
+        assert written[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == speculators_config(draft_vocab_size=VD)
+    with pytest.raises(ValueError, match="layout='speculators'"):
+        save_drafter(drafter, tmp_path / "deepspec", layout="official")
+    t = dict(source)
+    del t["d2t"]
+    bad = write(tmp_path / "bad", speculators_config(draft_vocab_size=VD), t)
+    with pytest.raises(CheckpointError, match="'d2t'"):
+        load_drafter(bad, target)

@@ -29,6 +29,8 @@ __all__ = ["DrafterMismatchError", "load_drafter", "save_drafter", "validate_pai
 LAYOUTS = ("auto", "official", "speculators")  # save_drafter's `layout`
 
 DRAFT_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")  # read only when config.json has draft_vocab_size
+# a DSpark drafter's reduced vocabulary (the speculators layout): read apart, then widened to the vocabulary
+SPARK_VOCAB_TENSORS = ("lm_head.weight", "markov_head.markov_w2.weight", "d2t", "t2d")
 
 
 def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: str = "auto",
@@ -73,12 +75,26 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
             raise CheckpointError(f"{checkpoint_file(path)}: a DSpark drafter in the speculators layout without "
                                   f"{[f'{t}.weight' for t in shared]} takes them from the target: pass target= "
                                   "to load_drafter")
-    params = hf_to_params(rules, tensors, {k: v for k, v in shapes.items() if k not in shared},
-                          config.num_layers, dtype, source=str(path), place=place,
-                          allow_extra=lambda name: reduced and name in DRAFT_VOCAB_TENSORS)
-    for name, value in _target_tables(target, shared, shapes, dtype).items():
-        path_ = (name, "embedding" if name == "embed_tokens" else "kernel")
-        params[name] = {path_[1]: host_arrays.adopt(value) if place is None else place(path_, value)}
+    spark_vocab = config.dspark is not None and config.dspark.draft_vocab_size is not None
+    if spark_vocab:  # its head and W2 are read over the reduced vocabulary, then widened
+        rules = [rule for rule in rules if rule.path[0] != "lm_head" and rule.path[:2] != ("markov_head", "markov_w2")]
+    skipped = set(shared) | ({"lm_head", "markov_head", "draft_vocab"} if spark_vocab else set())
+    params = hf_to_params(rules, tensors, _without(shapes, skipped, spark_vocab), config.num_layers, dtype,
+                          source=str(path), place=place,
+                          allow_extra=lambda name: (reduced and name in DRAFT_VOCAB_TENSORS)
+                          or (spark_vocab and name in SPARK_VOCAB_TENSORS))
+    tables = _target_tables(target, shared, shapes, dtype)
+    if spark_vocab:
+        tables.update(_spark_vocab_params(config, tensors, tables.pop("lm_head", None), dtype,
+                                          checkpoint_file(path)))
+    for name, value in tables.items():
+        leaf = ("draft_vocab", "bias") if name == "draft_vocab" else (
+            ("markov_head", "markov_w2", "kernel") if name == "markov_w2" else
+            (name, "embedding" if name == "embed_tokens" else "kernel"))
+        node = params
+        for key in leaf[:-1]:
+            node = node.setdefault(key, {})
+        node[leaf[-1]] = host_arrays.adopt(value) if place is None else place(leaf, value)
     drafter = Drafter(dataclasses.replace(config, draft_vocab_size=None), params, hf, dtype, attn_impl,
                       decode_weights=decode_weights, mesh=mesh)
     if reduced:
@@ -89,6 +105,67 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
             drafter = dataclasses.replace(drafter, draft_head=jax.device_put(
                 head, sharding.param_shardings(mesh, {"draft_head": head}, drafter.config)["draft_head"]))
     return drafter
+
+
+def _without(shapes, names, spark_vocab: bool):
+    """The param shapes less the top-level entries `names`, keeping the Markov head's W1 (read by
+    its rule) when the head is among them for a reduced vocabulary."""
+    out = {k: v for k, v in shapes.items() if k not in names}
+    if spark_vocab and "markov_head" in shapes:
+        out["markov_head"] = {"markov_w1": shapes["markov_head"]["markov_w1"]}
+    return out
+
+
+def _spark_vocab_params(config: DrafterConfig, tensors, target_head, dtype, source: Path) -> dict:
+    """A DSpark drafter's reduced vocabulary (speculators' d2t int [Vd], t2d bool [V], lm_head.weight
+    [Vd, D] (or the target's head's columns, `target_head` [D, V]) and markov_w2.weight [Vd, r]) as
+    its widened params: lm_head [D, V] and markov_w2 [r, V] zero off the kept ids, the bias [V] 0 at
+    them and -inf elsewhere. CheckpointError naming `source` and the tensor when one is missing or
+    does not fit."""
+    size, v, d, r = config.dspark.draft_vocab_size, config.vocab_size, config.hidden_size, config.dspark.markov_rank
+    need = {"d2t": ((size,), "integer"), "t2d": ((v,), "bool")}
+    if target_head is None:
+        need["lm_head.weight"] = ((size, d), "float")
+    if r:
+        need["markov_head.markov_w2.weight"] = ((size, r), "float")
+    missing = [name for name in need if name not in tensors]
+    if missing:
+        raise CheckpointError(f"{source}: draft_vocab_size={size} (a reduced draft vocabulary) but the tensors "
+                              f"{missing} are missing")
+    arrays = {name: np.asarray(tensors[name]) for name in need}
+    for name, (shape, kind) in need.items():
+        value = arrays[name]
+        ok = {"integer": value.dtype.kind in "iu", "bool": value.dtype == bool, "float": True}[kind]
+        if value.shape != shape or not ok:
+            raise CheckpointError(f"{source}: tensor {name} is {value.dtype} {list(value.shape)}, expected {kind} "
+                                  f"{list(shape)} (draft_vocab_size {size}, vocab_size {v})")
+    try:
+        ids = DraftVocab.from_eagle3(arrays["d2t"], arrays["t2d"]).draft_to_target
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    np_dtype = np.dtype(dtype)
+    head = np.zeros((d, v), np_dtype)
+    head[:, ids] = (target_head[:, ids] if target_head is not None else arrays["lm_head.weight"].T).astype(np_dtype)
+    bias = np.full((v,), -np.inf, np_dtype)
+    bias[ids] = 0
+    out = {"lm_head": head, "draft_vocab": bias}
+    if r:
+        w2 = np.zeros((r, v), np_dtype)
+        w2[:, ids] = arrays["markov_head.markov_w2.weight"].T.astype(np_dtype)
+        out["markov_w2"] = w2
+    return out
+
+
+def _spark_vocab_tensors(drafter: Drafter, tensors: dict) -> None:
+    """The inverse of `_spark_vocab_params` on exported tensors: lm_head.weight [Vd, D] and
+    markov_w2.weight [Vd, r] at the kept ids, d2t and t2d."""
+    params = drafter.params
+    bias = np.asarray(jax.device_get(params["draft_vocab"]["bias"]))
+    ids = np.flatnonzero(bias == 0)
+    tensors["lm_head.weight"] = np.ascontiguousarray(tensors["lm_head.weight"][ids])
+    if "markov_head.markov_w2.weight" in tensors:
+        tensors["markov_head.markov_w2.weight"] = np.ascontiguousarray(tensors["markov_head.markov_w2.weight"][ids])
+    tensors.update(DraftVocab(ids, drafter.config.vocab_size).to_eagle3())
 
 
 def _target_tables(target, names, shapes, dtype) -> dict[str, np.ndarray]:
@@ -209,6 +286,8 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, *, overwrite: bool = Fal
     # a config of the other layout is not a base: its keys would make the file read as that layout
     base = drafter.hf_config if loaded_speculators == speculators else None
     if speculators:
+        if config.dspark.draft_vocab_size is not None:
+            _spark_vocab_tensors(drafter, tensors)
         for name in config.dspark.shared_tables:
             tensors.pop(f"{name}.weight")
         hf = config.to_speculators_config(base, dtype_name(drafter.dtype))

@@ -2,11 +2,14 @@
 
   python -m dflash_jax.convert to-orbax  HF_DRAFTER_DIR      ORBAX_DIR       [--dtype bfloat16]
   python -m dflash_jax.convert to-hf     ORBAX_OR_BIN_DIR    HF_DRAFTER_DIR  [--dtype bfloat16] [--force]
+                                         [--layout auto|official|speculators]
 
 The HF layout (config.json + model.safetensors) is what the official PyTorch code, vLLM, SGLang
 and transformers load; the Orbax layout (config.json + params/) is what training writes. A drafter
 saved as pytorch_model.bin (or sharded, with pytorch_model.bin.index.json) is read with torch, so
-converting it once (`to-hf` or `to-orbax`) is the one step that needs torch installed.
+converting it once (`to-hf` or `to-orbax`) is the one step that needs torch installed. A DSpark
+drafter is written in DeepSpec's layout or, with `--layout speculators`, as speculators'
+`DSparkSpeculator` (`save_drafter`'s `layout`).
 Installed as the console script `dflash-convert`.
 """
 from __future__ import annotations

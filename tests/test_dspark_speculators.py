@@ -320,3 +320,18 @@ def test_a_reduced_vocabulary_exports_bit_exact(reduced_checkpoint, target, tmp_
     bad = write(tmp_path / "bad", speculators_config(draft_vocab_size=VD), t)
     with pytest.raises(CheckpointError, match="'d2t'"):
         load_drafter(bad, target)
+
+
+def test_the_convert_cli_writes_the_speculators_layout(checkpoints, tmp_path):
+    from dflash_jax import convert
+    from dflash_jax.loading.orbax_io import save_orbax_drafter
+
+    _, deepspec_dir = checkpoints
+    drafter = load_drafter(deepspec_dir)
+    save_orbax_drafter(drafter, tmp_path / "orbax")
+    assert convert.main(["to-hf", str(tmp_path / "orbax"), str(tmp_path / "hf"), "--layout", "speculators"]) == 0
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["DSparkSpeculator"] and written["aux_hidden_state_layer_ids"] == [1, 3]
+    again = load_drafter(tmp_path / "hf")
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                           again.params, drafter.params)

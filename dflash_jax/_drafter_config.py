@@ -392,7 +392,9 @@ class DrafterConfig(LayerLayout):
         output), `draft_vocab_size` (the whole vocabulary, or a reduced one shipped as d2t/t2d),
         `sliding_window_non_causal`, and the heads' fields with the speculators class's defaults where
         absent (block_size 8, markov_rank 256, markov_head_type "vanilla", enable_confidence_head and
-        confidence_head_with_markov true, sample_from_anchor true: the anchor slot proposes)."""
+        confidence_head_with_markov true). speculators serializes every field of its config, and
+        `sample_from_anchor` only exists since its PR #760: a config without it comes from the
+        earlier code, whose slot k predicted anchor + k (the 1+N block), so absent means false."""
         if not isinstance(fields.hf.get("transformer_layer_config"), dict):
             raise _speculators_error(fields, "missing required field 'transformer_layer_config' (an object "
                                              "holding the decoder's fields)")
@@ -426,7 +428,7 @@ class DrafterConfig(LayerLayout):
             raise _speculators_error(fields, f"field 'markov_head_type' must be a string, got {head_type!r}")
         heads = fields.build(DSparkConfig, markov_rank=rank, enable_confidence_head=enabled,
                              confidence_head_with_markov=enabled and fields.bool("confidence_head_with_markov", True),
-                             markov_head_type=head_type, sample_from_anchor=fields.bool("sample_from_anchor", True),
+                             markov_head_type=head_type, sample_from_anchor=fields.bool("sample_from_anchor", False),
                              draft_vocab_size=None if draft_vocab == vocab_size else draft_vocab)
         return fields.build(
             cls,
@@ -445,7 +447,7 @@ class DrafterConfig(LayerLayout):
         """The speculators layout's config.json of a DSpark drafter (`DSparkSpeculatorConfig`); the
         fields of `base` (a loaded speculators config) that we don't model are kept, inside
         `transformer_layer_config` too. Every head field is written explicitly (sample_from_anchor
-        included, whose default other readers take differently)."""
+        included, whose default readers take differently), as speculators writes them."""
         if self.dspark is None:
             raise ValueError("the speculators layout is written here for DSpark drafters only")
         hf = dict(base or {})

@@ -119,7 +119,9 @@ def test_config_reads_the_speculators_fields():
                          "confidence_head_with_markov", "sliding_window_non_causal", "mask_token_id")}
     defaults = DrafterConfig.from_hf_config(bare)
     assert defaults.block_size == 8 and defaults.mask_token_id is None
-    assert defaults.dspark == DSparkConfig(R, True, True, "vanilla", sample_from_anchor=True)
+    # sample_from_anchor absent: a config from before speculators had the field, its 1+N block
+    assert defaults.dspark == DSparkConfig(R, True, True, "vanilla", sample_from_anchor=False)
+    assert defaults.proposals == 8 - 1
     assert DrafterConfig.from_hf_config({k: v for k, v in bare.items() if k != "markov_rank"}).dspark.markov_rank == 256
     older = DrafterConfig.from_hf_config(speculators_config(sample_from_anchor=False))
     assert older.proposals == G - 1

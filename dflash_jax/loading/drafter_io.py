@@ -31,6 +31,9 @@ LAYOUTS = ("auto", "official", "speculators")  # save_drafter's `layout`
 DRAFT_VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d")  # read only when config.json has draft_vocab_size
 # a DSpark drafter's reduced vocabulary (the speculators layout): read apart, then widened to the vocabulary
 SPARK_VOCAB_TENSORS = ("lm_head.weight", "markov_head.markov_w2.weight", "d2t", "t2d")
+# the param paths of the DSpark weights built at load (from the target, or widened to the vocabulary)
+BUILT_PARAMS = {"embed_tokens": ("embed_tokens", "embedding"), "lm_head": ("lm_head", "kernel"),
+                "markov_w2": ("markov_head", "markov_w2", "kernel"), "draft_vocab": ("draft_vocab", "bias")}
 
 
 def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: str = "auto",
@@ -88,9 +91,7 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
         tables.update(_spark_vocab_params(config, tensors, tables.pop("lm_head", None), dtype,
                                           checkpoint_file(path)))
     for name, value in tables.items():
-        leaf = ("draft_vocab", "bias") if name == "draft_vocab" else (
-            ("markov_head", "markov_w2", "kernel") if name == "markov_w2" else
-            (name, "embedding" if name == "embed_tokens" else "kernel"))
+        leaf = BUILT_PARAMS[name]
         node = params
         for key in leaf[:-1]:
             node = node.setdefault(key, {})

@@ -16,6 +16,11 @@ temperature T > 0, x_k is drawn from the filtered distribution of logits_k (temp
 top-p), which is the draft distribution q_k over the whole vocabulary that the exact acceptance
 rule reads.
 
+A reduced draft vocabulary (`DSparkConfig.draft_vocab_size`, the speculators layout's d2t/t2d):
+the LM head and W2 hold zero columns off the kept ids and `draft_vocab.bias` [V] is 0 at them,
+-inf elsewhere, added to the base logits: the draft distribution is the reduced one's, zero off
+its ids, so the chain, the sampled q and the exact rule run over target ids unchanged.
+
 Confidence head (`confidence_head.proj`, Linear D + r -> 1 with a bias, or D -> 1 without the
 Markov features): c_k = sigmoid(w . [h_k ; e_k] + b), an estimate of the chance that x_k is
 accepted. A verify-length policy (`proposal_limit`) stops the proposal before the first slot whose
@@ -53,6 +58,8 @@ def heads(config: DSparkConfig, vocab_size: int, hidden_size: int, dtype=jnp.flo
         out["markov_head"] = MarkovHead(vocab_size, config.markov_rank, dtype)
     if config.enable_confidence_head:
         out["confidence_head"] = ConfidenceHead(dtype)
+    if config.draft_vocab_size is not None:
+        out["draft_vocab"] = DraftVocabBias(vocab_size, dtype)
     return out
 
 
@@ -63,6 +70,8 @@ def init_heads(config: DSparkConfig, modules: dict, hidden):
     modules["lm_head"](hidden)
     if "markov_head" in modules:
         modules["markov_head"](prev)
+    if "draft_vocab" in modules:
+        modules["draft_vocab"]()
     if "confidence_head" in modules:
         extra = jnp.zeros((*hidden.shape[:-1], config.confidence_inputs), hidden.dtype)
         modules["confidence_head"](jnp.concatenate([hidden, extra], axis=-1))
@@ -80,6 +89,18 @@ class MarkovHead(nn.Module):
                         name="markov_w2")(e)
 
 
+class DraftVocabBias(nn.Module):
+    """`bias` [V]: 0 at the target ids a reduced draft vocabulary holds, -inf elsewhere (set at load;
+    initialised to zeros, the whole vocabulary)."""
+
+    vocab_size: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        return self.param("bias", nn.initializers.zeros, (self.vocab_size,), self.dtype)
+
+
 class ConfidenceHead(nn.Module):
     dtype: Any = jnp.float32
 
@@ -94,8 +115,12 @@ def block_embeddings(params, block):
 
 
 def base_logits(params, hidden):
-    """float32 base logits [..., V] of hidden [..., D] through the drafter's own LM head."""
-    return hidden.astype(jnp.float32) @ params["lm_head"]["kernel"].astype(jnp.float32)
+    """float32 base logits [..., V] of hidden [..., D] through the drafter's own LM head (-inf off a
+    reduced draft vocabulary's ids)."""
+    logits = hidden.astype(jnp.float32) @ params["lm_head"]["kernel"].astype(jnp.float32)
+    if "draft_vocab" in params:
+        logits = logits + params["draft_vocab"]["bias"].astype(jnp.float32)
+    return logits
 
 
 def draft(config: DSparkConfig, params, hidden, logits, anchors, probs_fn=None, key=None):

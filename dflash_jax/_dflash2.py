@@ -128,7 +128,7 @@ def select(params, hidden, logits, anchors, top_k: int, temperature=None, key=No
     successor = params["successor_codebook"][candidates].astype(f32)  # [B, S, K, r]
     projected = hidden.astype(f32) @ params["hidden_projection"]["kernel"].astype(f32)  # [B, S, r]
     slots = hidden.shape[1]
-    keys = jax.random.split(key, slots) if temperature is not None else jnp.zeros((slots,), jnp.uint32)
+    keys = sampling.split(key, slots) if temperature is not None else jnp.zeros((slots,), jnp.uint32)
     scale = 1.0 if temperature is None else 1.0 / temperature
 
     def step(prev, xs):

@@ -136,7 +136,7 @@ def draft(config: DSparkConfig, params, hidden, logits, anchors, probs_fn=None, 
     slots = hidden.shape[1]
     markov = params.get("markov_head") if config.markov_rank else None
     confidence = params.get("confidence_head") if config.enable_confidence_head else None
-    keys = jax.random.split(key, slots) if probs_fn is not None else jnp.zeros((slots,), jnp.uint32)
+    keys = sampling.split(key, slots) if probs_fn is not None else jnp.zeros((slots,), jnp.uint32)
 
     def step(prev, xs):
         z, h, slot_key = xs

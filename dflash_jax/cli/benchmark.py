@@ -162,6 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
                           "shared with other work fewer may be faster, as llama.cpp's threads wait for each other)")
     out.add_argument("--out", metavar="results.json", help="write per-batch records and the summary")
     out.add_argument("--plot", metavar="acceptance.png", help="acceptance histogram (needs matplotlib)")
+    conc = p.add_argument_group("many prompts at once (the batch engine: continuous batching)")
+    conc.add_argument("--concurrency", metavar="N,N,...",
+                      help="run the prompts through the batch engine at each concurrency (slots decoded together, "
+                           "refilled as prompts finish), e.g. 1,4,16,32: speculative and autoregressive tokens/s, "
+                           "the speedup, tau and the tokens verified per cycle at each; --plot draws the speedup "
+                           "against concurrency")
+    conc.add_argument("--verify-budget", type=int, default=0, metavar="TOKENS",
+                      help="with --concurrency: the most tokens a cycle verifies over the batch (slots x the verify "
+                           "width; 0: no bound; lossless either way)")
+    conc.add_argument("--verify-costs", metavar="costs.json",
+                      help="with --concurrency: a cost table from --profile-verify; each cycle verifies the width "
+                           "with the most expected tokens per second (within --verify-budget; lossless)")
+    conc.add_argument("--profile-verify", metavar="costs.json",
+                      help="measure the seconds of a cycle at each verify width (1, 2, 4, ..., the block) at each "
+                           "--concurrency level (default 1) on this device, write the table and exit")
     p.add_argument("--smoke", action="store_true",
                    help="tiny run: 2 built-in prompts (unless a set is chosen), 16 new tokens")
     return p
@@ -202,6 +217,22 @@ def _check_args(parser, args) -> None:
         parser.error("--layers must be >= 1")
     if args.prompt_tokens < 1:
         parser.error("--prompt-tokens must be >= 1")
+    if args.concurrency:
+        from dflash_jax.cli.bench_concurrency import parse_levels
+
+        try:
+            parse_levels(args.concurrency)
+        except ValueError as e:
+            parser.error(f"--concurrency: {e}")
+    if (args.verify_budget or args.verify_costs) and not args.concurrency:
+        parser.error("--verify-budget and --verify-costs apply with --concurrency")
+    if args.verify_budget < 0:
+        parser.error("--verify-budget must be >= 0")
+    if (args.concurrency or args.profile_verify) and args.mesh:
+        parser.error("--concurrency and --profile-verify run the batch engine on one device: drop --mesh")
+    if (args.concurrency or args.profile_verify) and (args.baseline or len(args.generations) > 1):
+        parser.error("--concurrency and --profile-verify run one drafter through the batch engine: drop --baseline "
+                     "and name one --random-drafter generation")
     if args.llama_cpp_threads is not None and (args.baseline != "llama.cpp" or args.llama_cpp_threads < 1):
         parser.error("--llama-cpp-threads takes a count >= 1 and applies only with --baseline llama.cpp")
 
@@ -357,6 +388,8 @@ def run(args) -> int:
           f"{', int8 activations' if target.decode_activations == 'int8' else ''}, "
           f"device {device.platform}:{device.device_kind}"
           f"{f', mesh {dict(mesh.shape)} ({mesh.size} devices)' if mesh is not None else ''}", flush=True)
+    if args.profile_verify or args.concurrency:
+        return _run_engine(args, setup, stops)
     params_bytes = tree_bytes(target.params) + (tree_bytes(drafter.params) if drafter is not None else 0)
     if setup.drafters:
         params_bytes += sum(tree_bytes(d.params) for _, d in setup.drafters[1:])
@@ -404,6 +437,28 @@ def run(args) -> int:
             notice(f"no drafter, no acceptance histogram: not writing {args.plot}")
         else:
             plot_histogram(reports[0][1], Path(args.plot).expanduser(), setup.set_name)
+    return 0
+
+
+def _run_engine(args, setup, stops) -> int:
+    """--profile-verify, or --concurrency: the batch engine's runs (`bench_concurrency`)."""
+    from dflash_jax.cli import bench_concurrency
+
+    if args.profile_verify:
+        bench_concurrency.profile_verify(setup.target, setup.drafter, setup.prompts, args, stops,
+                                         Path(args.profile_verify).expanduser())
+        return 0
+    report = bench_concurrency.run_concurrency(setup.target, setup.drafter, setup.prompts, args, stops)
+    report.update(target=setup.target_name, drafter=setup.drafter_name, prompt_set=setup.set_name,
+                  max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    if args.out:
+        import json
+
+        Path(args.out).expanduser().write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    if args.plot:
+        bench_concurrency.plot_speedup(report, Path(args.plot).expanduser(),
+                                       f"{setup.target_name}: speedup against concurrency")
     return 0
 
 

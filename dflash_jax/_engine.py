@@ -318,10 +318,10 @@ class BatchEngine:
     def _read(self, state, finished: list[int], slots):
         if not finished:
             return
-        index = jnp.asarray(finished, jnp.int32)
-        tokens, lengths, prompt_lengths, cycles, emitted = _fetch(
-            (state.tokens[index], state.lengths[index], state.prompt_lengths[index], state.cycles[index],
-             state.emitted_per_cycle[index]))
+        # whole arrays (slots x capacity int32: small beside a cache), not rows gathered on the device: an
+        # eager gather compiles once per count of finished rows
+        tokens, lengths, prompt_lengths, cycles, emitted = (x[finished] for x in _fetch(
+            (state.tokens, state.lengths, state.prompt_lengths, state.cycles, state.emitted_per_cycle)))
         for j, b in enumerate(finished):
             generated = _cut(tokens[j], int(prompt_lengths[j]), int(lengths[j]), self.config.max_new_tokens,
                              self.stop_token_ids)

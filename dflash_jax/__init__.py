@@ -43,7 +43,7 @@ _EXPORTS = {
     "generate": "dflash_jax._speculative",
     "generate_stream": "dflash_jax._speculative",
     "release_generators": "dflash_jax._speculative",
-    "generate_batch": "dflash_jax._engine",
+    "generate_batch": "dflash_jax._speculative",
     "BatchEngine": "dflash_jax._engine",
     "PromptResult": "dflash_jax._engine",
     "ConfigError": "dflash_jax._errors",
@@ -80,12 +80,13 @@ def __dir__():
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from dflash_jax._config import ModelConfig
-    from dflash_jax._engine import BatchEngine, PromptResult, generate_batch
+    from dflash_jax._engine import BatchEngine, PromptResult
     from dflash_jax._drafter import Drafter, DrafterSpec, init_drafter_params
     from dflash_jax._drafter_config import DrafterConfig
     from dflash_jax._errors import CheckpointError, ConfigError, DrafterMismatchError, TorchRequiredError
     from dflash_jax.loading.drafter_io import load_drafter, save_drafter
     from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
     from dflash_jax.loading.target_loader import load_target
-    from dflash_jax._speculative import GenerationResult, Generator, generate, generate_stream, release_generators
+    from dflash_jax._speculative import (GenerationResult, Generator, generate, generate_batch, generate_stream,
+                                         release_generators)
     from dflash_jax._target import Target, TargetSpec, init_target_params

@@ -42,7 +42,7 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax._decode_loop import admit, decode_until, empty_state, round_up, state_shardings
-from dflash_jax._speculative import SamplingOptions, _configure, _cut, _fetch, _is_int, _prompt_rows, prompt_bucket
+from dflash_jax._options import SamplingOptions, _configure, _cut, _fetch, _is_int, _prompt_rows, prompt_bucket
 from dflash_jax._target import PREFILL_CHUNK
 from dflash_jax.kernels import KEY_TILE
 
@@ -327,18 +327,3 @@ class BatchEngine:
                              self.stop_token_ids)
             accepted = [int(n) for n in emitted[j, : cycles[j]]]
             yield b, PromptResult(slots[b].index, generated, accepted, self.config.block_size)
-
-
-def generate_batch(target, drafter, prompts, *, slots: int = 8, seeds: Sequence[int] | None = None, mesh=None,
-                   **options) -> list[PromptResult]:
-    """Generate for many prompts through a `BatchEngine` of `slots` rows (continuous batching), each
-    prompt's result as `generate` would give it alone (module docstring), in submission order.
-    options: the keywords of `generate` but mesh (max_new_tokens, temperature, ...). seeds: one per
-    prompt (None: `seed` folded with the prompt's index). mesh: as `generate`'s (None: the target's).
-    Uses `generate`'s Generator for the pair."""
-    from dflash_jax._speculative import generator_for
-
-    generator = generator_for(target, drafter, mesh)
-    rows = _prompt_rows(prompts, target.config.vocab_size)
-    engine = generator.engine(slots=slots, max_prompt_tokens=max(len(r) for r in rows), **options)
-    return engine.generate(rows, seeds)

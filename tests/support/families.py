@@ -1,12 +1,11 @@
-"""The target families the conformance suite (tests/test_family_conformance.py) runs over: one row
+"""The target families the conformance suite (tests/support/conformance.py) runs over: one row
 per family, with its tiny Hugging Face config, the transformers class that is its reference, how
 its weights are randomised, and the knobs its checks need. Also the tiny models built from a row:
 `make_hf` (transformers' model, saved with save_pretrained; no hub) and `tiny_target` (ours, built
 directly from the row's config, no torch).
 
-Adding a family: one row in FAMILIES (test_family_conformance.py's
-test_every_library_family_has_a_conformance_row fails until it is there), and its own tests in its
-own file.
+Adding a family: one row in FAMILIES and its name in one group of support/conformance.py's GROUPS
+(test_family_conformance.py fails until both are there), and its own tests in its own file.
 """
 from __future__ import annotations
 

@@ -255,8 +255,9 @@ def test_speculative_greedy_with_rejections_at_every_position(family, monkeypatc
 @_over_rows("sampling", "family", variants=False, keys=False)
 def test_speculative_sampling_keeps_the_targets_distribution(family):
     """`check_sampling_lossless` on a target of test_sampling's vocabulary (its exact joint
-    distribution by enumeration) and a random drafter of block 4."""
-    target = families.tiny_target(family, seed=3, scale=FAMILIES[family].sampling_scale, vocab_size=V + 1)
+    distribution by enumeration; the row's `sampling_overrides`) and a random drafter of block 4."""
+    row = FAMILIES[family]
+    target = families.tiny_target(family, seed=3, scale=row.sampling_scale, vocab_size=V + 1, **row.sampling_overrides)
     check_sampling_lossless(target, tiny_drafter(target, block_size=4, seed=5))
 
 

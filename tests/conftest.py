@@ -13,6 +13,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 
+# the shared checks in support/ (the conformance suite's tests among them) fail with pytest's assertion
+# messages, as a test module's own asserts do
+pytest.register_assert_rewrite("support")
+
 
 @pytest.fixture(scope="session")
 def worker_id() -> str:

@@ -164,12 +164,14 @@ def test_cached_ragged_prefill_equals_each_row_alone(hf_pairs, key):
     chunk = {} if row.prefill["chunk_size"] is None else dict(chunk_size=row.prefill["chunk_size"])
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(3, max(lengths) + 1))
     capture = (0, cfg.num_layers // 2, cfg.num_layers - 1)
-    hidden, features, cache = target.prefill(target.params, jnp.asarray(ids[:, :max(lengths)], jnp.int32),
-                                             target.init_cache(3, row.prefill["capacity"]), capture=capture,
-                                             num_new=jnp.asarray(lengths), **chunk)
+    # each compiled whole (one program, not one per operation)
+    prefill = jax.jit(lambda params, tokens, cache, num_new: target.spec.prefill(
+        params, tokens, cache, capture=capture, num_new=num_new, **chunk))
+    hidden, features, cache = prefill(target.params, jnp.asarray(ids[:, :max(lengths)], jnp.int32),
+                                      target.init_cache(3, row.prefill["capacity"]), jnp.asarray(lengths))
     assert list(np.asarray(cache.lengths)) == lengths
     nxt = ids[np.arange(3), lengths]
-    step, _, _ = target.forward(target.params, jnp.asarray(nxt[:, None], jnp.int32), cache)
+    step, _, _ = jax.jit(target.spec.forward)(target.params, jnp.asarray(nxt[:, None], jnp.int32), cache)
     d = cfg.hidden_size
     for r, n in enumerate(lengths):
         logits, hidden_states, gap = hf_outputs(model, np.concatenate([ids[r, :n], nxt[r:r + 1]])[None], row.router)

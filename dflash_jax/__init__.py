@@ -13,7 +13,9 @@
 are the static (hashable) halves of a model that jitted code takes apart from the params, and
 `init_target_params` / `init_drafter_params` make random params of a config. `Generator(target, drafter)`
 holds the decode params and compiled programs of one pair (what `generate` uses underneath; `generate`
-keeps the Generators of its last two pairs, and `release_generators()` frees them).
+keeps the Generators of its last two pairs, and `release_generators()` frees them). Many prompts at
+once: `generate_batch(target, drafter, prompts, slots=8)`, or `Generator.engine(...)` for a
+`BatchEngine` (continuous batching: a fixed set of slots refilled from a queue as prompts finish).
 Bad files and mismatched pairs raise one exception naming the file: FileNotFoundError, ConfigError,
 CheckpointError, TorchRequiredError (a .bin checkpoint without torch) or DrafterMismatchError, all
 ValueErrors except the first.
@@ -41,6 +43,9 @@ _EXPORTS = {
     "generate": "dflash_jax._speculative",
     "generate_stream": "dflash_jax._speculative",
     "release_generators": "dflash_jax._speculative",
+    "generate_batch": "dflash_jax._engine",
+    "BatchEngine": "dflash_jax._engine",
+    "PromptResult": "dflash_jax._engine",
     "ConfigError": "dflash_jax._errors",
     "CheckpointError": "dflash_jax._errors",
     "TorchRequiredError": "dflash_jax._errors",
@@ -75,6 +80,7 @@ def __dir__():
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from dflash_jax._config import ModelConfig
+    from dflash_jax._engine import BatchEngine, PromptResult, generate_batch
     from dflash_jax._drafter import Drafter, DrafterSpec, init_drafter_params
     from dflash_jax._drafter_config import DrafterConfig
     from dflash_jax._errors import CheckpointError, ConfigError, DrafterMismatchError, TorchRequiredError

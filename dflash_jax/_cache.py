@@ -35,7 +35,10 @@ class Cache(Protocol):
     `lengths` [B] (the positions it holds; rolling back is setting them), its `capacity`, `with_lengths`,
     `commit(pending, num_new)` (the cache after the first num_new[b] of a forward's per-position outputs,
     `TargetModel`'s write_cache=False result) and `shardings(mesh)` (the cache of NamedShardings that
-    places it on a mesh). `KVCache`, `HybridCache` and `GroupedKVCache` implement it."""
+    places it on a mesh), and `cleared()` (the cache with every row empty: what a row reused for a new
+    sequence starts from). Every array in it is [B] (per row, like `lengths`) or [L, B, ...] (per layer,
+    then per row): `take_row` / `put_row` rely on that. `KVCache`, `HybridCache`, `GroupedKVCache` and
+    `LatentCache` implement it."""
 
     lengths: Any
     capacity: int
@@ -45,6 +48,8 @@ class Cache(Protocol):
     def commit(self, pending, num_new) -> "Cache": ...
 
     def shardings(self, mesh) -> "Cache": ...
+
+    def cleared(self) -> "Cache": ...
 
 
 def _mesh_size(mesh, axis: str) -> int:
@@ -89,6 +94,9 @@ class KVCache:
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+    def cleared(self) -> "KVCache":
+        return self.with_lengths(jnp.zeros_like(self.lengths))
 
     def append(self, k_new: jax.Array, v_new: jax.Array, num_new) -> "KVCache":
         """Write k_new, v_new [L, B, T, Hkv, Dh] at each row's length; lengths += num_new ([B] or
@@ -150,6 +158,10 @@ class HybridCache:
     def with_lengths(self, lengths) -> "HybridCache":
         return self.replace(kv=self.kv.with_lengths(lengths))
 
+    def cleared(self) -> "HybridCache":
+        """Empty rows: no positions, and the recurrent states at their start (zero)."""
+        return self.replace(kv=self.kv.cleared(), conv=jnp.zeros_like(self.conv), state=jnp.zeros_like(self.state))
+
     def commit(self, pending, num_new) -> "HybridCache":
         """The cache after the first num_new[b] positions of `pending` (a forward's or a verify's
         per-position outputs: (k, v, linear)); the rest leave no trace (module docstring)."""
@@ -183,15 +195,21 @@ class GroupedKVCache:
     groups: tuple
 
     @classmethod
-    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32, kv_replicas: int = 1) -> "GroupedKVCache":
-        return cls(tuple(KVCache.zeros(len(ids), batch, capacity, heads * kv_replicas, dim, dtype)
-                         for (heads, dim), ids in config.kv_groups))
+    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32,
+                  kv_replicas: int | tuple[int, ...] = 1) -> "GroupedKVCache":
+        """Each group's heads x its copies (kv_replicas: one count, or one per group: `sharding.group_kv_replicas`)."""
+        copies = kv_replicas if isinstance(kv_replicas, tuple) else (kv_replicas,) * len(config.kv_groups)
+        return cls(tuple(KVCache.zeros(len(ids), batch, capacity, heads * r, dim, dtype)
+                         for ((heads, dim), ids), r in zip(config.kv_groups, copies)))
 
     lengths = property(lambda self: self.groups[0].lengths)
     capacity = property(lambda self: self.groups[0].capacity)
 
     def with_lengths(self, lengths) -> "GroupedKVCache":
         return self.replace(groups=tuple(g.with_lengths(lengths) for g in self.groups))
+
+    def cleared(self) -> "GroupedKVCache":
+        return self.replace(groups=tuple(g.cleared() for g in self.groups))
 
     def commit(self, pending, num_new) -> "GroupedKVCache":
         """Each group's `KVCache.append` of its pending (k, v) [Lg, B, T, Hg, Dg]."""
@@ -286,6 +304,9 @@ class LatentCache:
     def with_lengths(self, lengths) -> "LatentCache":
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
+    def cleared(self) -> "LatentCache":
+        return self.with_lengths(jnp.zeros_like(self.lengths))
+
     def commit(self, pending, num_new) -> "LatentCache":
         """Write a forward's pending (kv_new [L, B, T, 1, R + Dr], None) at each row's length; lengths +=
         num_new ([B] or a scalar; slots past a row's num_new are garbage, overwritten later)."""
@@ -299,3 +320,19 @@ class LatentCache:
         rows = _rows(mesh, self.kv.shape[1])
         return self.replace(kv=NamedSharding(mesh, P(None, rows, None, None, None)),
                             lengths=NamedSharding(mesh, P(rows)))
+
+
+def _row_axis(x) -> int:
+    """The batch axis of a cache array (the `Cache` layout: [B] or [L, B, ...])."""
+    return 0 if x.ndim == 1 else 1
+
+
+def take_row(cache, row):
+    """Row `row` (a traced int) of a cache, as a cache of batch 1 (its arrays copied)."""
+    return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=_row_axis(x)), cache)
+
+
+def put_row(cache, one, row):
+    """`cache` with row `row` replaced by the batch-1 cache `one` (of the same type and shapes)."""
+    return jax.tree_util.tree_map(
+        lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), row, axis=_row_axis(x)), cache, one)

@@ -24,13 +24,14 @@ The whole decode is one `lax.while_loop` over `DecodeState` (no host round trip)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax import _dflash2 as dflash2, _dspark as dspark, _sampling as sampling, sharding
-from dflash_jax._cache import KVCache, write_rows
+from dflash_jax._cache import KVCache, put_row, take_row, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
 from dflash_jax._lookup import lookup_drafts, merge_lookup
 
@@ -54,6 +55,14 @@ class GenerationConfig:
     # > 0: the drafter's context cache keeps (and the drafter sees) only each row's last draft_context
     # positions, a ring buffer (`RingKVCache`); 0: the whole context
     draft_context: int = 0
+    # the verify widths (block prefixes: the anchor and its first w-1 drafts) a cycle may verify,
+    # ascending, each <= block_size; (): always the whole block. A cycle picks the narrowest that
+    # holds what `verify_policy` asks for (`_verify_plan`).
+    verify_widths: tuple[int, ...] = ()
+    # "costs": the width with the most expected tokens per second (SamplingParams.verify_costs, within
+    # SamplingParams.verify_budget where given); "budget": the widest the budget allows; "": the one
+    # width (verify_widths is then one width)
+    verify_policy: str = ""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -68,6 +77,15 @@ class GenerationConfig:
             raise ValueError(f"lookup must be 0 (off) or >= 2 (the longest match), got {self.lookup}")
         if self.draft_context < 0:
             raise ValueError(f"draft_context must be >= 0 (0: the whole context), got {self.draft_context}")
+        if self.verify_widths:
+            widths = self.verify_widths
+            if list(widths) != sorted(set(widths)) or widths[0] < 1 or widths[-1] > self.block_size:
+                raise ValueError(f"verify_widths must ascend within [1, block_size={self.block_size}], got {widths}")
+            if self.gate_drafts:
+                raise ValueError("gate_drafts and verify_widths both choose what a cycle verifies: use one")
+        if self.verify_policy not in ("", "budget", "costs") or (self.verify_policy and not self.verify_widths):
+            raise ValueError(f"verify_policy must be '', 'budget' or 'costs' (with verify_widths), got "
+                             f"{self.verify_policy!r}")
 
 
 @struct.dataclass
@@ -81,6 +99,10 @@ class SamplingParams:
     # [] float32, a DSpark drafter with a confidence head only: each row verifies its drafts up to
     # the first whose confidence is below this (0: all of them; `_dspark.proposal_limit`)
     confidence_threshold: jax.Array | None = None
+    # [] int32: the most tokens a cycle verifies over the batch (rows x the verify width; None: no bound)
+    verify_budget: jax.Array | None = None
+    # [len(verify_widths)] float32, verify_policy "costs": seconds of a cycle verifying each width
+    verify_costs: jax.Array | None = None
 
 
 @struct.dataclass
@@ -96,6 +118,9 @@ class DecodeState:
     # [B, max_new_tokens]: tokens emitted by each cycle (accepted drafts + 1, the tau samples);
     # entries at and past cycles[b] are 0.
     emitted_per_cycle: jax.Array
+    # [] int32: tokens the target verified, summed over cycles (rows x the verified width: every row is
+    # computed, live or not); the batch engine's (`empty_state`), None in `generate`'s state
+    verified: jax.Array | None = None
 
 
 def state_shardings(mesh, state: DecodeState) -> DecodeState:
@@ -108,7 +133,8 @@ def state_shardings(mesh, state: DecodeState) -> DecodeState:
                        prompt_lengths=rows(state.prompt_lengths), done=rows(state.done),
                        target_cache=sharding.cache_shardings(mesh, state.target_cache), draft_cache=draft,
                        rng=sharding.replicated(mesh), cycles=rows(state.cycles),
-                       emitted_per_cycle=rows(state.emitted_per_cycle))
+                       emitted_per_cycle=rows(state.emitted_per_cycle),
+                       verified=None if state.verified is None else sharding.replicated(mesh))
 
 
 def _target_probs(cfg: GenerationConfig, params: SamplingParams, logits):
@@ -161,19 +187,30 @@ def prefill(target, drafter, cfg: GenerationConfig, target_params, drafter_param
                        emitted_per_cycle=jnp.zeros((b, cfg.max_new_tokens), jnp.int32))
 
 
-def _first_draft_probability(logits, draft):
-    """The probability of draft [B] under softmax(logits [B, V]) (float32)."""
+def _top_probability(logits):
+    """The largest probability of softmax(logits [..., V]) -> [...] float32 (a greedy draft's own)."""
     logits = logits.astype(jnp.float32)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    chosen = jnp.take_along_axis(logits, draft[:, None], axis=-1)
-    return (jnp.exp(chosen - top) / jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))[:, 0]
+    return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
+
+
+def _confidence(cfg, logits):
+    """How likely the drafter is to be right, per slot, from its base logits [B, G-1, V] (before a
+    DFlash2 selector or a DSpark Markov head): the top probability of each slot's distribution (of
+    every slot [B, G-1] with cfg.verify_widths; of the first [B] with cfg.gate_drafts; else None).
+    It depends on the context and the anchor, never on a drafted token: a choice of what to verify
+    made from it is independent of the drafts, which keeps the acceptance rule exact when sampling
+    (a choice that looked at a sampled draft's own probability would bias the output)."""
+    if cfg.verify_widths:
+        return _top_probability(logits)
+    return _top_probability(logits[:, 0]) if cfg.gate_drafts else None
 
 
 def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft_cache, key, params):
     """Draft tokens [B, G-1] (target ids), their distributions over the target vocabulary
-    [B, G-1, V] (None unless exact sampling), the probability [B] the drafter gave its first
-    draft (None unless cfg.gate_drafts) and how many leading drafts each row verifies [B] (None:
-    all; a DSpark drafter's confidence policy, `_spark`).
+    [B, G-1, V] (None unless exact sampling), the drafter's confidence in its slots (`_confidence`:
+    the first's [B] with cfg.gate_drafts, every one's [B, G-1] with cfg.verify_widths, else None) and
+    how many leading drafts each row verifies [B] (None: all; a DSpark drafter's confidence policy,
+    `_spark`).
 
     A reduced draft vocabulary (drafter_params = {"drafter", "draft_head"}, see `Drafter`) drafts
     with its own head over Vd ids and maps the draft back through draft_to_target. Its distribution
@@ -194,15 +231,14 @@ def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft
     else:
         logits = target.logits(target_params, hidden)
     logits = dc.draft_logits(logits)
+    first = _confidence(cfg, logits)
     if dc.dflash2 is not None:
-        return (*_select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params), None)
+        return (*_select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params), first, None)
     if exact:
         probs = _target_probs(cfg, params, logits)
         drafts = sampling.sample(key, probs)
-        first = jnp.take_along_axis(probs[:, 0], drafts[:, :1], axis=-1)[:, 0] if cfg.gate_drafts else None
     else:
         probs, drafts = None, sampling.greedy(logits)
-        first = _first_draft_probability(logits[:, 0], drafts[:, 0]) if cfg.gate_drafts else None
     if not reduced:
         return drafts, probs, first, None
     to_target = drafter_params["draft_head"]["draft_to_target"]  # [Vd]
@@ -229,11 +265,8 @@ def _spark(drafter, cfg, drafter_params, anchors, draft_cache, key, params):
     logits = dc.draft_logits(dspark.base_logits(module, hidden))
     exact = cfg.sampling and cfg.acceptance == "exact"
     probs_fn = (lambda z: _target_probs(cfg, params, z)) if exact else None
-    drafts, biased, probs, confidences = dspark.draft(dc.dspark, module, hidden, logits, anchors, probs_fn, key)
-    first = None
-    if cfg.gate_drafts:
-        first = (jnp.take_along_axis(probs[:, 0], drafts[:, :1], axis=-1)[:, 0] if exact
-                 else _first_draft_probability(biased[:, 0], drafts[:, 0]))
+    drafts, _, probs, confidences = dspark.draft(dc.dspark, module, hidden, logits, anchors, probs_fn, key)
+    first = _confidence(cfg, logits)  # not the confidence head's: c_k reads draft k - 1 (`_verify_plan`)
     limit = None
     if confidences is not None and params.confidence_threshold is not None:
         limit = dspark.proposal_limit(confidences, params.confidence_threshold)
@@ -246,15 +279,13 @@ def _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
     from softmax(score / temperature) over its K candidates (top_k and top_p filter the target's
     distribution only, as in the reference). The draft distribution the exact rule reads is that
     K-way q scattered on the candidate ids, zero elsewhere: min(1, p/q) and the residual
-    max(0, p - q) keep it lossless. The first draft's probability (`gate_drafts`) is its q, at
-    temperature 1 when greedy."""
+    max(0, p - q) keep it lossless. -> (drafts, their distributions or None)."""
     temperature = params.temperature if cfg.sampling else None
     drafts, candidates, index, q = drafter.select(drafter_params, hidden, logits, anchors, temperature, key)
     probs = None
     if cfg.sampling and cfg.acceptance == "exact":
         probs = dflash2.scatter_q(q, candidates, drafter.config.vocab_size)
-    first = jnp.take_along_axis(q[:, 0], index[:, :1], axis=-1)[:, 0] if cfg.gate_drafts else None
-    return drafts, probs, first
+    return drafts, probs
 
 
 def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, key, params):
@@ -271,8 +302,8 @@ def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, 
     everywhere = jnp.all(found | state.done[:, None])
     drafts, probs, first, limit = jax.lax.cond(everywhere, unused, propose)
     drafts, probs = merge_lookup(drafts, probs, looked_up, found)
-    if first is not None:
-        first = jnp.where(found[:, 0], 1.0, first)
+    if first is not None:  # a looked-up token counts as certain
+        first = jnp.where(found if first.ndim == 2 else found[:, 0], 1.0, first)
     if limit is not None:  # a looked-up slot counts as confident (as its probability counts as 1)
         slot = jnp.arange(found.shape[1])[None, :]
         limit = jnp.sum(jnp.cumprod((slot < limit[:, None]) | found, axis=-1), axis=-1).astype(jnp.int32)
@@ -294,7 +325,7 @@ def _verify(target, drafter, cfg, target_params, state, block, drafts, draft_pro
                                               write_cache=False)
     logits = target.logits(target_params, hidden)  # [B, G, V]
     if limit is not None:
-        key, limit_key = jax.random.split(key)
+        key, limit_key = sampling.split(key)
     if not cfg.sampling:
         num_accepted, next_token = sampling.accept_greedy(drafts, logits)
     elif cfg.acceptance == "match" or drafter is None:
@@ -318,23 +349,73 @@ def _verify_anchor(target, drafter, cfg, target_params, state, block, drafts, dr
     choice does not look at the target's outputs. Features, keys and values padded to the block's G
     slots (past the one token the row commits, the caches' slots are overwritten later)."""
     del draft_probs, limit  # nothing is verified
-    num_accepted, next_token, features, new_kv = _verify(
-        target, drafter, dataclasses.replace(cfg, acceptance="match"), target_params, state, block[:, :1],
-        drafts[:, :0], None, key, params)
-    pad = block.shape[1] - 1
+    outputs = _verify(target, drafter, dataclasses.replace(cfg, acceptance="match"), target_params, state, block[:, :1],
+                      drafts[:, :0], None, key, params)
+    return _padded(outputs, block.shape[1] - 1)
+
+
+def _verify_prefix(width: int, target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params,
+                   limit=None):
+    """`_verify` of the block's first `width` slots (the anchor and its first width - 1 drafts; the
+    target's own token follows the last of them when all are accepted): what a cycle verifies when
+    `_verify_plan` chose that width. Outputs padded to the block's G slots, as `_verify_anchor`'s."""
+    g = block.shape[1]
+    if width == g:
+        return _verify(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params, limit)
+    if width == 1:
+        return _verify_anchor(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params)
+    outputs = _verify(target, drafter, cfg, target_params, state, block[:, :width], drafts[:, :width - 1],
+                      None if draft_probs is None else draft_probs[:, :width - 1], key, params,
+                      None if limit is None else jnp.minimum(limit, width - 1))
+    return _padded(outputs, g - width)
+
+
+def _padded(outputs, pad: int):
+    """`_verify`'s outputs of a narrower verify with their features, keys and values padded by `pad`
+    slots (every per-position array of a cache's pending is [layers, B, T, ...])."""
+    num_accepted, next_token, features, new_kv = outputs
     if features is not None:
         features = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
-    # every per-position array of the cache's pending is [layers, B, T, ...]
     new_kv = jax.tree_util.tree_map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)),
                                     new_kv)
     return num_accepted, next_token, features, new_kv
+
+
+def _verify_plan(cfg: GenerationConfig, params: SamplingParams, draft_p, done, limit):
+    """How much a cycle verifies (`GenerationConfig.verify_policy`) -> (limit [B], the index of the
+    width in cfg.verify_widths every row verifies).
+
+    The target computes every row at the chosen width (static shapes), so the choice is one width w
+    for the batch, every row verifying up to w - 1 drafts (a proposer's own limit, DSpark's
+    confidence threshold, still holds). "costs": the width with the most expected tokens per second
+    of a cycle of that width (params.verify_costs): the live rows, plus each live row's chance of
+    getting past draft k, about the product of the drafter's confidences in slots 0..k (draft_p
+    [B, G-1], `_confidence`; a looked-up draft counts 1), summed over the drafts the width holds.
+    "budget": the widest width with rows x w <= params.verify_budget (the narrowest if none fits).
+    Both: the cost table's choice among the widths the budget allows. "": the one width.
+
+    The choice reads draft_p, which depends on the context, never on a drafted token, so whether a
+    draft is verified is independent of it: lossless at any temperature (`_verify`'s limit rule)."""
+    widths = jnp.asarray(cfg.verify_widths, jnp.int32)
+    allowed = jnp.ones(widths.shape, bool)
+    if params.verify_budget is not None:
+        allowed = (widths * done.shape[0] <= params.verify_budget) | (widths == widths[0])
+    if cfg.verify_policy == "costs":
+        live = ~done
+        survival = jnp.where(live[:, None], jnp.cumprod(draft_p.astype(jnp.float32), axis=-1), 0.0)  # [B, G-1]
+        gains = jnp.sum(live) + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.sum(survival, axis=0))])  # [G]
+        index = jnp.argmax(jnp.where(allowed, gains[widths - 1] / params.verify_costs, -jnp.inf))
+    else:
+        index = jnp.sum(allowed) - 1  # the widest allowed (allowed is a prefix of the ascending widths)
+    plan = jnp.full(done.shape, widths[index] - 1, jnp.int32)
+    return (plan if limit is None else jnp.minimum(plan, limit)), index
 
 
 def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params, state: DecodeState,
           params: SamplingParams) -> DecodeState:
     """One draft-verify-accept cycle for every row; finished rows do not change."""
     rows = jnp.arange(state.tokens.shape[0])
-    rng, draft_key, accept_key = jax.random.split(state.rng, 3)
+    rng, draft_key, accept_key = sampling.split(state.rng, 3)
     anchors = sampling.gather_rows(state.tokens, state.lengths - 1)
     if drafter is not None:
         # (drafts, distributions, first-draft probability[, limit]): a proposer without a limit may
@@ -347,8 +428,16 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     block = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [B, G]
     verify_args = (target, drafter, cfg, target_params, state, block, drafts, draft_probs, accept_key, params,
                    limit)
-    if first is not None:  # cfg.gate_drafts: the anchor alone where no live row's first draft is likely enough
+    width = cfg.block_size
+    if cfg.verify_widths:
+        limit, index = _verify_plan(cfg, params, first, state.done, limit)
+        width = jnp.asarray(cfg.verify_widths, jnp.int32)[index]
+        verify_args = verify_args[:-1] + (limit,)
+        num_accepted, next_token, features, new_kv = jax.lax.switch(
+            index, [functools.partial(_verify_prefix, w, *verify_args) for w in cfg.verify_widths])
+    elif first is not None:  # cfg.gate_drafts: the anchor alone where no live row's first draft is likely enough
         likely = jnp.any(~state.done & (first >= params.min_draft_probability))
+        width = jnp.where(likely, cfg.block_size, 1)
         num_accepted, next_token, features, new_kv = jax.lax.cond(
             likely, lambda: _verify(*verify_args), lambda: _verify_anchor(*verify_args))
     else:
@@ -370,9 +459,12 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     index = jnp.minimum(state.cycles, cfg.max_new_tokens - 1)
     emitted_per_cycle = state.emitted_per_cycle.at[rows, index].set(
         jnp.where(live, num_emitted, state.emitted_per_cycle[rows, index]))
+    verified = state.verified
+    if verified is not None:  # every row is computed at the width, live or not
+        verified = verified + width * state.done.shape[0]
     return state.replace(tokens=tokens, lengths=lengths, done=done, target_cache=target_cache,
                          draft_cache=draft_cache, rng=rng, cycles=state.cycles + live,
-                         emitted_per_cycle=emitted_per_cycle)
+                         emitted_per_cycle=emitted_per_cycle, verified=verified)
 
 
 def decode(target, drafter, cfg, target_params, drafter_params, state, params) -> DecodeState:
@@ -381,3 +473,87 @@ def decode(target, drafter, cfg, target_params, drafter_params, state, params) -
         lambda s: ~jnp.all(s.done),
         lambda s: cycle(target, drafter, cfg, target_params, drafter_params, s, params),
         state)
+
+
+# ----------------------------------------------------------------------------------------------
+# The batch engine's device side (`dflash_jax._engine`): a fixed number of rows ("slots"), each
+# holding one prompt at a time. An idle or prefilling slot is `done` (no cycle changes it); `admit`
+# prefills a prompt into a slot one chunk at a time, and `decode_until` runs cycles until a row
+# finishes while prompts wait, or a number of cycles. Every row draws with its own key (`rng` is
+# [B, 2]: `_sampling.per_row_keys`), so a prompt's samples depend on its own seed alone.
+
+
+def empty_state(target, drafter, cfg: GenerationConfig, batch: int, capacity: int) -> DecodeState:
+    """A decode state of `batch` idle slots of `capacity` tokens (prompt, generated tokens and one
+    block; a multiple of the kernel's key tile), every row done."""
+    draft_cache = None
+    if drafter is not None:
+        if cfg.draft_context and cfg.draft_context < capacity:
+            draft_cache = drafter.init_cache(batch, round_up(cfg.draft_context, KEY_TILE), window=cfg.draft_context)
+        else:
+            draft_cache = drafter.init_cache(batch, capacity)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return DecodeState(tokens=jnp.zeros((batch, capacity), jnp.int32), lengths=zeros, prompt_lengths=zeros,
+                       done=jnp.ones((batch,), bool), target_cache=target.init_cache(batch, capacity),
+                       draft_cache=draft_cache, rng=jnp.zeros((batch, 2), jnp.uint32), cycles=zeros,
+                       emitted_per_cycle=jnp.zeros((batch, cfg.max_new_tokens), jnp.int32),
+                       verified=jnp.zeros((), jnp.int32))
+
+
+def _cleared_if(cache, flag):
+    """`cache.cleared()` where flag (a traced bool) holds, else `cache`."""
+    return jax.tree_util.tree_map(lambda c, x: jnp.where(flag, c, x), cache.cleared(), cache)
+
+
+def admit(target, drafter, cfg: GenerationConfig, target_params, drafter_params, state: DecodeState, slot, chunk,
+          start, count, prompt_length, key, params: SamplingParams) -> DecodeState:
+    """Prefill the prompt tokens chunk [C] (its first `count` real, the rest padding) at positions
+    start .. start + C - 1 into row `slot` (start 0: the row starts empty). The chunk that completes
+    the prompt (start + count == prompt_length) also draws the first token, with `key` (the
+    prompt's own; what the row's later cycles draw with follows from it), as `prefill` does; until
+    then the row stays done. The row's caches are copied out, prefilled as a batch of one (the same
+    computation as `prefill` of that prompt alone in chunks of C) and written back."""
+    capture = drafter.config.target_layer_ids if drafter is not None else ()
+    fresh = start == 0
+    row = _cleared_if(take_row(state.target_cache, slot), fresh)
+    hidden, features, row = target.prefill(target_params, chunk[None], row, capture=capture, num_new=count[None])
+    target_cache = put_row(state.target_cache, row, slot)
+    draft_cache = state.draft_cache
+    if drafter is not None:
+        draft_row = _cleared_if(take_row(draft_cache, slot), fresh)
+        draft_row = drafter.append_context(drafter_params, draft_row, features, num_new=count[None])
+        draft_cache = put_row(draft_cache, draft_row, slot)
+    filled = start + count
+    last = filled >= prompt_length
+    logits = target.logits(target_params, sampling.gather_rows(hidden, (count - 1)[None]))  # [1, V]
+    rng, first_key = jax.random.split(key)
+    first = (sampling.sample(first_key, _target_probs(cfg, params, logits)) if cfg.sampling
+             else sampling.greedy(logits))[0]
+    tokens = jax.lax.dynamic_update_slice(state.tokens, chunk[None].astype(jnp.int32), (slot, start))
+    tokens = tokens.at[slot, filled].set(jnp.where(last, first, tokens[slot, filled]))
+    finished = _finished(cfg, params, first[None, None], jnp.ones((1,), jnp.int32), (filled + 1)[None],
+                         prompt_length[None])[0]
+    return state.replace(
+        tokens=tokens, lengths=state.lengths.at[slot].set(jnp.where(last, filled + 1, filled)),
+        prompt_lengths=state.prompt_lengths.at[slot].set(prompt_length),
+        done=state.done.at[slot].set(jnp.where(last, finished, True)), target_cache=target_cache,
+        draft_cache=draft_cache, rng=state.rng.at[slot].set(jnp.where(last, rng, state.rng[slot])),
+        cycles=state.cycles.at[slot].set(0), emitted_per_cycle=state.emitted_per_cycle.at[slot].set(0))
+
+
+def decode_until(target, drafter, cfg: GenerationConfig, target_params, drafter_params, state: DecodeState,
+                 params: SamplingParams, max_cycles, refill):
+    """Cycles (one `lax.while_loop`) until no row is live, or `max_cycles` ran, or (refill: prompts
+    wait for a slot) a row that was live finished. -> (state, cycles run)."""
+    was_live = ~state.done
+
+    def more(carry):
+        s, n = carry
+        freed = jnp.any(s.done & was_live)
+        return jnp.any(~s.done) & (n < max_cycles) & ~(refill & freed)
+
+    def step(carry):
+        s, n = carry
+        return cycle(target, drafter, cfg, target_params, drafter_params, s, params), n + 1
+
+    return jax.lax.while_loop(more, step, (state, jnp.zeros((), jnp.int32)))

@@ -20,6 +20,10 @@ and S (successor) [V, r]. A walk from prev = the anchor: score[k] = z[k] + sum_r
 S[cand[k], r]; greedy: the argmax; at temperature T > 0: one of the K drawn from
 q = softmax(score / T); prev = the chosen candidate. The draft distribution over the vocabulary
 that the acceptance rule reads is q scattered on the candidate ids, zero elsewhere (`scatter_q`).
+
+Training (`selector_cross_entropy`): the same scores with the gold previous token as predecessor,
+over the top K with the gold put in place of the lowest when missing (`training_candidates`), and
+the K-way cross-entropy of the gold.
 """
 from __future__ import annotations
 
@@ -124,7 +128,7 @@ def select(params, hidden, logits, anchors, top_k: int, temperature=None, key=No
     successor = params["successor_codebook"][candidates].astype(f32)  # [B, S, K, r]
     projected = hidden.astype(f32) @ params["hidden_projection"]["kernel"].astype(f32)  # [B, S, r]
     slots = hidden.shape[1]
-    keys = jax.random.split(key, slots) if temperature is not None else jnp.zeros((slots,), jnp.uint32)
+    keys = sampling.split(key, slots) if temperature is not None else jnp.zeros((slots,), jnp.uint32)
     scale = 1.0 if temperature is None else 1.0 / temperature
 
     def step(prev, xs):
@@ -150,3 +154,37 @@ def scatter_q(q, candidates, vocab_size: int):
     rows = jnp.arange(b)[:, None, None]
     cols = jnp.arange(s)[None, :, None]
     return out.at[rows, cols, candidates].set(q)
+
+
+def training_candidates(logits, labels, top_k: int):
+    """The selector's K-way training set of each position: the top `top_k` of logits [..., V] (no
+    gradient through the choice), with the gold label [...] put in place of the lowest candidate
+    when it is missing. -> (candidate ids [..., K] int32, the gold's index among them [...] int32,
+    whether the top K held the gold [...] bool)."""
+    _, candidates = jax.lax.top_k(jax.lax.stop_gradient(logits), top_k)
+    candidates = candidates.astype(jnp.int32)
+    labels = labels.astype(jnp.int32)
+    hit = candidates == labels[..., None]
+    contains = jnp.any(hit, axis=-1)
+    index = jnp.where(contains, jnp.argmax(hit, axis=-1), top_k - 1).astype(jnp.int32)
+    last = jnp.where(contains, candidates[..., -1], labels)
+    return candidates.at[..., -1].set(last), index, contains
+
+
+def selector_cross_entropy(params, hidden, logits, predecessors, labels, top_k: int):
+    """The selector's teacher-forced K-way cross-entropy at every position.
+
+    params: the selector's (as `select`); hidden [..., D] final-normed states; logits [..., V]
+    their draft logits (the unary scores; gradient flows into them); predecessors [...] the gold
+    previous token of each position (the anchor for the first proposal); labels [...] the gold
+    tokens. score[k] = z[cand_k] + sum_r P[prev, r] hp[r] S[cand_k, r] over `training_candidates`;
+    -> (-log softmax(score)[gold] [...] float32, whether the top K held the gold [...] bool)."""
+    f32 = jnp.float32
+    candidates, index, contains = training_candidates(logits, labels, top_k)
+    unary = jnp.take_along_axis(logits.astype(f32), candidates, axis=-1)
+    projected = hidden.astype(f32) @ params["hidden_projection"]["kernel"].astype(f32)  # [..., r]
+    gate = params["predecessor_codebook"][predecessors].astype(f32) * projected
+    successor = params["successor_codebook"][candidates].astype(f32)  # [..., K, r]
+    scores = unary + jnp.einsum("...r,...kr->...k", gate, successor)
+    picked = jnp.take_along_axis(scores, index[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(scores, axis=-1) - picked, contains

@@ -143,6 +143,7 @@ class DrafterModel(nn.Module):
             self.lm_head = modules["lm_head"]
             self.markov_head = modules.get("markov_head")
             self.confidence_head = modules.get("confidence_head")
+            self.draft_vocab = modules.get("draft_vocab")  # a reduced draft vocabulary's bias
 
     def _make_layers(self):
         """All layers as one scanned module: params stacked [L, ...] under "layers"."""
@@ -203,7 +204,8 @@ class DrafterModel(nn.Module):
         if self.config.dspark is not None and self.is_initializing():
             modules = {"embed_tokens": self.embed_tokens, "lm_head": self.lm_head}
             modules.update({k: m for k, m in (("markov_head", self.markov_head),
-                                              ("confidence_head", self.confidence_head)) if m is not None})
+                                              ("confidence_head", self.confidence_head),
+                                              ("draft_vocab", self.draft_vocab)) if m is not None})
             dspark.init_heads(self.config.dspark, modules, hidden)
         return hidden
 

@@ -91,6 +91,15 @@ class DSparkConfig:
     confidence_head_with_markov: bool = False
     markov_head_type: str = "vanilla"
     sample_from_anchor: bool = True
+    # The tables (of "embed_tokens", "lm_head") that the checkpoint leaves out because they are the
+    # target's (the speculators layout may): filled in from the target at load time, and left out
+    # again by an export in that layout. Not part of the math.
+    shared_tables: tuple[str, ...] = ()
+    # A reduced draft vocabulary (the speculators layout's d2t/t2d): the drafter proposes only these
+    # Vd target ids. Its LM head and Markov W2 are held over the whole vocabulary (zero columns
+    # elsewhere) with a [V] bias of 0 at the kept ids and -inf elsewhere (`_dspark.base_logits`), so
+    # the draft distribution is zero off them. None: the whole vocabulary.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.markov_rank, int) or isinstance(self.markov_rank, bool) or self.markov_rank < 0:
@@ -102,6 +111,9 @@ class DSparkConfig:
             raise ValueError("confidence_head_with_markov needs enable_confidence_head")
         if self.confidence_head_with_markov and self.markov_rank == 0:
             raise ValueError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
+        bad = [t for t in self.shared_tables if t not in SHARED_TABLES]
+        if bad:
+            raise ValueError(f"shared_tables {bad}: only {list(SHARED_TABLES)} can be the target's")
 
     @property
     def confidence_inputs(self) -> int:
@@ -139,19 +151,32 @@ def _str_field(fields, name: str) -> str:
     return value
 
 
-SPECULATORS_KEYS = ("transformer_layer_config", "aux_hidden_state_layer_ids", "speculators_model_type")
+SHARED_TABLES = ("embed_tokens", "lm_head")
+SPECULATORS_ARCHITECTURE = "DSparkSpeculator"
 
 
-def _refuse_speculators_dspark(hf: dict, fields) -> None:
-    """The speculators layout of a DSpark drafter (`DSparkSpeculator`: the decoder fields nested in
-    `transformer_layer_config`, `aux_hidden_state_layer_ids`, a reduced vocabulary `d2t`/`t2d`, the
-    target's tables left out of the checkpoint) is refused by name: only DeepSpec's own is read."""
-    names = [str(hf.get("speculators_model_type", "")), *map(str, hf.get("architectures") or ())]
-    dspark = "markov_rank" in hf or "markov_head_type" in hf or any("dspark" in n.lower() for n in names)
-    if dspark and any(k in hf for k in SPECULATORS_KEYS):
-        raise fields.error("a DSpark drafter in the speculators layout (transformer_layer_config, "
-                           "aux_hidden_state_layer_ids, d2t) is not supported; use DeepSpec's own layout "
-                           "(architectures: [\"Qwen3DSparkModel\"])")
+def is_speculators_dspark(hf: dict) -> bool:
+    """Whether a config.json is a DSpark drafter in the speculators layout (`DSparkSpeculatorConfig`:
+    `speculators_model_type: "dspark"`, `architectures: ["DSparkSpeculator"]`)."""
+    archs = hf.get("architectures") or ()
+    named = isinstance(archs, list) and SPECULATORS_ARCHITECTURE in archs
+    return hf.get("speculators_model_type") == "dspark" or named
+
+
+def _speculators_error(fields, message: str):
+    return fields.error(f"a DSpark drafter in the speculators layout ({SPECULATORS_ARCHITECTURE}): {message}")
+
+
+def speculators_is_causal(config) -> bool:
+    """`sliding_window_non_causal` of the speculators layout for a drafter config: sliding layers
+    causal inside the block unless it is true; full layers never causal. ValueError where the
+    config's causality is not one of those."""
+    sliding = [c for c, t in zip(config.layer_causal, config.layer_types) if t == "sliding_attention"]
+    full = [c for c, t in zip(config.layer_causal, config.layer_types) if t != "sliding_attention"]
+    if any(full):
+        raise ValueError("the speculators layout has no causal full-attention layers (is_causal true over "
+                         "full_attention layers)")
+    return bool(sliding) and not any(sliding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +254,11 @@ class DrafterConfig(LayerLayout):
         if self.dflash2 is not None:
             raise ValueError("a drafter is DFlash2 or DSpark, not both")
         if self.draft_vocab_size is not None:
-            raise ValueError("DSpark: a reduced draft vocabulary (draft_vocab_size, d2t) is not supported: "
-                             "DeepSpec's own layout drafts over the whole vocabulary")
+            raise ValueError("DSpark: a reduced draft vocabulary is DSparkConfig.draft_vocab_size (the "
+                             "speculators layout's d2t), not DrafterConfig.draft_vocab_size")
+        size = self.dspark.draft_vocab_size
+        if size is not None and not 1 <= size < self.vocab_size:
+            raise ValueError(f"DSpark: draft_vocab_size must lie in [1, vocab_size={self.vocab_size}), got {size}")
         for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
                               ("final_logit_softcapping", 0.0)):
             if getattr(self, name) != default:
@@ -288,7 +316,8 @@ class DrafterConfig(LayerLayout):
     def from_hf_config(cls, hf: dict, tokenizer=None, source: str = "config.json") -> "DrafterConfig":
         """From the official config.json dict; `source` (the file) is named in every error."""
         fields = ConfigFields(hf, source)
-        _refuse_speculators_dspark(hf, fields)
+        if is_speculators_dspark(hf):
+            return cls._from_speculators_dspark(fields, tokenizer)
         archs = fields.str_list("architectures", ())
         known = [a for a in archs if a in ARCHITECTURES]
         if archs and not known:
@@ -355,6 +384,116 @@ class DrafterConfig(LayerLayout):
             dspark=fields.build(DSparkConfig.from_fields, fields=fields),
         )
 
+    @classmethod
+    def _from_speculators_dspark(cls, fields, tokenizer=None) -> "DrafterConfig":
+        """The speculators layout of a DSpark drafter (`DSparkSpeculatorConfig`, a
+        `DFlashSpeculatorConfig`): the decoder fields nested in `transformer_layer_config`,
+        `aux_hidden_state_layer_ids` = target layer ids + 1 (hidden-state indices, 0 the embedding
+        output), `draft_vocab_size` (the whole vocabulary, or a reduced one shipped as d2t/t2d),
+        `sliding_window_non_causal`, and the heads' fields with the speculators class's defaults where
+        absent (block_size 8, markov_rank 256, markov_head_type "vanilla", enable_confidence_head and
+        confidence_head_with_markov true). speculators serializes every field of its config, and
+        `sample_from_anchor` only exists since its PR #760: a config without it comes from the
+        earlier code, whose slot k predicted anchor + k (the 1+N block), so absent means false."""
+        if not isinstance(fields.hf.get("transformer_layer_config"), dict):
+            raise _speculators_error(fields, "missing required field 'transformer_layer_config' (an object "
+                                             "holding the decoder's fields)")
+        layer = fields.section("transformer_layer_config")
+        for name in ("aux_hidden_state_layer_ids", "draft_vocab_size"):
+            if fields.hf.get(name) is None:
+                raise _speculators_error(fields, f"missing required field {name!r}")
+        aux = fields.int_list("aux_hidden_state_layer_ids")
+        if not aux:
+            raise _speculators_error(fields, "aux_hidden_state_layer_ids is empty")
+        if min(aux) < 1:
+            raise _speculators_error(fields, f"aux_hidden_state_layer_ids {list(aux)}: an id of 0 (the target's "
+                                             "embedding output as a context feature) is not supported")
+        decoder = decoder_fields(layer, default_max_positions=40960)
+        vocab_size = layer.int("vocab_size")
+        target_hidden = fields.int("target_hidden_size", None)
+        if target_hidden is not None and target_hidden != decoder["hidden_size"]:
+            raise _speculators_error(fields, f"target_hidden_size {target_hidden} differs from the drafter's "
+                                             f"hidden_size {decoder['hidden_size']}; not supported")
+        draft_vocab = fields.int("draft_vocab_size")
+        if not 1 <= draft_vocab <= vocab_size:
+            raise _speculators_error(fields, f"draft_vocab_size {draft_vocab} must lie in [1, vocab_size "
+                                             f"{vocab_size}]")
+        mask_token_id = fields.int("mask_token_id", None)
+        if mask_token_id is not None or tokenizer is not None:
+            mask_token_id = resolve_mask_token_id(mask_token_id, tokenizer, vocab_size)
+        rank = fields.int("markov_rank", 256)
+        enabled = fields.bool("enable_confidence_head", True)
+        head_type = fields.hf.get("markov_head_type", "vanilla")
+        if not isinstance(head_type, str):
+            raise _speculators_error(fields, f"field 'markov_head_type' must be a string, got {head_type!r}")
+        heads = fields.build(DSparkConfig, markov_rank=rank, enable_confidence_head=enabled,
+                             confidence_head_with_markov=enabled and fields.bool("confidence_head_with_markov", True),
+                             markov_head_type=head_type, sample_from_anchor=fields.bool("sample_from_anchor", False),
+                             draft_vocab_size=None if draft_vocab == vocab_size else draft_vocab)
+        return fields.build(
+            cls,
+            **decoder,
+            vocab_size=vocab_size,
+            num_target_layers=None,
+            target_layer_ids=tuple(i - 1 for i in aux),
+            block_size=fields.int("block_size", 8),
+            mask_token_id=mask_token_id,
+            attention_bias=layer.bool("attention_bias", False),
+            is_causal=False if fields.bool("sliding_window_non_causal", False) else None,
+            dspark=heads,
+        )
+
+    def to_speculators_config(self, base: dict | None = None, dtype_name: str = "bfloat16") -> dict:
+        """The speculators layout's config.json of a DSpark drafter (`DSparkSpeculatorConfig`); the
+        fields of `base` (a loaded speculators config) that we don't model are kept, inside
+        `transformer_layer_config` too. Every head field is written explicitly (sample_from_anchor
+        included, whose default readers take differently), as speculators writes them."""
+        if self.dspark is None:
+            raise ValueError("the speculators layout is written here for DSpark drafters only")
+        hf = dict(base or {})
+        layer = dict(hf.get("transformer_layer_config") or {})
+        rope = dict(self.rope_scaling)
+        rope_type = rope.pop("rope_type", "default")
+        if "rope_parameters" in layer:
+            layer["rope_parameters"] = {**rope, "rope_type": rope_type, "rope_theta": self.rope_theta}
+        else:
+            layer["rope_theta"] = self.rope_theta
+            if rope_type != "default" or layer.get("rope_scaling") is not None:
+                layer["rope_scaling"] = None if rope_type == "default" else {"rope_type": rope_type, **rope}
+        layer.setdefault("model_type", "qwen3")
+        layer.update(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                     num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+                     num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, vocab_size=self.vocab_size,
+                     rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
+                     attention_bias=self.attention_bias, layer_types=list(self.layer_types))
+        if self.sliding_window:
+            layer["sliding_window"] = self.sliding_window
+        d = self.dspark
+        hf.update(
+            architectures=[SPECULATORS_ARCHITECTURE],
+            speculators_model_type="dspark",
+            transformer_layer_config=layer,
+            aux_hidden_state_layer_ids=[i + 1 for i in self.target_layer_ids],
+            block_size=self.block_size,
+            draft_vocab_size=self.dspark.draft_vocab_size or self.vocab_size,
+            sliding_window_non_causal=speculators_is_causal(self),
+            markov_rank=d.markov_rank,
+            markov_head_type=d.markov_head_type,
+            enable_confidence_head=d.enable_confidence_head,
+            confidence_head_with_markov=d.confidence_head_with_markov,
+            sample_from_anchor=d.sample_from_anchor,
+            dtype=dtype_name,
+        )
+        hf.pop("torch_dtype", None)
+        if self.mask_token_id is not None:
+            hf["mask_token_id"] = self.mask_token_id
+        hf.setdefault("speculators_config", {
+            "algorithm": "dspark",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.proposals}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": None, "architectures": []}})
+        return hf
+
     def to_hf_config(self, base: dict | None = None, dtype_name: str = "bfloat16") -> dict:
         """The official config.json; fields of `base` (the loaded file) that we don't model are kept."""
         hf = dict(base or {})
@@ -414,6 +553,9 @@ class DrafterConfig(LayerLayout):
                 dflash[name] = getattr(self.dflash2, name)
         hf["dflash_config"] = dflash
         if self.dspark is not None:  # DeepSpec's layout: its fields at the top level, no dflash_config
+            if self.dspark.draft_vocab_size is not None:
+                raise ValueError("DeepSpec's layout has no reduced draft vocabulary: write this DSpark drafter in "
+                                 "the speculators layout (layout='speculators')")
             del hf["dflash_config"]
             hf["target_layer_ids"] = list(self.target_layer_ids)
             if self.mask_token_id is not None:

@@ -78,7 +78,7 @@ def block_targets(tokens, loss_mask, anchors, valid, block_size: int, decay: flo
     return labels, weights.astype(jnp.float32)
 
 
-def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024, soft=None):
+def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024, soft=None, extra=None):
     """Cross-entropy and argmax-correctness through an LM head, `chunk` positions at a time.
 
     head: hidden [..., D] -> float32 logits [..., V]; hidden [B, M, D]; labels [B, M].
@@ -87,7 +87,9 @@ def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024, soft=None):
     positions that do not count); correctness still compares the argmax with `labels`.
     Each chunk's logits are recomputed in the backward pass (jax.checkpoint), so peak memory holds
     B x chunk x V logits instead of B x M x V (M = N blocks x G slots, V ~ 150k for Qwen3).
-    Returns (ce [B, M], correct [B, M]).
+    extra: None, or (fn, arrays): fn(hidden [B, c, D], logits [B, c, V], *the arrays' chunks) ->
+    [B, c] float32, another per-position term from the same logits (arrays: a tuple of [B, M, ...]).
+    Returns (ce [B, M], correct [B, M]), and that term [B, M] with `extra`.
     """
     b, m, d = hidden.shape
     chunk = max(1, min(chunk, m))
@@ -96,18 +98,18 @@ def chunked_cross_entropy(head, hidden, labels, chunk: int = 1024, soft=None):
                                        .reshape(b, -1, chunk, *x.shape[2:]), 1, 0)
     if soft is None:
         soft = (labels[..., None], jnp.ones(labels.shape + (1,), jnp.float32))
+    extra_fn, extra_inputs = (None, ()) if extra is None else extra
 
     @jax.checkpoint
-    def one(h, y, ids, probs):  # [B, chunk, D], [B, chunk], [B, chunk, K] x 2
+    def one(h, y, ids, probs, *more):  # [B, chunk, D], [B, chunk], [B, chunk, K] x 2, extra's
         logits = head(h)
         log_z = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.sum(probs * jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
-        return jnp.sum(probs, axis=-1) * log_z - picked, jnp.argmax(logits, axis=-1) == y
+        out = (jnp.sum(probs, axis=-1) * log_z - picked, jnp.argmax(logits, axis=-1) == y)
+        return out if extra_fn is None else (*out, extra_fn(h, logits, *more))
 
-    ce, correct = jax.lax.map(lambda args: one(*args), tuple(map(to_chunks, (hidden, labels, *soft))))
-    ce = jnp.moveaxis(ce, 0, 1).reshape(b, -1)[:, :m]
-    correct = jnp.moveaxis(correct, 0, 1).reshape(b, -1)[:, :m]
-    return ce, correct
+    out = jax.lax.map(lambda args: one(*args), tuple(map(to_chunks, (hidden, labels, *soft, *extra_inputs))))
+    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, -1)[:, :m] for x in out)
 
 
 def _over_position_chunks(fn, hidden, chunk: int):
@@ -191,8 +193,9 @@ def tau_estimate(accuracy):
 
 
 def drafter_block_hidden(drafter, target, drafter_params, target_params, features, tokens, anchors, valid,
-                         anchor_chunk: int = 0):
-    """Drafter output [B, N*G, D] for the packed blocks at `anchors` (frozen target embedding).
+                         anchor_chunk: int = 0, embed=None):
+    """Drafter output [B, N*G, D] for the packed blocks at `anchors` (frozen target embedding, or
+    `embed`: block token ids [B, c*G] -> embeddings, e.g. a DSpark drafter's own table).
 
     anchor_chunk > 0 runs the blocks `anchor_chunk` anchors at a time against the whole context
     (same result: blocks never see each other), so attention costs N/c x (C + c*G) x c*G instead
@@ -201,10 +204,12 @@ def drafter_block_hidden(drafter, target, drafter_params, target_params, feature
     b, n = anchors.shape
     g = drafter.config.block_size
     frozen = jax.lax.stop_gradient(target_params)
+    if embed is None:
+        embed = lambda block: drafter.config.block_embeddings(target.embed(frozen, block))  # noqa: E731
 
     def run(anchors, valid):  # [B, c] -> [B, c*G, D]
         block = block_inputs(tokens, anchors, g, drafter.config.mask_token_id)
-        embeds = drafter.config.block_embeddings(target.embed(frozen, block))
+        embeds = embed(block)
         return drafter.train_hidden(drafter_params, features, embeds, anchors, valid)
 
     if not anchor_chunk or anchor_chunk >= n:
@@ -217,24 +222,26 @@ def drafter_block_hidden(drafter, target, drafter_params, target_params, feature
 
 
 def weighted_block_loss(head, hidden, labels, weights, counted, logits_chunk: int = 1024, soft=None,
-                        scorable=None):
+                        scorable=None, extra=None):
     """Decayed block cross-entropy through `head` and per-slot accuracy.
 
     hidden [B, N*G, D]; labels, weights [B, N, G] (labels in head's vocabulary); counted [B, N, G]
     marks the slots that count for accuracy; scorable [B, N, G] (default weights > 0) those whose
     label the head can produce (the others count as wrong). soft: None, or (ids, probs)
     [B, N, G, K] (`block_distributions`): the loss learns that distribution instead of `labels`.
-    Returns (loss, per-slot accuracy [G]).
+    extra: None, or (fn, arrays [B, N*G, ...]): another per-position term from the same logits
+    (`chunked_cross_entropy`), returned [B, N*G] after the accuracy.
+    Returns (loss, per-slot accuracy [G]) (and the extra term).
     """
     b, n, g = labels.shape
     flat = lambda x: x.reshape(b, n * g, *x.shape[3:])
-    ce, correct = chunked_cross_entropy(head, hidden, flat(labels), logits_chunk,
-                                        None if soft is None else tuple(map(flat, soft)))
+    ce, correct, *more = chunked_cross_entropy(head, hidden, flat(labels), logits_chunk,
+                                               None if soft is None else tuple(map(flat, soft)), extra)
     weights = flat(weights)
     loss = jnp.sum(weights * ce) / jnp.maximum(jnp.sum(weights), 1e-9)
     scorable = weights > 0 if scorable is None else flat(scorable)
     correct = (correct & scorable).reshape(b, n, g)
-    return loss, slot_accuracy(correct, counted)
+    return (loss, slot_accuracy(correct, counted), *more)
 
 
 def dflash_loss(drafter, target, drafter_params, target_params, features, tokens, loss_mask, anchors,
@@ -256,3 +263,47 @@ def dflash_loss(drafter, target, drafter_params, target_params, features, tokens
     slot_counts = jnp.sum(counted, axis=(0, 1))
     accuracy = jnp.sum(per_slot * slot_counts) / jnp.maximum(jnp.sum(slot_counts), 1)
     return loss, {"loss": loss, "accuracy": accuracy}
+
+
+def map_position_chunks(fn, arrays, chunk: int = 1024):
+    """fn(*chunks) -> a pytree of [B, c, ...], applied `chunk` positions at a time over arrays, a
+    tuple of [B, M, ...] (padded at the end to a multiple of the chunk), each chunk recomputed in
+    the backward pass (jax.checkpoint), so that peak memory holds the logits of one chunk; the
+    results joined back to [B, M, ...]."""
+    b, m = arrays[0].shape[:2]
+    chunk = max(1, min(chunk, m))
+    pad = -m % chunk
+    to_chunks = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+                                       .reshape(b, -1, chunk, *x.shape[2:]), 1, 0)
+    out = jax.lax.map(lambda args: jax.checkpoint(fn)(*args), tuple(map(to_chunks, arrays)))
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :m], out)
+
+
+def block_predecessors(tokens, anchors, block_size: int):
+    """[B, N, G] the text token before each slot's label: slot k of block j (label at anchor_j + k)
+    gets tokens[anchor_j + k - 1], slot 0 the anchor (a DFlash2 selector's teacher-forced
+    predecessor; slot 0 is never weighed)."""
+    t = tokens.shape[1]
+    where = jnp.clip(anchors[..., None] + jnp.arange(block_size) - 1, 0, t - 1)
+    where = jnp.maximum(where, anchors[..., None])
+    return jnp.take_along_axis(tokens[:, None, :], where, axis=2)
+
+
+def proposal_targets(tokens, loss_mask, anchors, valid, proposals: int, decay: float):
+    """DSpark's targets (DeepSpec): proposal s = 0..P-1 of block j predicts the token at
+    anchor_j + s + 1 from the gold previous token at anchor_j + s, where the target's own
+    distribution is read too. A slot counts while every label up to it lies inside the text and
+    the loss mask (a contiguous prefix), its block is valid; weight exp(-s / decay).
+    -> (labels, previous, positions of the target's distribution, weights float32), each [B, N, P]."""
+    t = tokens.shape[1]
+    s = jnp.arange(proposals)
+    where = anchors[..., None] + s + 1  # [B, N, P]
+    inside = where < t
+    where = jnp.minimum(where, t - 1)
+    gather = lambda x, w: jnp.take_along_axis(x[:, None, :], w, axis=2)  # noqa: E731
+    labels = gather(tokens, where)
+    before = jnp.minimum(anchors[..., None] + s, t - 1)
+    counted = gather(loss_mask, where) & inside & valid[..., None]
+    counted = jnp.cumprod(counted.astype(jnp.int32), axis=2).astype(bool)
+    weights = counted * jnp.exp(-s / decay)
+    return labels, gather(tokens, before), before, weights.astype(jnp.float32)

@@ -24,6 +24,28 @@ import jax.numpy as jnp
 _PROBABILITY_BISECTION_STEPS = 30
 
 
+def per_row_keys(key) -> bool:
+    """Whether `key` holds one PRNG key per batch row ([B, 2] raw keys, or [B] typed keys: the batch
+    engine's, so that a row's draws depend on its own key alone) rather than one key for the batch."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key.ndim == 1
+    return key.ndim == 2
+
+
+def split(key, num: int = 2):
+    """`jax.random.split` of one key, or of a key per row: [num, B, ...] (entry i holds every row's
+    i-th subkey, so `a, b = split(keys)` unpacks alike)."""
+    if per_row_keys(key):
+        return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, num))(key), 0, 1)
+    return jax.random.split(key, num)
+
+
+def _each_row(rule, key, *rows):
+    """`rule(key, *rows)` (arrays with the batch first) run row by row with each row's own key."""
+    one = lambda k, *r: jax.tree_util.tree_map(lambda y: y[0], rule(k, *(x[None] for x in r)))  # noqa: E731
+    return jax.vmap(one)(key, *rows)
+
+
 def gather_rows(x, index):
     """x [B, T, ...], index [B] -> x[b, index[b]] [B, ...]."""
     return jnp.take_along_axis(x, index.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
@@ -85,8 +107,11 @@ def sample(key, probs):
 
     Draws a chunk of C ~ sqrt(V) consecutive ids with probability proportional to its mass, then an
     id inside it: p(id) = mass(chunk)/total * p(id)/mass(chunk), exactly the categorical draw, with
-    V/C + C Gumbel numbers instead of V. Zero-probability ids are never drawn.
+    V/C + C Gumbel numbers instead of V. Zero-probability ids are never drawn. key: one key, or a
+    key per row of probs [B, ..., V] (`per_row_keys`).
     """
+    if per_row_keys(key):
+        return jax.vmap(sample)(key, probs)
     v = probs.shape[-1]
     chunk = 1 << math.ceil(math.log2(math.sqrt(v))) if v > 1 else 1
     num_chunks = -(-v // chunk)
@@ -99,7 +124,7 @@ def sample(key, probs):
     return (which * chunk + offset).astype(jnp.int32)
 
 
-def _leading_true(matches):
+def leading_true(matches):
     """Number of leading True values along the last axis."""
     return jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
@@ -107,27 +132,32 @@ def _leading_true(matches):
 def accept_greedy(draft_tokens, target_logits):
     """Accept while the draft equals the target argmax; next = argmax after the accepted prefix."""
     best = greedy(target_logits)  # [B, G]
-    accepted = _leading_true(draft_tokens == best[:, :-1])
+    accepted = leading_true(draft_tokens == best[:, :-1])
     return accepted, gather_rows(best, accepted)
 
 
 def accept_match(key, draft_tokens, target_probs):
     """The official rule: the target samples every slot; accept while its sample equals the draft."""
+    if per_row_keys(key):
+        return _each_row(accept_match, key, draft_tokens, target_probs)
     posterior = sample(key, target_probs)  # [B, G]
-    accepted = _leading_true(draft_tokens == posterior[:, :-1])
+    accepted = leading_true(draft_tokens == posterior[:, :-1])
     return accepted, gather_rows(posterior, accepted)
 
 
 def accept_exact(key, draft_tokens, draft_probs, target_probs):
     """Speculative sampling: accept draft x with probability min(1, p_t(x) / p_d(x)); at the first
     rejection sample from normalize(max(0, p_t - p_d)); if every draft survives sample the bonus
-    from p_t. The emitted tokens are distributed exactly as the target's own samples."""
+    from p_t. The emitted tokens are distributed exactly as the target's own samples. key: one key,
+    or a key per row (`per_row_keys`)."""
+    if per_row_keys(key):
+        return _each_row(accept_exact, key, draft_tokens, draft_probs, target_probs)
     gamma = target_probs.shape[1]
     accept_key, next_key = jax.random.split(key)
     p_target = jnp.take_along_axis(target_probs[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]
     p_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(accept_key, p_target.shape)
-    accepted = _leading_true(u * p_draft < p_target)
+    accepted = leading_true(u * p_draft < p_target)
     # Distribution of the next token: the residual at the rejected slot, or p_t at the last slot.
     padded_draft = jnp.concatenate([draft_probs, jnp.zeros_like(target_probs[:, :1])], axis=1)
     target_next = gather_rows(target_probs, accepted)

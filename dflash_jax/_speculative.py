@@ -39,7 +39,7 @@ import math
 import numbers
 import time
 import warnings
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +136,8 @@ class SamplingOptions:
     min_draft_probability: float = 0.0  # 0 = verify every draft
     draft_context: int = 0  # 0 = the drafter sees the whole context; n > 0: each row's last n positions
     confidence_threshold: float = 0.0  # 0 = verify every draft; a DSpark drafter's confidence policy
+    verify_budget: int = 0  # 0 = off; tokens verified per cycle over the batch
+    verify_costs: Mapping[int, float] | None = None  # None = off; seconds of a cycle per verify width
 
     @classmethod
     def of_call(cls, arguments: dict) -> "SamplingOptions":
@@ -252,6 +254,23 @@ def _prepare(target, drafter, prompts, options: SamplingOptions | None = None, *
     pair itself (`Generator.bind` checks it) -> (GenerationConfig, the executables' inputs after the
     params: prompt tokens, prompt lengths, rng, sampling params; stop ids)."""
     o = _as_options(options, keywords)
+    cfg, params, stops = _configure(target, drafter, o)
+    rows = _prompt_rows(prompts, target.config.vocab_size)
+    longest = max(len(r) for r in rows)
+    limit = target.config.max_position_embeddings
+    if longest + o.max_new_tokens > limit:
+        raise ValueError(f"prompt too long: {longest} prompt tokens + max_new_tokens {o.max_new_tokens} "
+                         f"exceed the target's max_position_embeddings ({limit})")
+    tokens = np.zeros((len(rows), prompt_bucket(longest)), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    inputs = (jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(o.seed), params)
+    return cfg, inputs, stops
+
+
+def _configure(target, drafter, o: SamplingOptions):
+    """Check every option but the prompts -> (GenerationConfig, SamplingParams, stop ids)."""
     vocab = target.config.vocab_size
     _check_int("max_new_tokens", o.max_new_tokens, 1)
     _check_number("temperature", o.temperature, "a finite number >= 0 (0 = greedy)", lambda t: t >= 0)
@@ -281,30 +300,51 @@ def _prepare(target, drafter, prompts, options: SamplingOptions | None = None, *
         raise ValueError("confidence_threshold needs a DSpark drafter with a confidence head (enable_confidence_head); "
                          f"this {'generation has no drafter' if drafter is None else 'drafter has none'}")
     block_size = _block_size(drafter, o.block_size)
+    widths, policy, costs = _verify_options(drafter, o, block_size)
     stops = _stop_ids(target, o.stop_token_ids)
-    rows = _prompt_rows(prompts, vocab)
-    longest = max(len(r) for r in rows)
-    limit = target.config.max_position_embeddings
-    if longest + o.max_new_tokens > limit:
-        raise ValueError(f"prompt too long: {longest} prompt tokens + max_new_tokens {o.max_new_tokens} "
-                         f"exceed the target's max_position_embeddings ({limit})")
     sampled = o.temperature > 0
     cfg = GenerationConfig(max_new_tokens=o.max_new_tokens, block_size=block_size, sampling=sampled,
                            top_k=o.top_k if sampled else 0, use_top_p=sampled and o.top_p < 1.0,
                            acceptance=o.acceptance, lookup=o.lookup, gate_drafts=o.min_draft_probability > 0,
-                           draft_context=o.draft_context if drafter is not None else 0)
-    tokens = np.zeros((len(rows), prompt_bucket(longest)), np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = r
-    lengths = np.asarray([len(r) for r in rows], np.int32)
+                           draft_context=o.draft_context if drafter is not None else 0, verify_widths=widths,
+                           verify_policy=policy)
     padded_stops = np.full(max(_STOP_ID_SLOTS, round_up(len(stops), _STOP_ID_SLOTS)), -1, np.int32)
     padded_stops[: len(stops)] = stops
     params = SamplingParams(temperature=jnp.float32(max(o.temperature, 1e-6)), top_p=jnp.float32(o.top_p),
                             stop_token_ids=jnp.asarray(padded_stops),
                             min_draft_probability=jnp.float32(o.min_draft_probability),
-                            confidence_threshold=jnp.float32(o.confidence_threshold) if confidence else None)
-    inputs = (jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(o.seed), params)
-    return cfg, inputs, stops
+                            confidence_threshold=jnp.float32(o.confidence_threshold) if confidence else None,
+                            verify_budget=jnp.int32(o.verify_budget) if o.verify_budget else None,
+                            verify_costs=None if costs is None else jnp.asarray(costs, jnp.float32))
+    return cfg, params, stops
+
+
+def verify_widths_for(block_size: int) -> tuple[int, ...]:
+    """The widths a cycle under a verify budget chooses from: 1, 2, 4, ... below the block, and the block."""
+    return tuple(sorted({1 << i for i in range(block_size.bit_length()) if 1 << i < block_size} | {block_size}))
+
+
+def _verify_options(drafter, o: SamplingOptions, block_size: int):
+    """verify_budget / verify_costs -> (GenerationConfig.verify_widths, verify_policy, the costs per width)."""
+    _check_int("verify_budget", o.verify_budget, 0)
+    if not o.verify_budget and o.verify_costs is None:
+        return (), "", None
+    if drafter is None:
+        raise ValueError("verify_budget / verify_costs choose how many drafts a cycle verifies; they need a drafter "
+                         "(got drafter=None)")
+    if o.min_draft_probability:
+        raise ValueError("min_draft_probability and verify_budget / verify_costs both choose what a cycle verifies: "
+                         "pass one")
+    if o.verify_costs is None:
+        return verify_widths_for(block_size), "budget", None
+    if not isinstance(o.verify_costs, Mapping) or not o.verify_costs:
+        raise TypeError(f"verify_costs must be a non-empty mapping of verify width -> seconds per cycle, got "
+                        f"{o.verify_costs!r}")
+    for width, seconds in o.verify_costs.items():
+        _check_int("verify_costs: a width", width, 1, block_size)
+        _check_number(f"verify_costs[{width}]", seconds, "a number > 0 (seconds)", lambda c: c > 0)
+    widths = tuple(sorted(o.verify_costs))
+    return widths, "costs", [float(o.verify_costs[w]) for w in widths]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,7 +523,8 @@ class Generator:
                  top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
                  block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
                  min_draft_probability: float = 0.0, draft_context: int = 0,
-                 confidence_threshold: float = 0.0) -> GenerationResult:
+                 confidence_threshold: float = 0.0, verify_budget: int = 0,
+                 verify_costs: Mapping[int, float] | None = None) -> GenerationResult:
         """Generate for `prompts` (see `generate` for every argument)."""
         return self._generate(prompts, SamplingOptions.of_call(locals()))
 
@@ -508,7 +549,8 @@ class Generator:
                top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
                block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
                min_draft_probability: float = 0.0, draft_context: int = 0,
-               confidence_threshold: float = 0.0) -> "GenerationStream":
+               confidence_threshold: float = 0.0, verify_budget: int = 0,
+                 verify_costs: Mapping[int, float] | None = None) -> "GenerationStream":
         """Like `generate`, streaming (see `generate_stream`)."""
         return self._stream(prompts, SamplingOptions.of_call(locals()))
 
@@ -516,6 +558,18 @@ class Generator:
         cfg, args, stops = self._prepare(prompts, options)
         prefill_fn, cycle_fn, compile_seconds = self._executables(cfg, args, "cycle")
         return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, cfg, args, stops), compile_seconds)
+
+    def engine(self, *, slots: int = 8, max_prompt_tokens: int = 1024, cycles_per_chunk: int = 1,
+               max_cycles: int | None = None, **options):
+        """A `BatchEngine` over this Generator's models: `slots` rows decoded together, refilled from a
+        queue of prompts as rows finish (continuous batching; `dflash_jax._engine`). options: the
+        keywords of `generate` (max_new_tokens, temperature, ...), the same for every prompt it runs.
+        max_prompt_tokens: the longest prompt a slot holds (longer ones are refused one by one)."""
+        from dflash_jax._engine import DEFAULT_MAX_CYCLES, BatchEngine
+
+        return BatchEngine(self, slots=slots, max_prompt_tokens=max_prompt_tokens, options=SamplingOptions(**options),
+                           cycles_per_chunk=cycles_per_chunk,
+                           max_cycles=DEFAULT_MAX_CYCLES if max_cycles is None else max_cycles)
 
     def _prepare(self, prompts, options: SamplingOptions | None = None, **keywords):
         """Check every argument (`options`, or its fields as keywords) -> (GenerationConfig,
@@ -623,7 +677,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
              top_k: int = 0, top_p: float = 1.0, stop_token_ids: int | Sequence[int] | None = None,
              block_size: int | None = None, seed: int = 0, acceptance: str = "exact",
              lookup: int = 0, min_draft_probability: float = 0.0, draft_context: int = 0,
-             confidence_threshold: float = 0.0, mesh=None) -> GenerationResult:
+             confidence_threshold: float = 0.0, verify_budget: int = 0,
+             verify_costs: Mapping[int, float] | None = None, mesh=None) -> GenerationResult:
     """Generate from a target, speculatively with a DFlash drafter (or plainly with drafter=None).
 
     prompts: a list of prompts, each a list of token ids (ragged; one prompt is `[ids]`), or a
@@ -636,14 +691,21 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     (larger than that warns). lookup (0 = off): n >= 2 drafts, where a row's last 2..n tokens
     occurred earlier in it, the tokens that followed them instead of the drafter's
     (`dflash_jax._lookup`; still lossless). min_draft_probability (0 = off): a cycle verifies its
-    drafts only where some live row's first draft had at least this probability under the drafter
-    (1 for a looked-up one), else it runs the anchor alone, an autoregressive step (still lossless:
-    the choice never looks at the target). draft_context (0 = off): the drafter sees only each row's
+    drafts only where, for some live row, the drafter's first slot gives its most likely token at
+    least this probability (a greedy first draft's own; 1 for a looked-up one), else it runs the
+    anchor alone, an autoregressive step (still lossless: the choice looks neither at the target nor
+    at a sampled draft). draft_context (0 = off): the drafter sees only each row's
     last draft_context positions (its context cache a ring buffer of that size: bounded memory and
     cost for long contexts; the authors' MLX backend offers the same; still lossless).
     confidence_threshold (0 = off; a DSpark drafter with a confidence head only): each row verifies
     its drafts up to the first whose confidence is below it (the rest of the static block is
-    masked, never recompiled: the value is an argument; still lossless). A DSpark drafter's block
+    masked, never recompiled: the value is an argument; still lossless). verify_costs (None = off):
+    {verify width: seconds of a cycle at that width} for this batch and device (`infer.benchmark
+    --profile-verify` measures them): each cycle verifies the width (a prefix of the block, the same
+    for every row: static shapes) with the most expected tokens per second, from the drafter's
+    confidence in each slot. verify_budget (0 = off): the most tokens a cycle verifies over the batch
+    (rows x width; with verify_costs, among the widths it allows; alone, the widest it allows of 1, 2,
+    4, ..., G). Both lossless whatever they choose (`_decode_loop._verify_plan`). A DSpark drafter's block
     of G slots proposes G tokens, so its default block_size (tokens verified per cycle) is G + 1. mesh: a
     `jax.sharding.Mesh` to generate on (None: the
     target's, `Target.mesh`; see `Generator`). Bad arguments raise TypeError/ValueError naming the
@@ -658,7 +720,8 @@ def generate_stream(target, drafter, prompts, *, max_new_tokens: int = 256, temp
                     stop_token_ids: int | Sequence[int] | None = None, block_size: int | None = None,
                     seed: int = 0, acceptance: str = "exact", lookup: int = 0,
                     min_draft_probability: float = 0.0, draft_context: int = 0,
-                    confidence_threshold: float = 0.0, mesh=None) -> GenerationStream:
+                    confidence_threshold: float = 0.0, verify_budget: int = 0,
+                    verify_costs: Mapping[int, float] | None = None, mesh=None) -> GenerationStream:
     """Like `generate`, but yields each row's newly committed tokens after prefill and after every
     cycle (a host loop over the same cycle, compiled ahead of time). Tokens past a stop token are
     never yielded. Arguments are checked and the executables compiled at the call, not at the first

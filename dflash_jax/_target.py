@@ -294,7 +294,7 @@ class TargetSpec:
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     kv_cache_dtype: Any = None
-    kv_replicas: int = 1
+    kv_replicas: int | tuple[int, ...] = 1  # one count, or one per kv group (`sharding.group_kv_replicas`)
     linear_groups: int = 1
 
     def __post_init__(self):

@@ -2,11 +2,14 @@
 
   python -m dflash_jax.convert to-orbax  HF_DRAFTER_DIR      ORBAX_DIR       [--dtype bfloat16]
   python -m dflash_jax.convert to-hf     ORBAX_OR_BIN_DIR    HF_DRAFTER_DIR  [--dtype bfloat16] [--force]
+                                         [--layout auto|official|speculators]
 
 The HF layout (config.json + model.safetensors) is what the official PyTorch code, vLLM, SGLang
 and transformers load; the Orbax layout (config.json + params/) is what training writes. A drafter
 saved as pytorch_model.bin (or sharded, with pytorch_model.bin.index.json) is read with torch, so
-converting it once (`to-hf` or `to-orbax`) is the one step that needs torch installed.
+converting it once (`to-hf` or `to-orbax`) is the one step that needs torch installed. A DSpark
+drafter is written in DeepSpec's layout or, with `--layout speculators`, as speculators'
+`DSparkSpeculator` (`save_drafter`'s `layout`).
 Installed as the console script `dflash-convert`.
 """
 from __future__ import annotations
@@ -47,6 +50,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                        help="cast params (default: keep the dtype config.json states; float32 if none)")
         if name == "to-hf":
+            p.add_argument("--layout", choices=["auto", "official", "speculators"], default="auto",
+                           help="the checkpoint layout written: official (DFlash, DFlash2, DeepSpec's DSpark), "
+                                "speculators (a DSpark drafter as DSparkSpeculator), auto (default: the source's)")
             p.add_argument("--force", action="store_true",
                            help="replace an existing non-empty destination (written to a temporary "
                                 "directory first, then swapped in)")
@@ -60,7 +66,7 @@ def main(argv=None, prog: str = "python -m dflash_jax.convert") -> int:
         if args.command == "to-orbax":
             out = save_orbax_drafter(drafter, args.dst)
         else:
-            out = save_drafter(drafter, args.dst, overwrite=args.force)
+            out = save_drafter(drafter, args.dst, overwrite=args.force, layout=args.layout)
     except (OSError, ValueError) as e:  # missing/damaged files, bad config, torch missing, dst exists
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR

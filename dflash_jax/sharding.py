@@ -33,8 +33,11 @@ and the drafter alike:
   `tensor` heads, head j a copy of kv head j // kv_replicas, split over `tensor`, one per device,
   and each device attends its own query heads over its own copy (vLLM's and MaxText's kv-head
   replication). `spec_for_mesh` sets `kv_replicas` on the target's and the drafter's specs for a
-  mesh (the Generator does). A tensor axis that neither divides nor is a multiple of the kv heads is
-  a ValueError naming the weight and both numbers;
+  mesh (the Generator does). A target whose layers differ in kv heads (Gemma 4: sliding and full
+  layers, `ModelConfig.kv_groups`) gets each group's copies (`group_kv_replicas`, a tuple where they
+  differ), and a k/v projection is split or replicated by its own group's count. A tensor axis
+  that neither divides nor is a multiple of the kv heads is a ValueError naming the weight and both
+  numbers;
 - "mlp" (gate_proj / up_proj columns and biases, down_proj rows; dense, a shared expert's, and each
   routed expert's) and "draft_hidden" (the drafter's fc output): over `tensor`, which must divide
   them (ValueError naming the weight, its shape and the axis size);
@@ -280,6 +283,33 @@ def kv_replicas(num_heads: int, num_kv_heads: int, tensor: int, what: str = "att
     return tensor // num_kv_heads
 
 
+def group_kv_replicas(config, tensor: int) -> int | tuple[int, ...]:
+    """The copies of each kv head a target (or drafter) needs on a tensor axis of size `tensor`: `kv_replicas`
+    of its kv heads. For a target whose attention layers keep keys of different kv-head counts
+    (`ModelConfig.kv_groups`: Gemma 4's sliding and full layers) each group's own, a tuple in the groups'
+    order where they differ (the layers and `_cache.GroupedKVCache` read their group's)."""
+    groups = getattr(config, "kv_groups", ())
+    if not groups:
+        return kv_replicas(config.num_heads, config.num_kv_heads, tensor)
+    each = tuple(kv_replicas(config.num_heads, heads, tensor, f"attention layers of {heads} kv heads")
+                 for (heads, _), _ in groups)
+    return each[0] if len(set(each)) == 1 else each
+
+
+def replicas_of_group(replicas: int | tuple[int, ...], group: int) -> int:
+    """Kv group `group`'s copies of each kv head, of a `group_kv_replicas` value."""
+    return replicas[group] if isinstance(replicas, tuple) else replicas
+
+
+def _kv_weight_replicas(config, dim: int, tensor: int, where: str) -> int:
+    """The copies of its kv heads a k/v projection of `dim` columns needs on a tensor axis of size `tensor`:
+    those of the kv groups (`ModelConfig.kv_groups`) whose heads x head dim is `dim` (the largest where several
+    match), else of the config's kv heads."""
+    groups = [heads for (heads, d), _ in getattr(config, "kv_groups", ()) if heads * d == dim]
+    return max((kv_replicas(config.num_heads, heads, tensor, where) for heads in groups),
+               default=kv_replicas(config.num_heads, config.num_kv_heads, tensor, where))
+
+
 def linear_groups(config, tensor: int) -> int:
     """The groups a Gated DeltaNet's q | k | v channels are laid out in on a tensor axis of size
     `tensor` (module docstring): `tensor` where it divides the key heads (and so the value heads),
@@ -326,7 +356,7 @@ def spec_for_mesh(spec, mesh: Mesh | None):
     if spec is None or mesh is None:
         return spec
     tensor, config = axis_size(mesh, "tensor"), spec.config
-    layout = {"kv_replicas": kv_replicas(config.num_heads, config.num_kv_heads, tensor)}
+    layout = {"kv_replicas": group_kv_replicas(config, tensor)}
     if "linear_groups" in {f.name for f in dataclasses.fields(spec)}:
         layout["linear_groups"] = linear_groups(config, tensor)
     return dataclasses.replace(spec, **layout)
@@ -342,7 +372,8 @@ def _mesh_axis(logical: str | None, dim: int, where: str, config, tensor: int, e
     if logical == "vocab":
         return axis if dim % size == 0 else None
     if logical in ("q_heads", "kv_heads"):
-        replicas = kv_replicas(config.num_heads, config.num_kv_heads, size, where)
+        replicas = kv_replicas(config.num_heads, config.num_kv_heads, size, where) if logical == "q_heads" \
+            else _kv_weight_replicas(config, dim, size, where)
         return axis if logical == "q_heads" or replicas == 1 else None
     if logical in _LINEAR:
         return axis if linear_groups(config, size) > 1 else None

@@ -6,6 +6,7 @@
     python -m infer.profile_cycle --random-target llama3-8b --layers 2     # CPU, cut layer count
     python -m infer.profile_cycle --random-target qwen3.5-9b --layers 4    # a hybrid: 3 DeltaNet + 1 full
     python -m infer.profile_cycle --prefill 3000 --prefill-only     # chunked prefill throughput
+    python -m infer.profile_cycle --generation dflash dflash2 dspark --block 8   # every drafter generation
 
 Every piece is one jitted function with params passed as arguments and caches donated; each is
 called `--warmup` times, then timed `--repeats` times and reported as the median. Cache contents
@@ -23,16 +24,30 @@ repeats see the same state. Pieces (batch B, block G):
   append             the drafter's context append of G committed tokens
   cycle G            all of the above fused as one greedy cycle (draft, verify, accept, append)
 
+`--generation` names the drafter generations to time (default: dflash); the target's pieces are
+timed once, each generation's drafter pieces and cycle after them, in one table. A DFlash2
+drafter's block runs its grouped convolutions too, and it adds
+  selector walk G-1  the candidate selector: top-K of each slot's logits, then the greedy walk
+                     (a `lax.scan` over the G-1 slots) through the pairwise codebook term
+A DSpark drafter drafts G-1 slots, all proposing (its block is [anchor, mask x (G-2)], so a cycle
+still verifies G tokens), from its own embedding table, and adds
+  DSpark head G-1    its own LM head on the G-1 slots (in place of the target's)
+  Markov chain G-1   the Markov head's chain left to right (each slot's logits biased by the token
+                     drafted before it, greedy) with the confidence head, a `lax.scan` over the slots
+Each prints its cost against the drafter block (`selector walk / drafter block`).
+
 The verify and the cycle are also timed paired: in every round they run back to back with an AR
 step, and the median of the per-round ratios is printed (`paired ...`). Prefer those ratios on a
 machine whose speed drifts: they depend less on when each median was taken.
 
 The drafter is random (`--draft-layers` layers reading target layers spread as the official rule
-places them); only its cost matters here.
+places them; DFlash2 and DSpark with their published settings, `dflash_jax.cli.bench_random`); only
+its cost matters here.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -40,12 +55,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import _dspark as dspark
 from dflash_jax._config import ModelConfig
 from dflash_jax._drafter import DrafterSpec, init_drafter_params
-from dflash_jax._drafter_config import DrafterConfig, default_target_layer_ids
+from dflash_jax._drafter_config import DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids
 from dflash_jax.backends import ACTIVATIONS
 from dflash_jax._target import TargetSpec, init_target_params
-from dflash_jax.cli.bench_random import RANDOM_TARGETS as BENCH_TARGETS, random_params
+from dflash_jax.cli.bench_random import (
+    DFLASH2_SETTINGS,
+    DRAFTER_GENERATIONS,
+    DSPARK_MARKOV_RANK,
+    RANDOM_TARGETS as BENCH_TARGETS,
+    random_params,
+)
 
 # the shapes of `python -m infer.benchmark --random-target` (their official config.json values)
 RANDOM_TARGETS = {name: ModelConfig.from_hf_config(hf) for name, (hf, _) in BENCH_TARGETS.items()}
@@ -53,7 +75,7 @@ ATTN_CHOICES = ("auto", "reference", "pallas")
 
 
 def build_models(args):
-    """(target, target params, drafter, drafter params, name)."""
+    """(target, target params, {generation: (drafter, drafter params)}, name)."""
     dtype = jnp.dtype(args.dtype)
     if args.random_target:
         config = RANDOM_TARGETS[args.random_target]
@@ -79,20 +101,34 @@ def build_models(args):
     # the official rule, clamped into range for a target cut to a few layers (--layers 2)
     feature_layers = tuple(min(max(i, 0), config.num_layers - 1)
                            for i in default_target_layer_ids(config.num_layers, 3))
-    drafter_config = DrafterConfig(
+    base = DrafterConfig(
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_layers=args.draft_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim, vocab_size=config.vocab_size, num_target_layers=config.num_layers,
         target_layer_ids=feature_layers, block_size=max(args.block),
         mask_token_id=0, rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling, max_position_embeddings=config.max_position_embeddings)
-    drafter = DrafterSpec(drafter_config, dtype, args.attn)
-    drafter_params = random_params(jax.eval_shape(
-        lambda: init_drafter_params(drafter_config, jax.random.PRNGKey(0), dtype)), 1)
-    # the layouts generate decodes with on this backend (`Generator`)
+    drafters = {}
+    for generation in args.generation:
+        drafter_config = generation_config(base, generation)
+        drafter = DrafterSpec(drafter_config, dtype, args.attn)
+        drafter_params = random_params(jax.eval_shape(
+            lambda: init_drafter_params(drafter_config, jax.random.PRNGKey(0), dtype)), 1)
+        drafters[generation] = (drafter, drafter.decode_params(drafter_params))  # the layout generate drafts with
+    # the layout generate decodes with on this backend (`Generator`)
     target_params = target.decode_params(target_params)
-    drafter_params = drafter.decode_params(drafter_params)
-    return target, target_params, drafter, drafter_params, name
+    return target, target_params, drafters, name
+
+
+def generation_config(base: DrafterConfig, generation: str) -> DrafterConfig:
+    """`base` (a DFlash drafter of blocks of G) as `generation`'s drafter with its published settings: a
+    DFlash2 one of the same block, a DSpark one of blocks of G - 1 slots (all proposing: G verified)."""
+    if generation == "dflash2":
+        return _replace(base, dflash2=DFlash2Config(**DFLASH2_SETTINGS))
+    if generation == "dspark":
+        return _replace(base, block_size=base.block_size - 1, dspark=DSparkConfig(
+            markov_rank=DSPARK_MARKOV_RANK, enable_confidence_head=True, confidence_head_with_markov=True))
+    return base
 
 
 def _replace(config, **changes):
@@ -155,21 +191,51 @@ def filled_cache(cache, fill: int, seed: int):
     return cache.replace(k=k, v=v).with_lengths(jnp.full(cache.lengths.shape, fill, jnp.int32))
 
 
-def time_pieces(target, tp, drafter, dp, batch: int, capacity: int, fill: int, block: int, args):
-    """{piece name: median ms} for one (batch, capacity, block)."""
+def _label(args, generation: str, piece: str) -> str:
+    """A drafter piece's name: plain when only DFlash is timed (as before generations), else prefixed."""
+    return piece if args.generation == ["dflash"] else f"{generation}: {piece}"
+
+
+def proposer(target, drafter, g: int):
+    """propose(target params, drafter params, anchors [B], drafter cache) -> greedy drafts [B, G-1]
+    as the decode loop drafts them for `drafter`'s generation (`_decode_loop._propose`, greedy)."""
+    dc = drafter.config
+
+    def propose(p, q, anchors, cache):
+        b = anchors.shape[0]
+        if dc.dspark is not None:  # G-1 slots, all proposing, embedded with the drafter's own table
+            module = drafter.module_params(q)
+            block = jnp.concatenate([anchors[:, None], jnp.full((b, g - 2), dc.mask_token_id, jnp.int32)], axis=1)
+            hidden = drafter.draft_hidden(q, dspark.block_embeddings(module, block), cache)
+            logits = dc.draft_logits(dspark.base_logits(module, hidden))
+            return dspark.draft(dc.dspark, module, hidden, logits, anchors)[0]
+        block = jnp.concatenate([anchors[:, None], jnp.full((b, g - 1), dc.mask_token_id, jnp.int32)], axis=1)
+        hidden = drafter.draft_hidden(q, dc.block_embeddings(target.embed(p, block)), cache)[:, 1:]
+        logits = dc.draft_logits(target.logits(p, hidden))
+        if dc.dflash2 is not None:
+            return drafter.select(q, hidden, logits, anchors)[0]
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    return propose
+
+
+def time_pieces(target, tp, drafters, batch: int, capacity: int, fill: int, block: int, args):
+    """({piece name: (median wall ms, median CPU ms)}, {piece: paired ratios to an AR step},
+    {generation: its cycle's name}) for one (batch, capacity, block); the target's pieces once, then
+    every generation's drafter pieces and cycle."""
     g = block
     rng = np.random.default_rng(0)
     vocab = target.config.vocab_size
     one = jnp.asarray(rng.integers(1, vocab, size=(batch, 1)), jnp.int32)
     tokens = jnp.asarray(rng.integers(1, vocab, size=(batch, g)), jnp.int32)
-    capture = drafter.config.target_layer_ids
+    any_drafter = next(iter(drafters.values()))[0]
+    capture = any_drafter.config.target_layer_ids  # the same for every generation
     tcache = lambda: filled_cache(target.init_cache(batch, capacity), fill, 2)  # fresh: donated
-    dcache = lambda: filled_cache(drafter.init_cache(batch, capacity), fill, 3)
-    width = drafter.config.num_features * drafter.config.hidden_size
+    width = any_drafter.config.num_features * any_drafter.config.hidden_size
     features = jnp.asarray(rng.normal(size=(batch, g, width)), target.dtype)
     hidden = jnp.asarray(rng.normal(size=(batch, g - 1, target.config.hidden_size)), target.dtype)
-    mask = jnp.full((batch, g - 1), drafter.config.mask_token_id, jnp.int32)
-    times = {}
+    logits = jnp.asarray(rng.normal(size=(batch, g - 1, vocab)), jnp.float32)
+    times, ratios, cycles = {}, {}, {}
 
     nocache = jax.jit(lambda p, t: target.logits(p, target.forward(p, t)[0]))
     times["no-cache forward"] = median_ms(lambda _: nocache(tp, one), None, args.warmup, args.repeats)
@@ -192,44 +258,65 @@ def time_pieces(target, tp, drafter, dp, batch: int, capacity: int, fill: int, b
         _, _, pending = jax.jit(lambda p, c: target.forward(p, tokens, c, write_cache=False))(tp, tcache())
         commit = jax.jit(lambda c, pd: c.commit(pd, g // 2).with_lengths(c.lengths), donate_argnums=0)
         times[f"rollback {g}"] = median_ms(lambda c: commit(c, pending), tcache(), args.warmup, args.repeats)
-
-    def draft(p, q, cache):
-        block_tokens = jnp.concatenate([one, mask], axis=1)
-        return drafter.draft_hidden(q, target.embed(p, block_tokens), cache)
-
-    draft_step = jax.jit(draft)
-    times["drafter block"] = median_ms(lambda c: (draft_step(tp, dp, c[1]), c[1]), (None, dcache()),
-                                       args.warmup, args.repeats)
     head = jax.jit(target.logits)
     times[f"LM head {g - 1}"] = median_ms(lambda _: head(tp, hidden), None, args.warmup, args.repeats)
+    ratios[f"verify {g}"] = paired_ratio(lambda c: verify_step(tp, c)[2], tcache(),
+                                         lambda c: ar_step(tp, c)[1], tcache(), args.warmup, args.repeats)
 
-    def append(q, cache):
-        return drafter.append_context(q, cache, features).with_lengths(cache.lengths)
+    for generation, (drafter, dp) in drafters.items():
+        dc = drafter.config
+        name = functools.partial(_label, args, generation)
+        dcache = lambda: filled_cache(drafter.init_cache(batch, capacity), fill, 3)  # noqa: E731
+        slots = g - 1 if dc.dspark is not None else g  # a DSpark block: G-1 slots, all proposing
 
-    append_step = jax.jit(append, donate_argnums=1)
-    times["append"] = median_ms(lambda c: append_step(dp, c), dcache(), args.warmup, args.repeats)
+        def draft(p, q, cache, dc=dc, drafter=drafter, slots=slots):
+            block_tokens = jnp.concatenate([one, jnp.full((batch, slots - 1), dc.mask_token_id, jnp.int32)], axis=1)
+            embeds = (dspark.block_embeddings(drafter.module_params(q), block_tokens) if dc.dspark is not None
+                      else dc.block_embeddings(target.embed(p, block_tokens)))
+            return drafter.draft_hidden(q, embeds, cache)
 
-    def cycle(p, q, caches):
-        target_cache, draft_cache = caches
-        draft_hidden = draft(p, q, draft_cache)
-        drafts = jnp.argmax(target.logits(p, draft_hidden[:, 1:]), axis=-1).astype(jnp.int32)
-        block_tokens = jnp.concatenate([one, drafts], axis=1)
-        h, f, pending = target.forward(p, block_tokens, target_cache, capture=capture, write_cache=False)
-        verified = jnp.argmax(target.logits(p, h), axis=-1)
-        matches = jnp.cumprod((verified[:, :-1] == drafts).astype(jnp.int32), axis=1)
-        num_new = matches.sum(axis=1) + 1
-        new_target = target_cache.commit(pending, num_new)
-        new_draft = drafter.append_context(q, draft_cache, f, num_new=num_new)
-        return new_target.with_lengths(target_cache.lengths), new_draft.with_lengths(draft_cache.lengths)
+        draft_step = jax.jit(draft)
+        times[name("drafter block")] = median_ms(lambda c, f=draft_step, q=dp: (f(tp, q, c[1]), c[1]),
+                                                 (None, dcache()), args.warmup, args.repeats)
+        if dc.dflash2 is not None:
+            walk = jax.jit(lambda q, h, z, drafter=drafter: drafter.select(q, h, z, one[:, 0])[0])
+            times[name(f"selector walk {g - 1}")] = median_ms(lambda _, f=walk, q=dp: f(q, hidden, logits), None,
+                                                              args.warmup, args.repeats)
+        if dc.dspark is not None:
+            own_head = jax.jit(lambda q, h, drafter=drafter: dspark.base_logits(drafter.module_params(q), h))
+            times[name(f"DSpark head {g - 1}")] = median_ms(lambda _, f=own_head, q=dp: f(q, hidden), None,
+                                                            args.warmup, args.repeats)
+            chain = jax.jit(lambda q, h, z, drafter=drafter, dc=dc: dspark.draft(
+                dc.dspark, drafter.module_params(q), h, z, one[:, 0])[::3])  # drafts and confidences
+            times[name(f"Markov chain {g - 1}")] = median_ms(lambda _, f=chain, q=dp: f(q, hidden, logits), None,
+                                                             args.warmup, args.repeats)
 
-    cycle_step = jax.jit(cycle, donate_argnums=2)
-    times[f"cycle {g}"] = median_ms(lambda c: cycle_step(tp, dp, c), (tcache(), dcache()),
-                                    args.warmup, args.repeats)
-    ratios = {f"verify {g}": paired_ratio(lambda c: verify_step(tp, c)[2], tcache(),
-                                          lambda c: ar_step(tp, c)[1], tcache(), args.warmup, args.repeats),
-              f"cycle {g}": paired_ratio(lambda c: cycle_step(tp, dp, c), (tcache(), dcache()),
-                                         lambda c: ar_step(tp, c)[1], tcache(), args.warmup, args.repeats)}
-    return times, ratios
+        def append(q, cache, drafter=drafter):
+            return drafter.append_context(q, cache, features).with_lengths(cache.lengths)
+
+        append_step = jax.jit(append, donate_argnums=1)
+        times[name("append")] = median_ms(lambda c, f=append_step, q=dp: f(q, c), dcache(), args.warmup, args.repeats)
+        propose = proposer(target, drafter, g)
+
+        def cycle(p, q, caches, drafter=drafter, propose=propose):
+            target_cache, draft_cache = caches
+            drafts = propose(p, q, one[:, 0], draft_cache)
+            block_tokens = jnp.concatenate([one, drafts], axis=1)
+            h, f, pending = target.forward(p, block_tokens, target_cache, capture=capture, write_cache=False)
+            verified = jnp.argmax(target.logits(p, h), axis=-1)
+            matches = jnp.cumprod((verified[:, :-1] == drafts).astype(jnp.int32), axis=1)
+            num_new = matches.sum(axis=1) + 1
+            new_target = target_cache.commit(pending, num_new)
+            new_draft = drafter.append_context(q, draft_cache, f, num_new=num_new)
+            return new_target.with_lengths(target_cache.lengths), new_draft.with_lengths(draft_cache.lengths)
+
+        cycle_step = jax.jit(cycle, donate_argnums=2)
+        cycles[generation] = name(f"cycle {g}")
+        times[cycles[generation]] = median_ms(lambda c, f=cycle_step, q=dp: f(tp, q, c), (tcache(), dcache()),
+                                              args.warmup, args.repeats)
+        ratios[cycles[generation]] = paired_ratio(lambda c, f=cycle_step, q=dp: f(tp, q, c), (tcache(), dcache()),
+                                                  lambda c: ar_step(tp, c)[1], tcache(), args.warmup, args.repeats)
+    return times, ratios, cycles
 
 
 def time_prefill(target, tp, length: int, args):
@@ -246,6 +333,15 @@ def time_prefill(target, tp, length: int, args):
     wall, cpu = median_ms(lambda c: fn(tp, c)[1].with_lengths(jnp.zeros((1,), jnp.int32)),
                           target.init_cache(1, capacity), 1, max(1, args.repeats // 4))
     return 1e-3 * wall, 1e-3 * cpu
+
+
+def _print_generation_costs(times, generation: str, g: int, args) -> None:
+    """A DFlash2 / DSpark drafter's own pieces against its drafter block (wall and CPU)."""
+    block = times[_label(args, generation, "drafter block")]
+    for piece in (f"selector walk {g - 1}", f"DSpark head {g - 1}", f"Markov chain {g - 1}"):
+        own = times.get(_label(args, generation, piece))
+        if own is not None:
+            print(f"{generation}: {piece} / drafter block = {own[0] / block[0]:.2f} wall, {own[1] / block[1]:.2f} CPU")
 
 
 def main(argv=None):
@@ -265,6 +361,8 @@ def main(argv=None):
     parser.add_argument("--fill", type=int, default=300, help="filled cache positions")
     parser.add_argument("--block", type=int, nargs="+", default=[16, 8, 10], help="block sizes G")
     parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--generation", nargs="+", choices=DRAFTER_GENERATIONS, default=["dflash"],
+                        help="drafter generations to time, each with its published settings (default: dflash)")
     parser.add_argument("--prefill", type=int, default=0, help="also time a prompt of N tokens")
     parser.add_argument("--prefill-only", action="store_true", help="time the prefill alone")
     parser.add_argument("--warmup", type=int, default=2)
@@ -272,9 +370,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.random_target else "float32"
+    if len(set(args.generation)) != len(args.generation):
+        parser.error(f"--generation names a generation twice: {' '.join(args.generation)}")
+    if "dspark" in args.generation and min(args.block) < 3:
+        parser.error("a DSpark drafter's cycle verifies at least 3 tokens (its block of G-1 >= 2 slots): "
+                     f"--block {min(args.block)}")
     if args.fill + max(args.block) > min(args.capacity):
         parser.error(f"--fill {args.fill} + block {max(args.block)} does not fit --capacity {min(args.capacity)}")
-    target, tp, drafter, dp, name = build_models(args)
+    target, tp, drafters, name = build_models(args)
     print(f"# {name}, {args.dtype}, attn={args.attn}, backend={jax.default_backend()}, fill={args.fill}, "
           f"median of {args.repeats} (ms)")
     cfg = target.config
@@ -288,15 +391,18 @@ def main(argv=None):
     for batch in [] if args.prefill_only else args.batch:
         for capacity in args.capacity:
             for block in args.block:
-                times, ratios = time_pieces(target, tp, drafter, dp, batch, capacity, args.fill, block, args)
+                times, ratios, cycles = time_pieces(target, tp, drafters, batch, capacity, args.fill, block, args)
                 ar = times["AR step"]
                 print(f"\n## batch {batch}, capacity {capacity}, block {block}")
                 print("| piece | wall ms | CPU ms | x AR step (wall) | x AR step (CPU) |\n|---|---|---|---|---|")
                 for piece, (wall, cpu) in times.items():
                     print(f"| {piece} | {wall:.2f} | {cpu:.2f} | {wall / ar[0]:.2f} | {cpu / ar[1]:.2f} |")
                 for label, i in (("wall", 0), ("CPU", 1)):
+                    per_generation = "; ".join(f"{c} / AR step = {times[c][i] / ar[i]:.2f}" for c in cycles.values())
                     print(f"{label}: AR step / no-cache forward = {ar[i] / times['no-cache forward'][i]:.2f}; "
-                          f"cycle {block} / AR step = {times[f'cycle {block}'][i] / ar[i]:.2f}")
+                          f"{per_generation}")
+                for generation in cycles:
+                    _print_generation_costs(times, generation, block, args)
                 for piece, (wall, cpu) in ratios.items():
                     print(f"paired ({piece} and an AR step back to back, median of {args.repeats} "
                           f"rounds): {piece} / AR step = {wall:.2f} wall, {cpu:.2f} CPU")

@@ -75,6 +75,9 @@ def test_baseline_without_torch_is_skipped_with_one_notice_first(monkeypatch, ca
     (["--random-target", "llama3-70b"], "invalid choice"),
     (["--join", "1"], "--join must be >= 2"),
     (["--random-target", "qwen3-8b", "--join", "4"], "cannot be combined with --random-target"),
+    (["--concurrency", "1,x"], "--concurrency: concurrency levels are integers >= 1"),
+    (["--verify-budget", "8"], "apply with --concurrency"),
+    (["--concurrency", "2", "--profile-verify", "c.json", "--baseline", "transformers"], "drop --baseline"),
 ])
 def test_bad_arguments_exit_2(argv, message, no_work, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -257,3 +260,23 @@ def test_a_bad_mesh_is_refused_before_any_model_is_built(capsys):
     assert "--mesh model=2" in capsys.readouterr().err
     assert benchmark.main(["--random-target", "qwen3-8b", "--mesh", "tensor=2", "--no-compile-cache"]) == 2
     assert "does not divide the 1 devices" in capsys.readouterr().err
+
+
+def test_concurrency_runs_the_engine_and_profile_verify_writes_a_cost_table_it_reads(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(benchmark.RANDOM_TARGETS, "tiny", TINY)
+    common = ["--random-target", "tiny", "--layers", "2", "--num-prompts", "3", "--prompt-tokens", "9",
+              "--max-new-tokens", "6", "--block-size", "4", "--dtype", "float32", "--no-compile-cache"]
+    costs = tmp_path / "costs.json"
+    assert benchmark.main([*common, "--concurrency", "2", "--profile-verify", str(costs)]) == 0
+    table = json.loads(costs.read_text())
+    assert table["block_size"] == 4 and set(table["cycle_seconds"]["2"]) == {"1", "2", "4"}
+    assert all(s > 0 for s in table["cycle_seconds"]["2"].values())
+    out = tmp_path / "c.json"
+    assert benchmark.main([*common, "--concurrency", "1,2", "--verify-costs", str(costs), "--out", str(out)]) == 0
+    text = capsys.readouterr()
+    assert "concurrency   2: ar" in text.out and "no costs measured at concurrency 1" in text.err
+    report = json.loads(out.read_text())
+    for record in report["concurrency"]:
+        assert record["greedy_identical"] is True  # random weights, still lossless
+        assert record["autoregressive"]["tokens"] == record["prompts"] * 6
+        assert record["speculative"]["tau"] >= 1 and record["speculative"]["verified_per_cycle"] >= 1

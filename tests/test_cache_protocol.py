@@ -38,3 +38,33 @@ def test_the_sharding_rules_ask_the_cache():
         assert type(placed) is type(cache)
         assert jax.tree_util.tree_structure(placed) == jax.tree_util.tree_structure(cache)
         assert placed == cache.shardings(mesh)
+
+
+def test_every_cache_lays_rows_out_alike_and_clears():
+    """Every array of a cache is [B] or [L, B, ...] (what take_row / put_row rely on); cleared() empties
+    every row (a hybrid's recurrent state back to zero), and a row taken out and put back is the same."""
+    from dflash_jax._cache import GroupedKVCache, LatentCache, RingKVCache, put_row, take_row
+
+    rng = np.random.default_rng(0)
+    randomised = lambda c: jax.tree_util.tree_map(  # noqa: E731
+        lambda x: jnp.asarray(rng.integers(1, 5, size=x.shape), x.dtype), c)
+    caches = [KVCache.zeros(2, 3, 16, 1, 8), HybridCache.for_model(HYBRID, 3, 16),
+              GroupedKVCache((KVCache.zeros(1, 3, 16, 2, 4), KVCache.zeros(2, 3, 16, 1, 8))),
+              LatentCache(kv=jnp.zeros((2, 3, 16, 1, 12)), lengths=jnp.zeros((3,), jnp.int32)),
+              RingKVCache.for_window(ModelConfig(arch="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
+                                                 num_layers=2, num_heads=1, num_kv_heads=1, head_dim=8), 3, 4, 8)]
+    for cache in caches:
+        cache = randomised(cache)
+        for x in jax.tree_util.tree_leaves(cache):
+            assert x.shape[0 if x.ndim == 1 else 1] == 3, (type(cache).__name__, x.shape)
+        cleared = cache.cleared()
+        assert type(cleared) is type(cache) and cleared.lengths.tolist() == [0, 0, 0]
+        if isinstance(cache, HybridCache):
+            assert not np.any(np.asarray(cleared.state)) and not np.any(np.asarray(cleared.conv))
+        row = take_row(cache, jnp.int32(1))
+        assert row.lengths.shape == (1,) and row.lengths[0] == cache.lengths[1]
+        back = put_row(cache.cleared(), row, jnp.int32(1))
+        assert back.lengths.tolist() == [0, int(cache.lengths[1]), 0]
+        for got, want in zip(jax.tree_util.tree_leaves(put_row(cache, row, jnp.int32(1))),
+                             jax.tree_util.tree_leaves(cache)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

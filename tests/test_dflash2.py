@@ -261,8 +261,8 @@ SELECT = decode_loop._select
 
 def plain_softmax_select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
     """The selector's drafts with the wrong q: the drafter's plain softmax over the vocabulary."""
-    drafts, _, first = SELECT(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
-    return drafts, decode_loop._target_probs(cfg, params, logits), first
+    drafts, _ = SELECT(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
+    return drafts, decode_loop._target_probs(cfg, params, logits)
 
 
 def test_speculative_sampling_with_a_dflash2_drafter_matches_the_target_distribution():
@@ -423,10 +423,3 @@ def test_on_a_mesh_the_output_equals_one_device():
     assert found["greedy"][0] == found["greedy"][1]
     assert found["sampled"][0] == found["sampled"][1]
     assert found["placed"] and "tensor" in found["codebook"]
-
-
-def test_training_a_dflash2_drafter_is_refused_by_name():
-    from train.step import make_train_step
-
-    with pytest.raises(NotImplementedError, match="DFlash2"):
-        make_train_step(None, config(), None, None, None)

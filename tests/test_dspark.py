@@ -328,6 +328,11 @@ def test_speculative_sampling_with_a_dspark_drafter_matches_the_target_distribut
         assert chi_square_pvalue([tuple(t) for t in result.tokens], exact_joint(target)) > 1e-3, threshold
         taus.append(result.tau)
     assert taus[0] > 1.05 and 1.0 < taus[1] < taus[0]  # drafts accepted; the threshold cut some short
+    # verify widths chosen by a cost table, with the confidence threshold: still the target's distribution
+    result = generator.generate([PROMPT] * SAMPLES, max_new_tokens=3, stop_token_ids=(), seed=22, temperature=1.0,
+                                confidence_threshold=0.5, verify_costs={1: 1.0, 2: 1.05, 4: 1.1, 5: 1.2})
+    assert chi_square_pvalue([tuple(t) for t in result.tokens], exact_joint(target)) > 1e-3
+    assert 1.0 < result.tau
 
 
 def test_the_chi_square_sees_a_q_without_the_markov_bias(monkeypatch):
@@ -370,13 +375,6 @@ def test_every_dspark_weight_has_declared_sharding_axes():
     assert axes["['markov_head']['markov_w1']['embedding']"] == ("vocab", "markov_rank")
     assert axes["['markov_head']['markov_w2']['kernel']"] == ("markov_rank", "vocab")
     assert axes["['lm_head']['kernel']"] == ("embed", "vocab")
-
-
-def test_training_a_dspark_drafter_is_refused_by_name():
-    from train.step import make_train_step
-
-    with pytest.raises(NotImplementedError, match="DSpark"):
-        make_train_step(None, config(), None, None, None)
 
 
 # ---- config and checkpoints ----------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Gemma 4 targets, what is theirs alone: the config as released and as transformers 5 saves it (per-layer
 shapes), the proportional RoPE, the layer scalars, the softcapped logits as the distribution that sampling
-draws from, the weights' sharding declarations and the config's refusals.
+draws from, the weights' sharding declarations and the config's refusals, kv heads copied per layer kind on a
+tensor axis (and, slow, greedy generation on tensor axes of 8 and 2 equal to one device's), and (slow) drafter
+training with a Gemma 4 target: the features it reads and a short run's falling loss.
 Parity with transformers (sliding and full layers of their own shapes, k=v, per-layer inputs, kv sharing,
 the MoE block, a multimodal checkpoint's text model), the cached ragged prefill, greedy and speculative
 decoding against transformers' generate, the export's round trip, rejections at every block position,
@@ -226,3 +228,113 @@ def test_every_weight_has_a_sharding_declaration():
 def test_what_gemma4_does_not_implement_is_refused_by_name(overrides, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         _config(**overrides)
+
+
+# heads and kv heads for a tensor axis: 16 query heads; the sliding layers' 8 kv heads split over tensor=2 and 8,
+# the full layers' one kv head (k=v) copied 2 and 8 times
+TENSOR_SPLIT = dict(num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=1)
+
+
+def sharded_findings(out: str) -> None:
+    """In an 8-device process: greedy tokens of a tiny Gemma 4 target (per-layer inputs, kv-shared layers, full
+    layers with fewer kv heads than the sliding ones: `TENSOR_SPLIT`) on one device, plain and speculative, and
+    on tensor axes of 8 and 2 (x data 4), plain and speculative with a random drafter of 8 query heads; the
+    kv-head copies of each layer kind; the caches' head counts -> `out`."""
+    import json
+
+    from dflash_jax import sharding
+    from dflash_jax._drafter import Drafter, init_drafter_params
+    from dflash_jax._drafter_config import DrafterConfig
+    from dflash_jax._speculative import Generator
+
+    target = families.tiny_target("gemma4", **TENSOR_SPLIT)
+    cfg = target.config
+    drafter_cfg = DrafterConfig(hidden_size=cfg.hidden_size, intermediate_size=64, num_layers=1, num_heads=8,
+                                num_kv_heads=2, head_dim=8, vocab_size=cfg.vocab_size,
+                                num_target_layers=cfg.num_layers, target_layer_ids=(1, cfg.num_layers - 1),
+                                block_size=4, mask_token_id=cfg.vocab_size - 1)
+    drafter = Drafter(drafter_cfg, init_drafter_params(drafter_cfg, jax.random.PRNGKey(1)))
+    prompts = [[3, 9, 4, 7], [5, 5, 20, 31, 2, 8, 11]]
+    found = {}
+    for name, mesh in (("one", None), ("tensor8", sharding.make_mesh(data=1, tensor=8)),
+                       ("tensor2_data4", sharding.make_mesh(data=4, tensor=2))):
+        for kind, pair in (("plain", None), ("speculative", drafter)):
+            generator = Generator(target, pair, mesh=mesh, **({"backend": "xla"} if mesh is None else {}))
+            found[f"{name}/{kind}"] = generator.generate(prompts, max_new_tokens=10, stop_token_ids=()).tokens
+        if mesh is not None:
+            spec = sharding.spec_for_mesh(target.spec, mesh)
+            found[f"{name}/kv_replicas"] = list(np.atleast_1d(spec.kv_replicas).tolist())
+            found[f"{name}/cache_heads"] = [g.k.shape[3] for g in spec.init_cache(2, 16).groups]
+    with open(out, "w") as f:
+        json.dump(found, f)
+
+
+@pytest.mark.slow  # ~150 s on 2 CPU cores; test_kv_heads_copied_per_layer_kind_compute_what_one_device_computes
+def test_sharded_generation_on_a_tensor_axis_equals_one_device():
+    """kv heads copied per layer kind (`sharding.spec_for_mesh`): the full layers' one kv head 2 and 8 times, the
+    sliding layers' 8 split; greedy tokens, plain and speculative, equal one device's."""
+    from support.devices import run_8_devices
+
+    found = run_8_devices("sharded_findings({out})", "test_gemma4")
+    reference = found.pop("one/plain")
+    assert found.pop("one/speculative") == reference
+    assert found.pop("tensor8/kv_replicas") == [1, 8] and found.pop("tensor2_data4/kv_replicas") == [1, 2]
+    assert found.pop("tensor8/cache_heads") == [8, 8] and found.pop("tensor2_data4/cache_heads") == [8, 2]
+    for key, tokens in found.items():
+        assert tokens == reference, key
+
+
+def test_kv_heads_copied_per_layer_kind_compute_what_one_device_computes():
+    """On one device, each layer kind's kv heads copied as a tensor axis of 8 needs (the sliding layers' 8 not,
+    the full layers' one 8 times; `sharding.group_kv_replicas`): the same logits and captured layers through the
+    cached prefill and a decode step (kv-shared layers reading the copies), the cache holding each group's
+    copies; the k/v projections split over `tensor` where their group's heads are, else replicated."""
+    from dflash_jax import sharding
+    from dflash_jax._target import target_param_shapes
+
+    # layers 2 and 3 read the copied keys of layers 0 and 1
+    target = families.tiny_target("gemma4", **TENSOR_SPLIT, num_hidden_layers=4, num_kv_shared_layers=2,
+                                  layer_types=["sliding_attention", "full_attention"] * 2)
+    cfg, spec = target.config, target.spec
+    assert sharding.group_kv_replicas(cfg, 8) == (1, 8) and sharding.group_kv_replicas(cfg, 2) == (1, 2)
+    assert sharding.group_kv_replicas(cfg, 1) == 1
+    copied = dataclasses.replace(spec, kv_replicas=(1, 8))
+    tokens = jnp.asarray([[3, 9, 4, 7, 1, 30], [5, 5, 20, 31, 2, 8]], jnp.int32)
+    outputs = []
+    for s in (spec, copied):
+        cache = s.init_cache(2, 16)
+        hidden, feats, cache = s.forward(target.params, tokens, cache, capture=(1, 3))
+        step, _, cache = s.forward(target.params, tokens[:, :1], cache)
+        outputs.append((s.logits(target.params, hidden), feats, s.logits(target.params, step),
+                        [g.k.shape[3] for g in cache.groups]))
+    (*want, heads), (*got, copied_heads) = outputs
+    assert heads == [8, 1] and copied_heads == [8, 8]
+    for g, w in zip(got, want):
+        assert_model_close(np.asarray(g), np.asarray(w), cfg, tokens=tokens.shape[1] + 1)
+    split = {leaf.shape[-1]: tuple(sharding.param_spec(path, leaf.shape, cfg, 8))[-1]
+             for path, leaf in jax.tree_util.tree_leaves_with_path(target_param_shapes(cfg))
+             if jax.tree_util.keystr(path).endswith("['k_proj']['kernel']")}
+    assert split == {8 * cfg.head_dim: "tensor", 16: None}  # the sliding layers' 8 heads of 8, the full one of 16
+
+
+@pytest.mark.slow  # ~80 s; the training machinery is every family's (test_moe_train runs it by default)
+def test_drafter_training_reads_the_right_layers_and_learns(tmp_path):
+    """`train.train` with a Gemma 4 target (per-layer inputs, kv-shared layers, sliding windows, the softcap)
+    from its checkpoint directory: the features the online step and `train.cache_features` read are the outputs
+    of the chosen layers (one a kv-shared layer), and the loss of a short run is finite and falls."""
+    from support import family_training
+    from train import step as step_lib
+    from train.cache_features import _feature_fn
+
+    layer_ids = (1, 4)
+    target = family_training.saved_target("gemma4", tmp_path / "target")
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 128, size=(2, 40)), jnp.int32)
+    each = family_training.features_of_each_layer(target, tokens, layer_ids)
+    online = step_lib.target_features(target, target.params, tokens, layer_ids)
+    cached, _ = _feature_fn(target, layer_ids)(target.params, tokens)
+    np.testing.assert_array_equal(np.asarray(online), each)
+    np.testing.assert_allclose(np.asarray(cached, np.float32), np.asarray(online.astype(jnp.bfloat16), np.float32),
+                               atol=2e-2, rtol=1e-2)
+    losses = family_training.train_online(tmp_path / "target", target, tmp_path, layer_ids, steps=24)
+    assert len(losses) == 24 and np.all(np.isfinite(losses))
+    assert np.mean(losses[-4:]) < 0.9 * np.mean(losses[:4]), losses  # measured: 5.38 -> 4.24

@@ -1,7 +1,8 @@
 """GLM-4 MoE targets, what is theirs alone: reading config.json (the partial rotary default, q/k norms, the
 dense prefix, the router's fields, what is refused by name), a released checkpoint's multi-token prediction
-layers left unread, fused experts read as per-expert ones, every weight's sharding rule and an 8-device
-sharded generation equal to one device's, the glm-4.5-air random-target preset, and (slow) drafter training
+layers left unread, fused experts read as per-expert ones, FP8 checkpoints (GLM-4.5-Air-FP8's per-row scales,
+block-scaled FP8) loaded dequantised and the schemes not read refused by name, every weight's sharding rule and
+an 8-device sharded generation equal to one device's, the glm-4.5-air random-target preset, and (slow) drafter training
 with a GLM target online and offline. Parity with transformers,
 the cached ragged prefill, speculative decoding with rejections and sampling are the conformance suite's
 (the glm4_moe row of support/families.py)."""
@@ -16,7 +17,7 @@ from dflash_jax._config import ModelConfig
 from dflash_jax._errors import CheckpointError, ConfigError
 from dflash_jax._stack import stack_segments
 from dflash_jax._target import target_param_shapes
-from support import families
+from support import families, fp8
 from support.devices import run_8_devices
 
 GLM = {"architectures": ["Glm4MoeForCausalLM"], **families.GLM4_MOE}
@@ -50,8 +51,8 @@ def test_config_reads_the_family_fields():
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for glm4_moe"),
     ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
     ({"topk_method": "greedy"}, "topk_method 'greedy' is not supported"),
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-     "quantization_config.quant_method 'fp8' is not supported for glm4_moe"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config.quant_method 'gptq' is not supported for glm4_moe"),
     ({"first_k_dense_replace": 4}, r"first_k_dense_replace must be in \[0, num_hidden_layers=3\]"),
     ({"n_group": 3}, r"n_group \(3\) must be >= 1 and divide num_experts"),
     ({"topk_group": 5}, "topk_group must be in"),
@@ -239,3 +240,92 @@ def test_drafter_training_online_and_from_cached_features(tmp_path):
     cache_features(target, records, tmp_path / "cache", (0, 2), batch_size=4, buckets=(32,), progress=False)
     offline = train(config(tmp_path / "cache", tmp_path / "offline", 2, buckets=[32]), target=target)
     assert offline["step"] == 2 and np.isfinite(offline["loss"])
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 checkpoints: GLM-4.5 / GLM-4.5-Air FP8 (compressed-tensors, a scale per row), and block-scaled FP8
+
+# zai-org/GLM-4.5-Air-FP8's quantization_config (llm-compressor's FP8 channel scheme), cut to the tiny model
+GLM_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": None,
+           "sparsity_config": {}, "quantization_status": "compressed",
+           "ignore": ["lm_head", "model.layers.1.mlp.gate", "model.layers.2.mlp.gate"],
+           "config_groups": {"group_0": {
+               "targets": ["Linear"], "output_activations": None,
+               "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+               "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+
+
+def test_fp8_channel_dequantisation_is_the_reference_bit_for_bit():
+    """Random e4m3 weights (every finite code) and random scales per row or per tensor, float32, bfloat16 or
+    float16: the dequantised values equal the float64 product rounded once to the scale's dtype, whole or a few
+    rows at a time."""
+    import ml_dtypes
+
+    from dflash_jax.loading.fp8_channel import Fp8ChannelTensor
+    from support.fp8 import float64_channel
+
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, size=(300, 70), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaN codes
+    weight = codes.view(ml_dtypes.float8_e4m3fn)
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
+        for shape in ((300, 1), (300,), (1, 1), (1,)):
+            scale = (rng.random(shape) * 2.0 ** rng.integers(-12, 3, size=shape)).astype(dtype)
+            expected = float64_channel(weight, scale)
+            tensor = Fp8ChannelTensor(weight, scale, "w")
+            assert tensor.dtype == np.dtype(dtype) and tensor.shape == (300, 70)
+            bits = lambda a: np.asarray(a).view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)  # noqa: E731
+            np.testing.assert_array_equal(bits(np.asarray(tensor)), bits(expected), err_msg=f"{dtype} {shape}")
+            for rows in (slice(0, 128), slice(130, 290), slice(5, 6)):
+                np.testing.assert_array_equal(bits(tensor.first_axis(rows)), bits(expected[rows]))
+    with pytest.raises(CheckpointError, match="weight_scale must be"):
+        Fp8ChannelTensor(weight, np.ones((70, 1), np.float32), "w.weight")
+
+
+def test_glm_fp8_checkpoint_loads_dequantised(tmp_path):
+    """GLM-4.5-Air-FP8's format: every Linear of the layers float8_e4m3fn with a bfloat16 scale per row
+    (`weight_scale`), the routers, norms, embedding and head unquantised."""
+    fp8.assert_loads_dequantised(tmp_path, {**GLM, "quantization_config": GLM_FP8}, "channel", "glm4_moe")
+
+
+def test_glm_block_fp8_checkpoint_loads_dequantised(tmp_path):
+    """A GLM checkpoint in DeepSeek's block-scaled FP8 (`weight_scale_inv`, 128 x 128 blocks)."""
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    fp8.assert_loads_dequantised(tmp_path, {**GLM, "quantization_config": quant}, "block", "glm4_moe")
+
+
+@pytest.mark.parametrize("quant, named", [
+    ({"quant_method": "awq"}, "quant_method 'awq'"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
+    ({**GLM_FP8, "config_groups": {"group_0": {**GLM_FP8["config_groups"]["group_0"],
+                                               "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                           "symmetric": True}}}}, "'strategy': 'block'"),
+    ({**GLM_FP8, "config_groups": {"group_0": {**GLM_FP8["config_groups"]["group_0"],
+                                               "input_activations": {"num_bits": 8, "type": "float",
+                                                                     "dynamic": False}}}}, "input_activations"),
+    ({**GLM_FP8, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({**GLM_FP8, "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config")])
+def test_quantisation_configs_it_cannot_read_are_refused_by_name(quant, named):
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig.from_hf_config({**GLM, "quantization_config": quant})
+
+
+@pytest.mark.parametrize("suffix, scheme", [(".qweight", "GPTQ / AWQ"),
+                                            (".weight_scale", "integers with a weight_scale"),
+                                            (".input_scale", "FP8 with static activation scales")])
+def test_a_quantisation_scheme_it_does_not_read_is_named(tmp_path, suffix, scheme):
+    """Tensors of a scheme not read (an int8 weight with a `weight_scale` among them) fail naming it."""
+    from dflash_jax import load_target
+
+    base = "model.layers.0.mlp.down_proj"
+
+    def add(tensors):
+        out = {**tensors, f"{base}{suffix}": np.ones((32, 1), np.float32)}
+        if suffix == ".weight_scale":
+            out[f"{base}.weight"] = np.ones(tensors[f"{base}.weight"].shape, np.int8)
+        return out
+
+    _, directory = _saved(tmp_path, add)
+    with pytest.raises(CheckpointError, match=f"{base}{suffix} is quantised as {scheme}"):
+        load_target(directory, tokenizer=False, layout="stacked")

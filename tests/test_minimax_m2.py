@@ -1,7 +1,9 @@
 """MiniMax-M2 targets, what is theirs alone: reading config.json (rotary_dim, MiniMaxM2Config's defaults, the
 released config's own fields and what is refused by name), q and k normalised over all heads (against a
-numpy reference, and with kv heads replicated for a tensor axis), the released checkpoint names, an
-8-device sharded generation equal to one device's, and the minimax-m2 random-target preset. Parity with
+numpy reference, and with kv heads replicated for a tensor axis), the released checkpoint names and its
+block-scaled FP8 loaded dequantised, an
+8-device sharded generation equal to one device's, the minimax-m2 random-target preset, and (slow) drafter
+training with a MiniMax-M2 target: the features it reads and a short run's falling loss. Parity with
 transformers, the cached ragged prefill, speculative decoding with rejections and sampling are the
 conformance suite's (the minimax_m2 row of support/families.py)."""
 import json
@@ -20,6 +22,10 @@ from support import families
 from support.devices import run_8_devices
 
 MINIMAX = {"architectures": ["MiniMaxM2ForCausalLM"], **families.MINIMAX_M2}
+# the released checkpoints' quantization_config (MiniMaxAI/MiniMax-M2's config.json)
+MINIMAX_FP8 = {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+               "weight_block_size": [128, 128],
+               "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
 
 
 def test_config_reads_the_family_fields():
@@ -50,7 +56,10 @@ def test_config_reads_the_family_fields():
     ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
     ({"attn_type_list": [0, 1]}, "lightning attention is not supported"),
     ({"partial_rotary_factor": 0.25}, "rotary_dim 8 and partial_rotary_factor 0.25 disagree"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.quant_method 'fp8' is not supported"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}},
+     "quantization_config.quant_method 'bitsandbytes' is not supported"),
+    ({"quantization_config": {**MINIMAX_FP8, "weight_block_size": [1, 32]}}, "weight_block_size"),
+    ({"quantization_config": {**MINIMAX_FP8, "scale_fmt": "ue8m0"}}, "scale_fmt 'ue8m0'"),
     ({"attention_bias": True}, "no attention biases"),
 ])
 def test_config_refuses_what_it_cannot_compute(fields, message):
@@ -143,3 +152,36 @@ def test_random_target_preset_builds_cut_to_a_few_layers():
     assert drafter.num_target_layers == 2 and drafter.mask_token_id == 200063
     full, _ = random_configs("minimax-m2", None, None)
     assert full.num_layers == 62 and full.max_position_embeddings == 196608
+
+
+def test_fp8_checkpoint_loads_dequantised(tmp_path):
+    """The released format: attention and experts float8_e4m3fn with float32 128 x 128 block scales
+    (`weight_scale_inv`), the routers, correction biases, norms, embedding and head unquantised; loaded, the
+    params are the float64 reference's dequantised weights bit for bit and the logits those of the model of the
+    dequantised weights."""
+    from support.fp8 import assert_loads_dequantised
+
+    assert_loads_dequantised(tmp_path, {**MINIMAX, "quantization_config": MINIMAX_FP8}, "block", "minimax_m2")
+
+
+@pytest.mark.slow  # ~30 s; the training machinery is every family's (test_moe_train runs it by default)
+def test_drafter_training_reads_the_right_layers_and_learns(tmp_path):
+    """`train.train` with a MiniMax-M2 target from its checkpoint directory: the features the online step and
+    `train.cache_features` read are the outputs of the chosen layers, and the loss of a short run is finite and
+    falls."""
+    from support import family_training
+    from train import step as step_lib
+    from train.cache_features import _feature_fn
+
+    layer_ids = (0, 1)
+    target = family_training.saved_target("minimax_m2", tmp_path / "target")
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 96, size=(2, 40)), jnp.int32)
+    each = family_training.features_of_each_layer(target, tokens, layer_ids)
+    online = step_lib.target_features(target, target.params, tokens, layer_ids)
+    cached, _ = _feature_fn(target, layer_ids)(target.params, tokens)
+    np.testing.assert_array_equal(np.asarray(online), each)
+    np.testing.assert_allclose(np.asarray(cached, np.float32), np.asarray(online.astype(jnp.bfloat16), np.float32),
+                               atol=2e-2, rtol=1e-2)
+    losses = family_training.train_online(tmp_path / "target", target, tmp_path, layer_ids, steps=16)
+    assert len(losses) == 16 and np.all(np.isfinite(losses))
+    assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses  # measured: 5.47 -> 2.79

@@ -150,3 +150,13 @@ def test_chunked_sample_follows_the_distribution():
     assert counts[11] == 0 and counts[:11][probs == 0].sum() == 0
     support = probs > 0
     assert stats.chisquare(counts[:11][support], probs[support] * n).pvalue > 1e-3
+
+
+def test_sampling_under_a_verify_cost_table_matches_target_distribution(pair):
+    """Each cycle verifies the prefix of the block a cost table chooses from the drafter's confidence
+    (its top probabilities): the exact rule on each prefix keeps the target's distribution."""
+    target, drafter = pair
+    costs = {1: 1.0, 2: 1.05, 4: 1.1}
+    samples, result = sample_sequences(target, drafter, seed=17, temperature=1.0, verify_costs=costs)
+    assert chi_square_pvalue(samples, exact_joint(target)) > 1e-3
+    assert result.tau > 1.05

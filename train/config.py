@@ -33,6 +33,20 @@ FEATURE_MODES = ("online", "offline")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 LABELS = ("tokens", "target", "distribution")  # run.labels: see train.step
 FC_INITS = ("random", "last_feature")
+GENERATIONS = ("dflash", "dflash2", "dspark")  # model.generation: the drafter architecture trained
+# Each newer generation's own model fields and their defaults (those of the released drafters:
+# DESIGN.md section 9; DeepSpec's config/dspark/dspark_qwen3_4b_online.py)
+GENERATION_FIELDS = {
+    "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+    "dspark": {"markov_rank": 256, "confidence_head": True, "confidence_head_with_markov": True,
+               "sample_from_anchor": True},
+}
+# ... and their loss weights in `run` (the references' defaults: speculators' and SpecForge's DFlash2
+# selector_loss_alpha; DeepSpec's ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
+GENERATION_LOSS_WEIGHTS = {
+    "dflash2": {"selector_loss_alpha": 1.0},
+    "dspark": {"ce_loss_alpha": 0.1, "l1_loss_alpha": 0.9, "confidence_loss_alpha": 1.0},
+}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -59,6 +73,19 @@ class ModelSettings:
     draft_vocab_path: str | None = None  # saved DraftVocab (.npz); built from data counts when absent
     init_from: str | None = None  # an exported drafter directory: its weights (and draft vocabulary)
                                   # start the run instead of warm_start/fc_init; block_size may differ
+    # The drafter's generation: "dflash", "dflash2" (convolutions and a candidate selector: the
+    # conv_* and selector_* fields) or "dspark" (own tables, Markov and confidence heads: markov_rank,
+    # confidence_head*, sample_from_anchor). A generation's fields may be set only for it; unset
+    # (null) ones take GENERATION_FIELDS' defaults (`generation_field`).
+    generation: str = "dflash"
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    markov_rank: int | None = None  # 0: no Markov head
+    confidence_head: bool | None = None
+    confidence_head_with_markov: bool | None = None
+    sample_from_anchor: bool | None = None  # False: the older 1+N block, whose anchor slot does not propose
 
     def __post_init__(self):
         _check(self.target_dtype in COMPUTE_DTYPES, f"model.target_dtype must be one of {COMPUTE_DTYPES}")
@@ -72,6 +99,26 @@ class ModelSettings:
         _check(self.warm_start_layers is None or (self.warm_start and len(self.warm_start_layers) == self.num_layers),
                "model.warm_start_layers needs model.warm_start: true and one target layer per drafter layer "
                "(model.num_layers)")
+        _check(self.generation in GENERATIONS, f"model.generation must be one of {GENERATIONS}")
+        if self.generation != "dflash":
+            _check(not self.draft_vocab_size, f"model.draft_vocab_size: a {self.generation} drafter drafts over the "
+                                              "whole vocabulary (set it to 0)")
+        for generation, fields in GENERATION_FIELDS.items():
+            for name in fields:
+                _check(generation == self.generation or getattr(self, name) is None,
+                       f"model.{name} is a {generation} drafter's field; model.generation is {self.generation}")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            _check(getattr(self, name) is None or getattr(self, name) >= 1, f"model.{name} must be >= 1")
+        _check(self.markov_rank is None or self.markov_rank >= 0, "model.markov_rank must be >= 0 (0: no Markov head)")
+        if self.generation == "dspark":
+            f = self.generation_field
+            _check(not (f("confidence_head") and f("confidence_head_with_markov") and f("markov_rank") == 0),
+                   "model.confidence_head_with_markov needs a Markov head (model.markov_rank > 0), or set it to false")
+
+    def generation_field(self, name: str):
+        """A field of model.generation's own: its value, or its default when unset."""
+        value = getattr(self, name)
+        return GENERATION_FIELDS[self.generation][name] if value is None else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +163,14 @@ class RunSettings:
     eval_path: str | None = None  # pre-tokenized JSONL; the prompt is each record's unmasked prefix
     eval_prompts: int = 4
     eval_max_new_tokens: int = 64
+    # Loss weights of the newer generations, only with model.generation their own; unset (null):
+    # GENERATION_LOSS_WEIGHTS' defaults (`TrainConfig.loss_weight`). DFlash2's selector
+    # cross-entropy; DSpark's cross-entropy, L1 distance |p_d - p_t|_1 and confidence BCE. DSpark's
+    # decay (run.decay null): 4.0, DeepSpec's loss_decay_gamma.
+    selector_loss_alpha: float | None = None
+    ce_loss_alpha: float | None = None
+    l1_loss_alpha: float | None = None
+    confidence_loss_alpha: float | None = None
 
     def __post_init__(self):
         _check(self.steps >= 1, "run.steps must be >= 1")
@@ -130,6 +185,9 @@ class RunSettings:
         for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
             _check(getattr(self, name) >= 1, f"run.{name} must be >= 1")
         _check(self.eval_every == 0 or self.eval_path, "run.eval_every > 0 needs run.eval_path")
+        for name in ("selector_loss_alpha", "ce_loss_alpha", "l1_loss_alpha", "confidence_loss_alpha"):
+            _check(getattr(self, name) is None or 0 <= getattr(self, name) < float("inf"),
+                   f"run.{name} must be a finite number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +202,18 @@ class TrainConfig:
         _check(self.data.batch_size % self.optim.grad_accum == 0,
                f"data.batch_size ({self.data.batch_size}) must be a multiple of optim.grad_accum "
                f"({self.optim.grad_accum})")
+        for generation, weights in GENERATION_LOSS_WEIGHTS.items():
+            for name in weights:
+                _check(generation == self.model.generation or getattr(self.run, name) is None,
+                       f"run.{name} weighs a {generation} drafter's loss; model.generation is {self.model.generation}")
+        _check(self.model.generation != "dspark" or self.run.labels == "tokens",
+               "run.labels: a dspark drafter learns the text's next tokens with the target's whole distribution "
+               "(DeepSpec's loss); run.labels must be 'tokens'")
+
+    def loss_weight(self, name: str) -> float:
+        """A loss weight of model.generation's own (GENERATION_LOSS_WEIGHTS): run's value, or its default."""
+        value = getattr(self.run, name)
+        return GENERATION_LOSS_WEIGHTS[self.model.generation][name] if value is None else value
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

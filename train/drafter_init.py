@@ -2,6 +2,9 @@
 
 Levers: warm start (drafter layers <- the target's top layers), fc passing the deepest captured
 feature through, and a reduced draft vocabulary head initialised from the target's LM head columns.
+A DFlash2 drafter (`dflash2`) starts with its convolutions as identities and random selector
+codebooks; a DSpark drafter (`dspark`) with its own embedding table and LM head copied from the
+target's (training keeps them frozen) and random Markov and confidence heads.
 """
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax._drafter import init_drafter_params
-from dflash_jax._drafter_config import DrafterConfig, default_target_layer_ids, resolve_mask_token_id
+from dflash_jax._drafter_config import (DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids,
+                                        resolve_mask_token_id)
 from dflash_jax.loading.drafter_io import validate_pair
 from dflash_jax import backends
 
@@ -23,12 +27,14 @@ class DrafterFitError(ValueError):
 
 def build_drafter_config(target, *, num_layers: int, block_size: int, intermediate_size: int | None = None,
                          target_layer_ids=None, mask_token_id: int | None = None,
-                         sliding_window: int = 0, is_causal: bool | None = None) -> DrafterConfig:
+                         sliding_window: int = 0, is_causal: bool | None = None,
+                         dflash2: DFlash2Config | None = None, dspark: DSparkConfig | None = None) -> DrafterConfig:
     """A drafter shaped like the target's layers (hidden size, heads, RoPE), the official
     target-layer rule unless ids are given, and the mask token resolved from the tokenizer.
     sliding_window > 0 makes every layer a sliding-window layer (Qwen3's "sliding_attention").
     is_causal: whether a block query sees only the block keys at or before it (None: the authors'
-    default, sliding layers causal and full ones not)."""
+    default, sliding layers causal and full ones not). dflash2 / dspark: the generation's own
+    fields (neither: a DFlash drafter)."""
     tc = target.config
     layer_ids = tuple(target_layer_ids) if target_layer_ids is not None else \
         default_target_layer_ids(tc.num_layers, num_layers)
@@ -42,7 +48,7 @@ def build_drafter_config(target, *, num_layers: int, block_size: int, intermedia
             rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling,
             max_position_embeddings=tc.max_position_embeddings,
             layer_types=("sliding_attention",) * num_layers if sliding_window else (),
-            sliding_window=sliding_window, is_causal=is_causal)
+            sliding_window=sliding_window, is_causal=is_causal, dflash2=dflash2, dspark=dspark)
         validate_pair(config, target)
     except ValueError as e:
         raise DrafterFitError(f"the configured drafter does not fit the target "
@@ -116,11 +122,27 @@ def grow(start: dict, fresh: dict) -> dict:
     return {**start, "drafter": {**start["drafter"], "layers": layers}}
 
 
+def target_tables(drafter_params, target, target_params):
+    """A DSpark drafter's own `embed_tokens` and `lm_head` <- the target's embedding table and LM
+    head (DeepSpec's `initialize_embeddings_and_head`)."""
+    _require_stacked(target_params)
+    embedding = target_params["embed_tokens"]["embedding"]
+    head = target_head_kernel(target, target_params)
+    mine = drafter_params["embed_tokens"]["embedding"], drafter_params["lm_head"]["kernel"]
+    if embedding.shape != mine[0].shape or head.shape != mine[1].shape:
+        raise DrafterFitError(f"DSpark: the target's tables {embedding.shape}, {head.shape} do not fit the drafter's "
+                              f"{mine[0].shape}, {mine[1].shape}")
+    return {**drafter_params, "embed_tokens": {"embedding": jnp.asarray(embedding, mine[0].dtype)},
+            "lm_head": {"kernel": jnp.asarray(head, mine[1].dtype)}}
+
+
 def initial_params(config: DrafterConfig, target, target_params, rng, *, warm: bool = False,
                    warm_layers=None, fc_init: str = "random", draft_to_target: np.ndarray | None = None) -> dict:
     """{"drafter": params} (+ {"draft_head": target LM head columns [D, Vd]} for a draft vocabulary).
     warm: copy target layers `warm_layers` (default the top ones) into the drafter layers."""
     drafter = init_drafter_params(config, rng, jnp.float32)
+    if config.dspark is not None:
+        drafter = target_tables(drafter, target, target_params)
     if warm:
         drafter = warm_start(drafter, target_params, target.config.num_layers, warm_layers)
     if fc_init == "last_feature":

@@ -3,9 +3,10 @@
     python -m train.regenerate --out runs/data/smollm2-sharegpt --limit 200 --max-new-tokens 256
 
 Reads ShareGPT, chat or prompt records (see `train.sources`), keeps the system and user turns,
-and regenerates every assistant turn with the target (`dflash_jax.generate`, plain decoding, greedy
-unless --temperature > 0). Multi-turn records are regenerated turn by turn (up to --max-turns), each
-prompt carrying the target's own earlier answers. Output: JSONL shards `shard-00000.jsonl`, ... of
+and regenerates every assistant turn with the target (plain decoding through the batch engine,
+`Generator.engine`: --batch-size slots refilled as answers finish; greedy unless --temperature > 0,
+each prompt then sampled with its own seed). Multi-turn records are regenerated turn by turn (up to
+--max-turns), each prompt carrying the target's own earlier answers. Output: JSONL shards `shard-00000.jsonl`, ... of
 {"id", "messages"}; an assistant message that hit --max-new-tokens before the end-of-turn token
 has "truncated": true. `manifest.json` lists the finished shards, so a rerun skips them.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from dflash_jax._speculative import generate
+from dflash_jax._speculative import generator_for
 from train.sources import read_records, sharegpt_package_file
 
 MANIFEST = "manifest.json"
@@ -32,7 +33,7 @@ MANIFEST = "manifest.json"
 class RegenerateConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
-    batch_size: int = 8            # prompts per `generate` call (the last call is padded to it)
+    batch_size: int = 8            # prompts decoded at once (the batch engine's slots)
     max_turns: int = 1             # user turns answered per record
     max_prompt_tokens: int = 1024  # longer prompts are skipped (and end their record's dialogue)
     shard_size: int = 64           # source records per output shard
@@ -108,9 +109,10 @@ def _prompt_ids(tokenizer, messages) -> list[int]:
                                               return_dict=False))
 
 
-def _generate_turn(target, dialogues: list[_Dialogue], cfg: RegenerateConfig, seed: int,
+def _generate_turn(target, engine, dialogues: list[_Dialogue], cfg: RegenerateConfig, seed: int,
                    stats: RegenerateStats, bar, started: float) -> None:
-    """Answer the next user turn of every open dialogue, in length-sorted batches of cfg.batch_size."""
+    """Answer the next user turn of every open dialogue through the batch engine (prompt i of the turn
+    sampled with seed + i), as each answer completes."""
     tok = target.tokenizer
     stops = set(target.config.eos_token_ids) | {getattr(tok, "eos_token_id", None)}
     pending = []
@@ -125,21 +127,23 @@ def _generate_turn(target, dialogues: list[_Dialogue], cfg: RegenerateConfig, se
             continue
         d.messages.append(d.user_turns.pop(0))
         pending.append((d, ids))
-    pending.sort(key=lambda p: len(p[1]), reverse=True)
-    for first in range(0, len(pending), cfg.batch_size):
-        batch = pending[first:first + cfg.batch_size]
-        prompts = [ids for _, ids in batch]
-        prompts += [prompts[-1]] * (cfg.batch_size - len(prompts))  # one static batch shape
-        result = generate(target, None, prompts, max_new_tokens=cfg.max_new_tokens,
-                          temperature=cfg.temperature, seed=seed + first)
-        for (d, _), tokens in zip(batch, result.tokens):
-            finished = bool(tokens) and tokens[-1] in stops
-            text = tok.decode(tokens[:-1] if finished else tokens, skip_special_tokens=False)
-            d.messages.append({"role": "assistant", "content": text, **({} if finished else {"truncated": True})})
-            stats.generated_tokens += len(tokens)
-            stats.truncated_responses += not finished
-        stats.responses += len(batch)
-        bar.update(len(batch))
+    if not pending:
+        return
+    for i, result in engine.run([ids for _, ids in pending], seeds=[seed + i for i in range(len(pending))]):
+        d, tokens = pending[i][0], result.tokens
+        if not result.ok:  # longer than a slot holds (the target's positions less max_new_tokens)
+            d.messages.pop()
+            d.open = False
+            stats.skipped_long_prompt += not any(m["role"] == "assistant" for m in d.messages)
+            bar.update(1 + len(d.user_turns))
+            continue
+        finished = bool(tokens) and tokens[-1] in stops
+        text = tok.decode(tokens[:-1] if finished else tokens, skip_special_tokens=False)
+        d.messages.append({"role": "assistant", "content": text, **({} if finished else {"truncated": True})})
+        stats.generated_tokens += len(tokens)
+        stats.truncated_responses += not finished
+        stats.responses += 1
+        bar.update(1)
         bar.set_postfix(tok_s=f"{stats.generated_tokens / (time.perf_counter() - started):.1f}")
 
 
@@ -170,6 +174,8 @@ def regenerate(target, records, out_dir: str | Path, cfg: RegenerateConfig = Reg
     done = {n for n in names if n in manifest["shards"] and (out_dir / n).is_file()}
     total = sum(len(d.user_turns) for d in dialogues)
     initial = sum(len(d.user_turns) for n, s in zip(names, shards) if n in done for d in s)
+    engine = generator_for(target).engine(slots=cfg.batch_size, max_prompt_tokens=cfg.max_prompt_tokens,
+                                          max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     start = time.perf_counter()
     with tqdm(total=total, initial=initial, unit="resp", desc="regenerating", disable=progress is False) as bar:
         for k, (name, shard) in enumerate(zip(names, shards)):
@@ -177,7 +183,7 @@ def regenerate(target, records, out_dir: str | Path, cfg: RegenerateConfig = Reg
                 stats.shards_skipped += 1
                 continue
             for turn in range(cfg.max_turns):
-                _generate_turn(target, shard, cfg, cfg.seed + 1_000_003 * k + 10_007 * turn, stats, bar, start)
+                _generate_turn(target, engine, shard, cfg, cfg.seed + 1_000_003 * k + 10_007 * turn, stats, bar, start)
             kept = [d for d in shard if any(m["role"] == "assistant" for m in d.messages)]
             write_atomic(out_dir / name, "".join(json.dumps({"id": d.id, "messages": d.messages}) + "\n"
                                                  for d in kept))
@@ -199,7 +205,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--limit", type=int, help="read at most this many input records")
     d = RegenerateConfig()
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="prompts decoded at once (slots of the batch engine, refilled as answers finish)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     p.add_argument("--max-turns", type=int, default=d.max_turns, help="user turns answered per record")

@@ -15,6 +15,19 @@ text, without regenerating answers. With `label_top_k=k` the cross-entropy is ta
 target's distribution over its k likeliest next tokens instead (`objective.block_distributions`:
 soft labels, a distillation loss); the greedy labels still decide which slots count and what
 accuracy compares with.
+
+The drafter's generation (its config) picks the objective:
+* DFlash: the decayed block cross-entropy above.
+* DFlash2: the same backbone loss (its convolutions run per block, as in inference) plus
+  `selector_alpha` times the candidate selector's teacher-forced K-way cross-entropy
+  (`_dflash2.selector_cross_entropy`), weighed slot by slot as the backbone's.
+* DSpark (DeepSpec's loss): proposal s of a block predicts the token at anchor + s + 1 (the
+  anchor slot too, `sample_from_anchor`), its logits biased by the Markov head of the gold
+  previous token; `ce_alpha` x cross-entropy + `l1_alpha` x |p_d - p_t|_1 (the target's
+  distribution at the same position, read online) + `confidence_alpha` x the confidence head's
+  BCE against clip(1 - |p_d - p_t|_1 / 2, 0, 1), each a weighted mean with weights
+  exp(-s / decay) over the contiguous prefix of labels inside the loss mask. The drafter's own
+  embedding table and LM head (copies of the target's) stay frozen (`frozen_paths`).
 """
 from __future__ import annotations
 
@@ -26,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dflash_jax import _objective as objective
+from dflash_jax import _dflash2 as dflash2, _dspark as dspark, _objective as objective
 from dflash_jax._drafter import DrafterSpec
 from dflash_jax._drafter_config import DrafterConfig
 
@@ -45,10 +58,18 @@ class StepSpec:
     anchor_chunk: int = 0  # > 0: blocks attend in groups of this many anchors (objective.drafter_block_hidden)
     target_labels: bool = False  # label slots with the target's greedy next tokens, not the text's
     label_top_k: int = 0  # > 0 (needs target_labels): learn the target's top-k distribution
+    selector_alpha: float = 1.0  # DFlash2: weight of the selector's K-way cross-entropy
+    ce_alpha: float = 0.1  # DSpark: weights of the cross-entropy, the L1 distance to the target's
+    l1_alpha: float = 0.9  # distribution and the confidence head's BCE (DeepSpec's defaults)
+    confidence_alpha: float = 1.0
 
     def __post_init__(self):
         if self.label_top_k < 0 or (self.label_top_k and not self.target_labels):
             raise ValueError("label_top_k must be 0, or > 0 with target_labels")
+        for name in ("selector_alpha", "ce_alpha", "l1_alpha", "confidence_alpha"):
+            value = getattr(self, name)
+            if not (value >= 0 and value < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -67,10 +88,31 @@ def learning_rate_schedule(learning_rate: float, total_steps: int, warmup_ratio:
 
 
 def make_optimizer(schedule: optax.Schedule, *, clip_norm: float = 1.0, weight_decay: float = 0.0,
-                   b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW (the paper: lr 6e-4, warmup 4%, clip 1.0, wd 0)."""
-    return optax.chain(optax.clip_by_global_norm(clip_norm),
-                       optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+                   b1: float = 0.9, b2: float = 0.95, frozen: tuple = ()) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (the paper: lr 6e-4, warmup 4%, clip 1.0, wd 0).
+
+    frozen: key paths (tuples of dict keys, e.g. ("drafter", "lm_head")) of params that never
+    change: no update and no optimizer state for them (`frozen_paths`)."""
+    tx = optax.chain(optax.clip_by_global_norm(clip_norm),
+                     optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+    if not frozen:
+        return tx
+
+    def labels(params):
+        def label(path, _):
+            keys = tuple(getattr(p, "key", None) for p in path)
+            return "frozen" if any(keys[:len(f)] == tuple(f) for f in frozen) else "train"
+        return jax.tree_util.tree_map_with_path(label, params)
+
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def frozen_paths(config: DrafterConfig) -> tuple:
+    """The trainable params' key paths that training keeps as they start: a DSpark drafter's own
+    embedding table and LM head (DeepSpec freezes its copies of the target's)."""
+    if config.dspark is None:
+        return ()
+    return (("drafter", "embed_tokens"), ("drafter", "lm_head"))
 
 
 def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
@@ -95,13 +137,19 @@ def target_features(target, target_params, tokens, layer_ids, *, next_tokens: bo
     return features, objective.greedy_tokens(head, hidden, logits_chunk)
 
 
-def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch):
+def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch, *, with_terms: bool = False):
     """Loss and per-slot accuracy [G] of one (micro-)batch that carries its anchors [B, N] and
-    their validity [B, N] (objective.sample_anchors).
+    their validity [B, N] (objective.sample_anchors). with_terms: (loss, (accuracy, terms)), terms
+    a dict of the loss's parts before their weights ({} for DFlash; "selector_loss" for DFlash2;
+    "ce_loss", "l1_loss" and "confidence_loss" for DSpark).
 
     frozen: {"target": target params, "target_to_draft": int32 [V] (reduced vocabulary only)}.
     Labels outside a reduced draft vocabulary weigh 0 and count as wrong for accuracy.
+    A DSpark drafter's loss is `dspark_batch_loss`; a DFlash2 drafter's adds its selector's.
     """
+    if config.dspark is not None:
+        loss, slots, terms = dspark_batch_loss(target, config, spec, params, frozen, batch)
+        return (loss, (slots, terms)) if with_terms else (loss, slots)
     dtype = DTYPES[spec.compute_dtype]
     target_params = jax.lax.stop_gradient(frozen["target"])
     tokens, loss_mask = batch["tokens"], batch["loss_mask"]
@@ -143,8 +191,81 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     else:
         head = lambda h: config.draft_logits(target.logits(target_params, h))
     loss_weights = weights if soft is None else soft_weights
-    return objective.weighted_block_loss(head, hidden, labels, loss_weights, counted, spec.logits_chunk,
-                                         soft=None if soft is None else tuple(soft), scorable=weights > 0)
+    extra = None if config.dflash2 is None else _selector_term(config, drafter_params, tokens, anchors, labels)
+    loss, slots, *selector = objective.weighted_block_loss(
+        head, hidden, labels, loss_weights, counted, spec.logits_chunk, soft=None if soft is None else tuple(soft),
+        scorable=weights > 0, extra=extra)
+    if config.dflash2 is None:
+        return (loss, (slots, {})) if with_terms else (loss, slots)
+    w = weights.reshape(selector[0].shape)
+    selector = jnp.sum(w * selector[0]) / jnp.maximum(jnp.sum(w), 1e-9)
+    loss = loss + spec.selector_alpha * selector
+    return (loss, (slots, {"selector_loss": selector})) if with_terms else (loss, slots)
+
+
+def _selector_term(config: DrafterConfig, drafter_params, tokens, anchors, labels):
+    """A DFlash2 drafter's selector cross-entropy as an extra term of the block loss's chunks (the
+    same draft logits; `objective.chunked_cross_entropy`): the teacher-forced predecessor is the
+    text token before each label. Weighed afterwards with the backbone's slot weights."""
+    b, n, g = labels.shape
+    flat = lambda x: x.reshape(b, n * g)  # noqa: E731
+    selector, top_k = drafter_params["candidate_selector"], config.dflash2.selector_top_k
+
+    def term(h, logits, prev, y):
+        return dflash2.selector_cross_entropy(selector, h, logits, prev, y, top_k)[0]
+
+    return term, (flat(objective.block_predecessors(tokens, anchors, g)), flat(labels))
+
+
+def dspark_batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch):
+    """A DSpark drafter's loss (module docstring), per-proposal accuracy [P] (teacher-forced argmax
+    of the biased logits) and the loss's terms of one (micro-)batch with its anchors; online
+    features only: the loss reads the target's whole distribution at every proposal."""
+    if "features" in batch:
+        raise ValueError("training a DSpark drafter needs the target's whole distribution at every proposal "
+                         "(its L1 and confidence terms): run online (data.path of text or token records, not a "
+                         "feature cache)")
+    if spec.target_labels:
+        raise ValueError("a DSpark drafter learns the text's next tokens (DeepSpec's loss): run.labels must be "
+                         "'tokens'")
+    dtype = DTYPES[spec.compute_dtype]
+    target_params = jax.lax.stop_gradient(frozen["target"])
+    tokens, loss_mask, anchors, valid = batch["tokens"], batch["loss_mask"], batch["anchors"], batch["valid"]
+    target_hidden, features, _ = target.forward(target_params, tokens, capture=config.target_layer_ids)
+    target_hidden, features = jax.lax.stop_gradient(target_hidden), jax.lax.stop_gradient(features)
+    drafter_params = jax.tree.map(lambda p: p.astype(dtype), params["drafter"])
+    for name in ("embed_tokens", "lm_head"):  # frozen copies of the target's tables
+        drafter_params[name] = jax.lax.stop_gradient(drafter_params[name])
+    drafter = DrafterSpec(config, dtype)
+    hidden = objective.drafter_block_hidden(drafter, target, drafter_params, target_params, features.astype(dtype),
+                                            tokens, anchors, valid, spec.anchor_chunk,
+                                            embed=lambda block: dspark.block_embeddings(drafter_params, block))
+    b, n = anchors.shape
+    g, p = config.block_size, config.proposals
+    hidden = hidden.reshape(b, n, g, -1)[:, :, g - p:].reshape(b, n * p, -1)  # the proposing slots
+    labels, previous, positions, weights = objective.proposal_targets(tokens, loss_mask, anchors, valid, p,
+                                                                      spec.decay)
+    flat = lambda x: x.reshape(b, n * p, *x.shape[3:])  # noqa: E731
+    aligned = jnp.take_along_axis(target_hidden, flat(positions)[..., None], axis=1)  # [B, N*P, D]
+    dc = config.dspark
+
+    def one(h, h_target, prev, y):
+        logits = config.draft_logits(dspark.base_logits(drafter_params, h))
+        logits, confidence = dspark.teacher_forced(dc, drafter_params, h, logits, prev)
+        ce, l1, bce, correct = dspark.loss_terms(logits, target.logits(target_params, h_target), y, confidence)
+        return ce, l1, jnp.zeros_like(ce) if bce is None else bce, correct
+
+    ce, l1, bce, correct = objective.map_position_chunks(one, (hidden, aligned, flat(previous), flat(labels)),
+                                                         spec.logits_chunk)
+    w = flat(weights)
+    mean = lambda x: jnp.sum(w * x) / jnp.maximum(jnp.sum(w), 1e-9)  # noqa: E731
+    terms = {"ce_loss": mean(ce), "l1_loss": mean(l1)}
+    loss = spec.ce_alpha * terms["ce_loss"] + spec.l1_alpha * terms["l1_loss"]
+    if dc.enable_confidence_head:
+        terms["confidence_loss"] = mean(bce)
+        loss = loss + spec.confidence_alpha * terms["confidence_loss"]
+    counted = weights > 0
+    return loss, objective.slot_accuracy(correct.reshape(b, n, p) & counted, counted), terms
 
 
 def _micro_batches(batch: dict, count: int) -> dict:
@@ -160,33 +281,31 @@ def make_train_step(target, config: DrafterConfig, spec: StepSpec, optimizer: op
 
     Anchors are drawn for the whole batch from fold_in(state.rng, state.step), then gradients are
     averaged over spec.grad_accum micro-batches. metrics: loss, slot_accuracy [G-1] (slots 1..G-1), tau_estimate,
-    grad_norm, learning_rate."""
-    if config.dflash2 is not None:
-        raise NotImplementedError("training a DFlash2 drafter (its selector's loss) is not implemented; "
-                                  "DFlash2 drafters are for inference here")
-    if config.dspark is not None:
-        raise NotImplementedError("training a DSpark drafter (its CE + total-variation + confidence loss) is not "
-                                  "implemented; DSpark drafters are for inference here")
+    grad_norm, learning_rate, and the loss's terms (`batch_loss`). A DSpark drafter's slot_accuracy
+    has one entry per proposal (`DrafterConfig.proposals`)."""
+    first_proposal = 0 if config.dspark is not None else 1  # the accuracy vector's first proposing slot
 
     def step(state: TrainState, frozen, batch):
         anchors, valid = objective.sample_anchors(jax.random.fold_in(state.rng, state.step),
                                                   batch["loss_mask"], spec.num_anchors)
         batch = {**batch, "anchors": anchors, "valid": valid}
-        grad_fn = jax.value_and_grad(lambda p, mb: batch_loss(target, config, spec, p, frozen, mb), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, mb: batch_loss(target, config, spec, p, frozen, mb, with_terms=True),
+                                     has_aux=True)
 
         def accumulate(total, micro):
-            (loss, slots), grads = grad_fn(state.params, micro)
-            return jax.tree.map(jnp.add, total, grads), (loss, slots)
+            (loss, (slots, terms)), grads = grad_fn(state.params, micro)
+            return jax.tree.map(jnp.add, total, grads), (loss, slots, terms)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (losses, slots) = jax.lax.scan(accumulate, zeros, _micro_batches(batch, spec.grad_accum))
+        grads, (losses, slots, terms) = jax.lax.scan(accumulate, zeros, _micro_batches(batch, spec.grad_accum))
         grads = jax.tree.map(lambda g: g / spec.grad_accum, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        slot_accuracy = jnp.mean(slots, axis=0)[1:]
+        slot_accuracy = jnp.mean(slots, axis=0)[first_proposal:]
         metrics = {"loss": jnp.mean(losses), "slot_accuracy": slot_accuracy,
                    "tau_estimate": objective.tau_estimate(slot_accuracy),
-                   "grad_norm": optax.global_norm(grads), "learning_rate": schedule(state.step)}
+                   "grad_norm": optax.global_norm(grads), "learning_rate": schedule(state.step),
+                   **{name: jnp.mean(value) for name, value in terms.items()}}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from dflash_jax._draft_vocab import DraftVocab, build_draft_vocab
 from dflash_jax._drafter import Drafter
+from dflash_jax._drafter_config import DFlash2Config, DSparkConfig
 from dflash_jax.loading.target_loader import load_target
 from dflash_jax._objective import default_decay
 from dflash_jax._speculative import generate
@@ -35,6 +36,7 @@ from train.config import ConfigError, TrainConfig, load_config
 
 log = logging.getLogger("train")
 VOCAB_FILE = "draft_vocab.npz"
+DSPARK_DECAY = 4.0  # DeepSpec's loss_decay_gamma (config/dspark/dspark_qwen3_4b_online.py)
 
 
 def load_target_model(cfg: TrainConfig):
@@ -45,12 +47,44 @@ def load_target_model(cfg: TrainConfig):
     return load_target(cfg.model.target, dtype=cfg.model.target_dtype, layout="stacked")
 
 
+def generation_configs(m) -> dict:
+    """model.generation's own drafter config fields: {"dflash2": DFlash2Config} or {"dspark":
+    DSparkConfig}, or {} for a DFlash drafter."""
+    f = m.generation_field
+    if m.generation == "dflash2":
+        return {"dflash2": DFlash2Config(*map(f, ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                  "selector_top_k")))}
+    if m.generation == "dspark":
+        return {"dspark": DSparkConfig(f("markov_rank"), f("confidence_head"),
+                                       f("confidence_head") and f("confidence_head_with_markov"),
+                                       sample_from_anchor=f("sample_from_anchor"))}
+    return {}
+
+
 def drafter_config_for(cfg: TrainConfig, target):
     m = cfg.model
     return drafter_init.build_drafter_config(target, num_layers=m.num_layers, block_size=m.block_size,
                                              intermediate_size=m.intermediate_size,
                                              target_layer_ids=m.target_layer_ids, mask_token_id=m.mask_token_id,
-                                             sliding_window=m.sliding_window, is_causal=m.is_causal)
+                                             sliding_window=m.sliding_window, is_causal=m.is_causal,
+                                             **generation_configs(m))
+
+
+def step_spec(cfg: TrainConfig, drafter_config) -> step_lib.StepSpec:
+    """The train step's static settings from the run's config (decay None: the generation's default:
+    DeepSpec's 4.0 for DSpark, the paper's value for the block size otherwise)."""
+    r = cfg.run
+    decay = r.decay or (DSPARK_DECAY if drafter_config.dspark is not None else default_decay(drafter_config.block_size))
+    weights = {}
+    if cfg.model.generation == "dflash2":
+        weights = {"selector_alpha": cfg.loss_weight("selector_loss_alpha")}
+    if cfg.model.generation == "dspark":
+        weights = {"ce_alpha": cfg.loss_weight("ce_loss_alpha"), "l1_alpha": cfg.loss_weight("l1_loss_alpha"),
+                   "confidence_alpha": cfg.loss_weight("confidence_loss_alpha")}
+    return step_lib.StepSpec(num_anchors=r.num_anchors, decay=decay, logits_chunk=r.logits_chunk,
+                             compute_dtype=r.compute_dtype, grad_accum=cfg.optim.grad_accum,
+                             anchor_chunk=r.anchor_chunk, target_labels=r.labels != "tokens",
+                             label_top_k=r.label_top_k if r.labels == "distribution" else 0, **weights)
 
 
 def check_feature_cache(cfg: TrainConfig, drafter_config, meta: dict) -> None:
@@ -146,8 +180,7 @@ def measure_tau(target, drafter_config, params, prompts, max_new_tokens: int,
     drafter = Drafter(drafter_config, params["drafter"])
     if "draft_head" in params:
         drafter = drafter.with_draft_vocab(params["draft_head"], vocab)
-    return generate(target, drafter, prompts, max_new_tokens=max_new_tokens,
-                    block_size=drafter_config.block_size).tau
+    return generate(target, drafter, prompts, max_new_tokens=max_new_tokens).tau
 
 
 class MetricsLog:
@@ -189,6 +222,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data.path: {e}") from e
     if offline:
+        if drafter_config.dspark is not None:
+            raise ConfigError(f"data.path: {cfg.data.path} is a feature cache; a dspark drafter trains online "
+                              "(its loss reads the target's whole distribution at every proposal)")
         check_feature_cache(cfg, drafter_config, records.meta)
     prepare_run_dir(cfg, run_dir, resume, drafter_config)
     init = initial_drafter(cfg, target, drafter_config)
@@ -200,13 +236,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     schedule = step_lib.learning_rate_schedule(cfg.optim.learning_rate, cfg.run.steps, cfg.optim.warmup_ratio,
                                                cfg.optim.final_lr_ratio)
     optimizer = step_lib.make_optimizer(schedule, clip_norm=cfg.optim.clip_norm,
-                                        weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2)
-    spec = step_lib.StepSpec(num_anchors=cfg.run.num_anchors,
-                             decay=cfg.run.decay or default_decay(drafter_config.block_size),
-                             logits_chunk=cfg.run.logits_chunk, compute_dtype=cfg.run.compute_dtype,
-                             grad_accum=cfg.optim.grad_accum, anchor_chunk=cfg.run.anchor_chunk,
-                             target_labels=cfg.run.labels != "tokens",
-                             label_top_k=cfg.run.label_top_k if cfg.run.labels == "distribution" else 0)
+                                        weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1, b2=cfg.optim.b2,
+                                        frozen=step_lib.frozen_paths(drafter_config))
+    spec = step_spec(cfg, drafter_config)
 
     frozen = {"target": target.params}
     if vocab is not None:
@@ -272,7 +304,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
                         "slot_accuracy": [round(float(a), 5) for a in metrics["slot_accuracy"]],
                         "grad_norm": float(metrics["grad_norm"]), "learning_rate": float(metrics["learning_rate"]),
                         "step_time": elapsed / steps_done, "tokens_per_s": tokens / elapsed,
-                        "block_tokens_per_s": blocks / elapsed}
+                        "block_tokens_per_s": blocks / elapsed,
+                        **{k: float(v) for k, v in metrics.items() if k.endswith("_loss")}}  # the loss's terms
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0:
                     last["tau"] = measure_tau(target, drafter_config, state.params, prompts,
                                               cfg.run.eval_max_new_tokens, vocab)

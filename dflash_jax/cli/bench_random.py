@@ -177,8 +177,25 @@ RANDOM_TARGETS = {
                                    "num_global_key_value_heads": 2, "enable_moe_block": True, "num_experts": 128,
                                    "top_k_experts": 8, "moe_intermediate_size": 704},
                         262143),
+    # SmolLM2-135M (the embedded GGUF's config: 30 layers, 9 query heads of 64 over 3 kv heads, tied
+    # embeddings): small shapes for CPU runs. Mask id: the shipped SmolLM2 drafter's (2).
+    "smollm2-135m": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+                      "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                      "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
+                      "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+                      "bos_token_id": 1, "eos_token_id": 2},
+                     2),
 }
 RANDOM_DRAFT_LAYERS = 5  # the official DFlash drafters of these targets
+# The drafter generations `--random-drafter` builds, with their published settings: DFlash's block of
+# 16; DFlash2's convolution (kernel 2, groups of 16 channels) and selector (rank 256, top 16) over a
+# block of 8 (z-lab's DFlash2 drafters); DSpark's Markov head of rank 256 and confidence head over
+# [h ; W1[x]] with blocks of 7 slots, all proposing (deepseek-ai/dspark_*_block7). Each is the number
+# of tokens a cycle verifies (DSpark's block of 7 verifies 8).
+DRAFTER_GENERATIONS = ("dflash", "dflash2", "dspark")
+GENERATION_VERIFY_BLOCK = {"dflash": 16, "dflash2": 8, "dspark": 8}
+DFLASH2_SETTINGS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+DSPARK_MARKOV_RANK = 256
 
 
 def random_params(shapes, seed: int):
@@ -203,16 +220,24 @@ def random_params(shapes, seed: int):
         for k, (path, s) in zip(keys, leaves)])
 
 
-def random_configs(name: str, layers: int | None, block_size: int | None):
+def random_configs(name: str, layers: int | None, block_size: int | None, generation: str = "dflash"):
     """(ModelConfig, DrafterConfig) of `name`'s official shapes, from their config.json values.
     `layers` cuts the target to that many layers (and the drafter to at most that many, its
-    target layers spread over the cut target)."""
+    target layers spread over the cut target). `generation` (one of DRAFTER_GENERATIONS) makes the
+    drafter a DFlash, DFlash2 or DSpark one with that generation's published settings; block_size
+    is the number of tokens a cycle verifies (None: GENERATION_VERIFY_BLOCK's), so G gives a DFlash or
+    DFlash2 block of G slots and a DSpark block of G - 1 (all of its slots propose)."""
+    import dataclasses
+
     import numpy as np
 
     from dflash_jax._config import ModelConfig
-    from dflash_jax._drafter_config import DrafterConfig, default_target_layer_ids
+    from dflash_jax._drafter_config import DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids
 
+    if generation not in DRAFTER_GENERATIONS:
+        raise ValueError(f"unknown drafter generation {generation!r} (known: {', '.join(DRAFTER_GENERATIONS)})")
     hf, mask_token_id = RANDOM_TARGETS[name]
+    verify = block_size or GENERATION_VERIFY_BLOCK[generation]
     num_layers = layers or hf["num_hidden_layers"]
     config = ModelConfig.from_hf_config({**hf, "num_hidden_layers": num_layers})
     draft_layers = min(RANDOM_DRAFT_LAYERS, num_layers)
@@ -226,22 +251,38 @@ def random_configs(name: str, layers: int | None, block_size: int | None):
                               "vocab_size", "rms_norm_eps", "max_position_embeddings")},
         "intermediate_size": config.intermediate_size,  # the config's, or its stand-in (qwen3.5-35b-a3b)
         "rope_theta": config.rope_theta,
-        "num_hidden_layers": draft_layers, "num_target_layers": num_layers, "block_size": block_size or 16,
+        "num_hidden_layers": draft_layers, "num_target_layers": num_layers, "block_size": verify,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)}})
+    if generation == "dflash2":
+        drafter_config = dataclasses.replace(drafter_config, dflash2=DFlash2Config(**DFLASH2_SETTINGS))
+    elif generation == "dspark":
+        if verify < 3:
+            raise ValueError(f"a DSpark drafter verifies blocks of at least 3 tokens, got {verify}")
+        drafter_config = dataclasses.replace(drafter_config, block_size=verify - 1, dspark=DSparkConfig(
+            markov_rank=DSPARK_MARKOV_RANK, enable_confidence_head=True, confidence_head_with_markov=True))
     return config, drafter_config
 
 
 def random_models(name: str, layers: int | None, block_size: int | None, dtype: str, seed: int,
-                  kv_cache_dtype: str = "auto"):
+                  kv_cache_dtype: str = "auto", generation: str = "dflash"):
     """(target, drafter) of `random_configs`, random weights drawn on the device, no tokenizer."""
-    from dflash_jax._drafter import Drafter, drafter_param_shapes
-    from dflash_jax.loading.dtypes import resolve_dtype
     from dflash_jax._target import Target, target_param_shapes
+    from dflash_jax.loading.dtypes import resolve_dtype
 
-    config, drafter_config = random_configs(name, layers, block_size)
+    config, _ = random_configs(name, layers, block_size, generation)
     jdtype = resolve_dtype(dtype)
     target = Target(config=config, params=random_params(target_param_shapes(config, jdtype), seed),
                     dtype=jdtype, kv_cache_dtype=kv_cache_dtype)
-    drafter = Drafter(config=drafter_config, dtype=jdtype,
-                      params=random_params(drafter_param_shapes(drafter_config, jdtype), seed + 1))
-    return target, drafter
+    return target, random_drafter(name, layers, block_size, dtype, seed, generation)
+
+
+def random_drafter(name: str, layers: int | None, block_size: int | None, dtype: str, seed: int,
+                   generation: str = "dflash"):
+    """The drafter of `random_configs` for `generation`, random weights (seed + 1) drawn on the device."""
+    from dflash_jax._drafter import Drafter, drafter_param_shapes
+    from dflash_jax.loading.dtypes import resolve_dtype
+
+    _, drafter_config = random_configs(name, layers, block_size, generation)
+    jdtype = resolve_dtype(dtype)
+    return Drafter(config=drafter_config, dtype=jdtype,
+                   params=random_params(drafter_param_shapes(drafter_config, jdtype), seed + 1))

@@ -66,6 +66,15 @@ def print_summary(summary: dict) -> None:
               f"{t['autoregressive_over_transformers']:.2f}x; identical outputs in "
               f"{t['identical_batches']}/{s['num_batches']} batches"
               f"{INT8_NOTE if t['decode_activations'] == 'int8' else ''}")
+    if "llama_cpp" in s:
+        t = s["llama_cpp"]
+        print(f"llama.cpp decode tok/s        : {t['decode_tokens_per_second_median']:.1f} (median, "
+              f"{t['threads']} threads, llama-cpp-python {t['version']}; prefill "
+              f"{t['prefill_tokens_per_second_median']:.1f} tok/s); ours autoregressive / llama.cpp = "
+              f"{t['autoregressive_over_llama_cpp']:.2f}x; identical outputs in "
+              f"{t['identical_batches']}/{s['num_batches']} batches"
+              + (f", the same first {min(t['common_prefix_tokens'])}-{max(t['common_prefix_tokens'])} tokens "
+                 "per prompt" if t["common_prefix_tokens"] else ""))
     print(f"model load                    : {s['load_seconds']:.2f} s")
     for c in s["compile"]:
         print(f"compile ({c['mode']}, batch {c['batch']}, {c['prompt_tokens']}-token prompt): "
@@ -84,6 +93,23 @@ def print_summary(summary: dict) -> None:
         print(f"target cache per token        : {s['cache_bytes_per_token']:,} bytes (every layer, one row)")
 
 
+def print_generations(reports) -> None:
+    """One line per speculative run of several drafter generations (`--random-drafter`): its verify
+    block, tau, acceptance histogram, speculative and autoregressive decode tokens/s, the cycle cost
+    and the speedup, all on the same prompts."""
+    print("=== drafter generations (same prompts, same target) ===")
+    print("| attention | drafter | verify block | tau | histogram (1..G) | spec tok/s | AR tok/s | ms per cycle "
+          "| cycle cost (AR steps) | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for _, s in reports:
+        hist = " ".join(str(c) for c in s["acceptance_histogram"].values())
+        print(f"| {s['attention'] or '-'} | {s['drafter_generation']} | {s['verify_block_size']} | "
+              f"{s['tau_median']:.2f} | {hist} | {s['speculative_decode_tokens_per_second_median']:.1f} | "
+              f"{s['autoregressive_decode_tokens_per_second_median']:.1f} | "
+              f"{1e3 * s['speculative_seconds_per_cycle_median']:.1f} | {s['cycle_cost_median']:.2f} | "
+              f"{s['speedup']:.2f}x |")
+
+
 def write_report(out: Path, args, reports, setup, device) -> None:
     """The JSON report: settings, machine and every run's summary and batches (`setup`: the
     CLI's `benchmark.Setup`)."""
@@ -98,7 +124,7 @@ def write_report(out: Path, args, reports, setup, device) -> None:
                 "kv_cache_dtype": setup.target.spec.kv_cache_dtype.name,
                 "decode_activations": setup.target.decode_activations,
                 "drafter_weights": drafter.decode_weights if drafter else None,
-                "block_size": (args.block_size or drafter.block_size) if drafter else 1,
+                "block_size": (args.block_size or drafter.config.proposals + 1) if drafter else 1,
                 "lookup": args.lookup if drafter else 0,
                 "min_draft_probability": args.min_draft_probability if drafter else 0.0,
                 "chat_template": not args.raw and not args.random_target, "batch_size": args.batch}

@@ -14,7 +14,9 @@ that greedy decoding, sampling and acceptance all see the softcapped distributio
 
 The sliding and full layers are distinct layer kinds ("sliding_attention", "full_attention"), so the
 stack (`dflash_jax._stack`) scans them in separate positions of its pattern, and their keys and values
-sit in a `GroupedKVCache` (one `KVCache` per shape) where the shapes differ.
+sit in a `GroupedKVCache` (one `KVCache` per shape) where the shapes differ. On a tensor axis larger than a
+kind's kv heads, that kind's heads are copied (`sharding.group_kv_replicas`: gemma-4-31B on tensor=8 splits the
+sliding layers' 16 kv heads and copies each of the full layers' 4 twice), in its layers and its cache group.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from dflash_jax._moe import grouped_experts
 from dflash_jax.families import register
 from dflash_jax.families.base import Family
 from dflash_jax.loading.names import Rule, _linear_rules
-from dflash_jax.sharding import declare_param_axes
+from dflash_jax.sharding import declare_param_axes, replicas_of_group
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +208,7 @@ class Gemma4Attention(nn.Module):
     attn_impl: str = "auto"
     backend: str = "xla"
     kv_shared: bool = False
+    kv_replicas: int = 1  # sharding: copies of each of this layer's kv heads (`sharding.group_kv_replicas`)
 
     @nn.compact
     def __call__(self, x, positions, window, cache, layer):
@@ -229,6 +232,8 @@ class Gemma4Attention(nn.Module):
         raw_v = raw_k if self.full and opts.attention_k_eq_v else dense(hkv * d, "v_proj")(x).reshape(b, t, hkv, d)
         k = apply_rotary(norm("k_norm")(raw_k), cos, sin)
         v = rms_normalize(raw_v, cfg.rms_norm_eps).astype(raw_v.dtype)
+        if self.kv_replicas > 1:  # sharding: kv-head replication, the copies of a head side by side
+            k, v = jnp.repeat(k, self.kv_replicas, axis=2), jnp.repeat(v, self.kv_replicas, axis=2)
         attended, new = attend(k, v, cache, layer)
         # without a cache the new keys are wanted only by the kv-shared layers
         return out(attended), (new if cache is not None or opts.num_kv_shared_layers else None)
@@ -251,16 +256,14 @@ class Gemma4Layer(nn.Module):
     dtype: Any = jnp.float32
     attn_impl: str = "auto"
     backend: str = "xla"
-    kv_replicas: int = 1  # sharding: kv-head replication is not supported for this family (`Gemma4.validate`)
+    # sharding: copies of each kv head, one count or one per kv group (`sharding.group_kv_replicas`)
+    kv_replicas: int | tuple[int, ...] = 1
     mixer: str = "auto"  # `Gemma4.layer_mixer`'s; "auto": the first layer's (a stack of identical layers)
     mlp: str = "auto"  # "dense" | "moe"; "auto": the first layer's
 
     @nn.compact
     def __call__(self, carry, layer_xs, positions, cos, sin, cache):
         cfg = self.config
-        if self.kv_replicas != 1:
-            raise NotImplementedError("gemma4: kv-head replication on a tensor axis larger than the kv heads is not "
-                                      "supported; choose a tensor axis that divides every layer's kv heads")
         opts = _options(cfg)
         hidden, features = carry
         layer, window, slot, *own = layer_xs
@@ -270,9 +273,11 @@ class Gemma4Layer(nn.Module):
         full = mixer.removesuffix(KV_SHARED) == FULL
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, True, name=name)  # noqa: E731
         dense = lambda n, name: make_dense(n, False, self.dtype, self.backend, name=name)  # noqa: E731
-        attended, new = Gemma4Attention(cfg, full, self.dtype, self.attn_impl, self.backend, kv_shared,
-                                        name="self_attn")(norm("input_layernorm")(hidden), positions, window,
-                                                          cache, layer)
+        shape = None if kv_shared else self.config.family.kv_shape(cfg, mixer)
+        group = next((g for g, (s, _) in enumerate(cfg.kv_groups) if s == shape), 0)
+        attention = Gemma4Attention(cfg, full, self.dtype, self.attn_impl, self.backend, kv_shared,
+                                    replicas_of_group(self.kv_replicas, group), name="self_attn")
+        attended, new = attention(norm("input_layernorm")(hidden), positions, window, cache, layer)
         hidden = hidden + norm("post_attention_layernorm")(attended)
         x = norm("pre_feedforward_layernorm")(hidden)
         width = cfg.intermediate_size * (2 if kv_shared and opts.double_wide_mlp else 1)

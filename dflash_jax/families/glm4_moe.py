@@ -12,7 +12,9 @@ What differs from Qwen3-MoE, as transformers' `glm4_moe` computes it:
   them a segment of their own, `dflash_jax._stack`).
 The released checkpoints name the router `mlp.gate` (its correction bias `mlp.gate.e_score_correction_bias`)
 and the experts one by one (`mlp.experts.{e}.gate_proj.weight`, ...); their multi-token-prediction layers
-(`model.layers.{L}...`, past the decoder) are not read.
+(`model.layers.{L}...`, past the decoder) are not read. FP8 releases load dequantised: GLM-4.5(-Air)-FP8's
+compressed-tensors FP8 with a scale per output row (`loading.fp8_channel`), or block-scaled FP8 as DeepSeek's
+(`loading.fp8_block`); `check_quantization` says which configs are read.
 
 `SigmoidMoeLayer` is also MiniMax-M2's (`families.minimax_m2`), which normalises q and k over all heads.
 """
@@ -30,9 +32,11 @@ from dflash_jax._attention import causal_attention
 from dflash_jax._cache import KVCache
 from dflash_jax._config import ConfigFields, ModelConfig, MoEConfig
 from dflash_jax._decoder_layer import PreNormLayer
+from dflash_jax._errors import CheckpointError
 from dflash_jax._layers import RMSNorm, apply_rotary, make_dense
 from dflash_jax.families import register
 from dflash_jax.families.base import MLP_PROJECTIONS, Family
+from dflash_jax.loading import fp8_block, fp8_channel
 from dflash_jax.loading.names import Rule, _linear_rules, moe_layer_rules
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,62 @@ log = logging.getLogger(__name__)
 # config.json fields that would change the math and that this family does not implement: refused by name
 # unless they hold the value given here (the one transformers' Glm4MoeConfig computes with)
 FIXED = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+# the quantised checkpoints these families read (`quantization_config.quant_method`): block-scaled FP8
+# (MiniMax-M2's release; `loading.fp8_block`) and compressed-tensors FP8 with a scale per row or tensor
+# (GLM-4.5 / GLM-4.5-Air FP8; `loading.fp8_channel`); the weights are dequantised as they load
+QUANT_METHODS = (None, "fp8", "compressed-tensors")
+# what an "fp8" quantization_config may say (a field absent, or one of these values): 128 x 128 blocks of e4m3
+# values with float32 scales; activations quantised dynamically by an engine, here run unquantised as in
+# transformers' dequantising load. `modules_to_not_convert` / `ignored_layers` are not read: a weight stored
+# without its scale is an unquantised one.
+FP8_BLOCK_FIELDS = {"weight_block_size": ([fp8_block.BLOCK] * 2,), "fmt": ("e4m3", "float8_e4m3fn"),
+                    "activation_scheme": ("dynamic",), "scale_fmt": ("float",), "expert_dtype": ("fp8",)}
+# tensor name endings of quantisation schemes these families do not read -> the scheme, named in the error
+UNREAD_SCHEMES = {".weight_zero_point": "compressed-tensors with zero points (asymmetric)",
+                  ".weight_packed": "compressed-tensors pack-quantized integers", ".qweight": "GPTQ / AWQ",
+                  ".qzeros": "GPTQ / AWQ", ".g_idx": "GPTQ", ".weight_blocks": "MXFP4",
+                  ".weight_scale_2": "NVFP4", ".input_scale": "FP8 with static activation scales",
+                  ".weight_scale": "integers with a weight_scale (only float8_e4m3fn weights are read)"}
+
+
+def check_quantization(fields: ConfigFields, family: str) -> None:
+    """ConfigError naming the field unless the config's `quantization_config` is absent, block-scaled FP8
+    (`FP8_BLOCK_FIELDS`) or compressed-tensors "float-quantized" FP8 of strategy "channel" or "tensor" with no
+    static activation scales, KV-cache quantisation, sparsity or transforms."""
+    quant = fields.section("quantization_config").hf
+    method = quant.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise fields.error(f"quantization_config.quant_method {method!r} is not supported for {family} "
+                           f"(supported: {[m for m in QUANT_METHODS if m]})")
+    if method == "fp8":
+        for name, allowed in FP8_BLOCK_FIELDS.items():
+            if quant.get(name) is not None and quant[name] not in allowed:
+                raise fields.error(f"quantization_config.{name} {quant[name]!r} is not supported for an fp8 "
+                                   f"{family} checkpoint (supported: {list(allowed)})")
+    if method != "compressed-tensors":
+        return
+    groups = quant.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise fields.error("quantization_config: a compressed-tensors checkpoint without config_groups")
+    for name, what in (("kv_cache_scheme", "a quantised KV cache"), ("sparsity_config", "sparse weights"),
+                       ("transform_config", "rotated weights")):
+        if quant.get(name):
+            raise fields.error(f"quantization_config.{name} {quant[name]!r} is not supported for {family} ({what})")
+    for name, group in groups.items():
+        group = group or {}
+        weights, act = group.get("weights") or {}, group.get("input_activations")
+        scheme = {"format": group.get("format") or quant.get("format"), "num_bits": weights.get("num_bits"),
+                  "type": weights.get("type"), "symmetric": weights.get("symmetric"),
+                  "strategy": weights.get("strategy"), "output_activations": group.get("output_activations"),
+                  "input_activations": None if act is None or act.get("dynamic") is True else act}
+        wanted = {"format": "float-quantized", "num_bits": 8, "type": "float", "symmetric": True,
+                  "strategy": ("channel", "tensor"), "output_activations": None, "input_activations": None}
+        wrong = {k: v for k, v in scheme.items() if v != wanted[k] and not (isinstance(wanted[k], tuple)
+                                                                            and v in wanted[k])}
+        if wrong:
+            raise fields.error(f"quantization_config.config_groups.{name}: compressed-tensors scheme {wrong} is not "
+                               f"supported for {family} (8-bit float weights with a scale per row or tensor, "
+                               f"activations unquantised or dynamic, are: {wanted})")
 
 
 class SigmoidMoeAttention(nn.Module):
@@ -101,14 +161,11 @@ class SigmoidMoeFamily(Family):
 
     def read_config(self, fields: ConfigFields) -> ModelConfig:
         """The common fields, the family's (`family_fields`) and its q/k norms (`reads_qk_norm`); a field of
-        `fixed` with another value, or a quantised checkpoint's `quantization_config`, is refused by name."""
+        `fixed` with another value, or a `quantization_config` not of `QUANT_METHODS`' kinds, is refused by name."""
         for name, value in self.fixed.items():
             if fields.hf.get(name) not in (None, value):
                 raise fields.error(f"{name} {fields.hf[name]!r} is not supported for {self.name} (only {value!r})")
-        quant = fields.section("quantization_config").hf.get("quant_method")
-        if quant is not None:
-            raise fields.error(f"quantization_config.quant_method {quant!r} is not supported for {self.name}: its "
-                               "weights load in bfloat16 / float32")
+        check_quantization(fields, self.name)
         config, qk_norm = super().read_config(fields), self.reads_qk_norm(fields)
         return config if config.qk_norm == qk_norm else dataclasses.replace(config, qk_norm=qk_norm)
 
@@ -122,6 +179,19 @@ class SigmoidMoeFamily(Family):
 
     def layer_module(self, mixer: str):
         return SigmoidMoeLayer
+
+    def adapt_tensors(self, config, tensors, source):
+        """FP8 weights dequantised as read (`loading.fp8_channel`'s `weight_scale`, `loading.fp8_block`'s
+        `weight_scale_inv`), fused experts shown per expert; the tensors of a quantisation scheme not read here
+        are a CheckpointError naming the scheme and the tensor."""
+        tensors = fp8_channel.dequantized(tensors, source)
+        for name in tensors:
+            scheme = next((s for end, s in UNREAD_SCHEMES.items() if name.endswith(end)), None)
+            if scheme is not None:
+                raise CheckpointError(f"{source}: tensor {name} is quantised as {scheme}, which {self.name} "
+                                      "checkpoints are not read in (block-scaled FP8, compressed-tensors FP8 with a "
+                                      "scale per row or tensor, and unquantised ones are)")
+        return super().adapt_tensors(config, fp8_block.dequantized(tensors, source), source)
 
     def validate(self, config):
         super().validate(config)

@@ -9,7 +9,9 @@ with these differences, as transformers' `minimax_m2` computes them:
   config's `intermediate_size`.
 The released checkpoints name the block `block_sparse_moe`: its router `block_sparse_moe.gate`, the bias
 `block_sparse_moe.e_score_correction_bias`, the experts one by one as `experts.{e}.w1` (gate), `w3` (up)
-and `w2` (down)."""
+and `w2` (down); in FP8 (the release's `quantization_config` quant_method "fp8", 128 x 128 blocks) attention
+and experts are float8_e4m3fn with `weight_scale_inv` block scales, dequantised as they load
+(`loading.fp8_block`)."""
 from __future__ import annotations
 
 from dflash_jax._config import ConfigFields, MoEConfig

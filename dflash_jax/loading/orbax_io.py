@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 
 from dflash_jax._config import read_config_json, write_config_json
 from dflash_jax._drafter import Drafter, drafter_param_shapes
-from dflash_jax._drafter_config import DrafterConfig
+from dflash_jax._drafter_config import DrafterConfig, is_speculators_dspark
 from dflash_jax._errors import CheckpointError
 from dflash_jax.loading.dtypes import PARAM_DTYPES_BY_NAME, dtype_name, resolve_dtype, stored_dtype_name
 
@@ -23,7 +23,9 @@ def save_orbax_drafter(drafter: Drafter, out_dir: str | Path) -> Path:
     if (out_dir / "params").exists():
         raise FileExistsError(f"{out_dir / 'params'} already exists; choose a new directory")
     out_dir.mkdir(parents=True, exist_ok=True)
-    hf = drafter.config.to_hf_config(drafter.hf_config, dtype_name(drafter.dtype))
+    # every table is in the params: a drafter loaded in the speculators layout is written as DeepSpec's
+    base = None if is_speculators_dspark(drafter.hf_config or {}) else drafter.hf_config
+    hf = drafter.config.to_hf_config(base, dtype_name(drafter.dtype))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out_dir / "params", drafter.params)
     checkpointer.wait_until_finished()

@@ -41,10 +41,11 @@ from dflash_jax.kernels.reference import (
     reference_attention_with_lse,
     with_sinks,
 )
+from dflash_jax import _masks as masks
 from dflash_jax._masks import KeyRanges
 
 __all__ = [
-    "IMPLS", "attention", "cache_attention", "chunked_cache_attention_with_lse", "merge_with_lse",
+    "IMPLS", "attention", "cache_attention", "causal_attention", "chunked_cache_attention_with_lse", "merge_with_lse",
     "reference_attention", "reference_attention_with_lse",
 ]
 
@@ -192,3 +193,21 @@ def cache_attention(q, cache_k, cache_v, layer, cache_ranges: KeyRanges, k, v, r
     if sinks is None:
         return merge_with_lse(cached, new).astype(q.dtype)
     return with_sinks(*merge_with_lse(cached, new, return_lse=True), sinks)[0].astype(q.dtype)
+
+
+def causal_attention(q, k, v, positions, window, cache, layer, *, scale: float | None = None, impl: str = "auto",
+                     backend: str = "xla", sinks=None):
+    """A target layer's causal attention of q [B, T, Hq, D] at `positions` [B, T] (a `window` of 0:
+    unbounded): over the new keys alone when `cache` is None, else over layer `layer` of the cache's
+    used slots (its `k`, `v` [L, B, S, Hkv, D], `lengths` [B]) and the new keys (`cache_attention`).
+    The new k, v are rounded to the cache's dtype first: a token then sees its block-mates as a later
+    step reads them back from the cache. -> (output [B, T, Hq, D], (k, v) as attended)."""
+    ranges = masks.causal(positions, window)  # over cache slots (== positions)
+    if cache is None:
+        return attention(q, k, v, ranges, scale=scale, impl=impl, sinks=sinks), (k, v)
+    offsets = cache.lengths
+    k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+    attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, offsets), k, v,
+                               ranges.segment(offsets, offsets + k.shape[1]), scale=scale, impl=impl, backend=backend,
+                               sinks=sinks)
+    return attended, (k, v)

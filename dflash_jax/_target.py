@@ -21,79 +21,41 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import backends, _masks as masks
-from dflash_jax._attention import attention, cache_attention
+from dflash_jax import backends
+from dflash_jax._attention import causal_attention
 from dflash_jax._cache import GroupedKVCache, HybridCache, KVCache, resolve_kv_cache_dtype
 from dflash_jax._config import LINEAR, ModelConfig
+from dflash_jax._decoder_layer import PreNormLayer
 from dflash_jax._stack import is_direct, stack_segments
-from dflash_jax._layers import (MLP, AttentionProjections, Capture, RMSNorm, Rotary, capture_into, run_layers,
-                               token_positions)
+from dflash_jax._layers import AttentionProjections, Capture, Rotary, run_layers, token_positions
 from dflash_jax._model_spec import on_spec
-from dflash_jax._moe import MoE
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
 
 
-class TargetLayer(nn.Module):
-    """One pre-norm decoder layer; the scan body.
+class TargetLayer(PreNormLayer):
+    """One pre-norm decoder layer of standard attention (`PreNormLayer`; Qwen3, Llama, Qwen3-MoE,
+    gpt-oss); the scan body.
 
-    carry: (hidden [B, T, D], features [B, T, n, D] | None); xs: (layer index, window, capture
-    slot or -1); broadcast: (positions [B, T], cos, sin, cache | None). With a cache, attention
-    reads the cache's used slots and the T new keys (`cache_attention`) and the layer's new keys
-    and values [B, T, Hkv, Dh] come out as ys (the caller writes all layers' rows at once);
-    without one, attention is over the T new keys only and ys is None. The new keys and values
-    are rounded to the cache's dtype before attention reads them (a float16 cache): a token then
-    sees the same numbers for its block-mates in a verify as a later step reads from the cache, so
-    speculative decoding stays identical to plain decoding.
+    With a cache, attention reads the cache's used slots and the T new keys (`cache_attention`) and
+    the layer's new keys and values [B, T, Hkv, Dh] come out as ys (the caller writes all layers'
+    rows at once); without one, attention is over the T new keys only and ys is None. The new keys
+    and values are rounded to the cache's dtype before attention reads them (a float16 cache): a
+    token then sees the same numbers for its block-mates in a verify as a later step reads from the
+    cache, so speculative decoding stays identical to plain decoding.
     """
 
-    config: ModelConfig
-    dtype: Any = jnp.float32
-    attn_impl: str = "auto"
-    backend: str = "xla"  # whose products and cache read (`dflash_jax.backends`)
-    kv_replicas: int = 1  # sharding: copies of each kv head (`TargetSpec.kv_replicas`)
-    mixer: str = "attention"  # `ModelConfig.layer_kinds` (full or sliding: the window comes in layer_xs)
-    mlp: str = "auto"  # "dense" | "moe"; "auto": the first layer's (a stack of identical layers)
-
-    @nn.compact
-    def __call__(self, carry, layer_xs, positions, cos, sin, cache: KVCache | None):
+    def attend(self, x, positions, window, cos, sin, cache: KVCache | None, layer):
         cfg = self.config
-        ops = backends.get(self.backend)
-        hidden, features = carry
-        layer, window, slot = layer_xs
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         attn = AttentionProjections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                    cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype,
-                                    self.backend, ops.fuses(q_width, kv_width, kv_width), cfg.attention_sinks,
-                                    self.kv_replicas, name="self_attn")
-        sinks = attn.sinks if cfg.attention_sinks else None
-        norm_f32 = cfg.family.norm_scale_in_float32  # GptOssRMSNorm scales before it casts
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_f32, name="input_layernorm")(hidden)
+                                    cfg.qk_norm, cfg.attention_bias, cfg.rms_norm_eps, self.dtype, self.backend,
+                                    backends.get(self.backend).fuses(q_width, kv_width, kv_width),
+                                    cfg.attention_sinks, self.kv_replicas, name="self_attn")
         q, k, v = attn.queries_keys_values(x, cos, sin)
-        ranges = masks.causal(positions, window)  # over cache slots (== positions)
-        if cache is None:
-            attended = attention(q, k, v, ranges, impl=self.attn_impl, sinks=sinks)
-        else:
-            offsets = cache.lengths
-            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-            attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, offsets), k, v,
-                                       ranges.segment(offsets, offsets + k.shape[1]), impl=self.attn_impl,
-                                       backend=self.backend, sinks=sinks)
-        hidden = hidden + attn.output(attended)
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_f32, name="post_attention_layernorm")(hidden)
-        if (cfg.mlp_kinds[0] if self.mlp == "auto" else self.mlp) == "moe":
-            moe = cfg.moe
-            hidden = hidden + MoE(moe.num_experts, moe.num_experts_per_tok, moe.intermediate_size, moe.norm_topk_prob,
-                                  self.dtype, moe.shared_expert_intermediate_size, routing=moe.router,
-                                  router_bias=moe.router_bias, expert_bias=moe.expert_bias,
-                                  swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha, backend=self.backend,
-                                  name="mlp")(x)
-        else:
-            fused_mlp = ops.fuses(cfg.intermediate_size, cfg.intermediate_size)
-            hidden = hidden + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.backend, fused_mlp,
-                                  name="mlp")(x)
-        features = capture_into(features, slot, hidden)
-        return (hidden, features), (None if cache is None else (k, v))
+        attended, new = causal_attention(q, k, v, positions, window, cache, layer, impl=self.attn_impl,
+                                         backend=self.backend, sinks=attn.sinks if cfg.attention_sinks else None)
+        return attn.output(attended), new
 
 
 class StackGroup(nn.Module):

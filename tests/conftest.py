@@ -13,6 +13,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 
+# the shared checks in support/ (the conformance suite's tests among them) fail with pytest's assertion
+# messages, as a test module's own asserts do
+pytest.register_assert_rewrite("support")
+
 
 @pytest.fixture(scope="session")
 def worker_id() -> str:
@@ -169,8 +173,9 @@ def fitted(fitted_target, tmp_path_factory, worker_id):
 # Under pytest-xdist (`make test`: -n 2 --dist loadfile) each test module runs whole in one process,
 # the modules in the order they are collected: the longest (FIRST, measured) are put first so that
 # none of them starts last and runs alone at the end.
-FIRST = ("test_sharded_generate", "test_family_conformance", "test_train_run", "test_gguf_reader",
-         "test_deepseek_v3", "test_qwen3_next")
+FIRST = ("test_conformance_qwen3_5", "test_sharded_generate", "test_conformance_moe", "test_conformance_dense",
+         "test_conformance_qwen3_5_moe", "test_train_run", "test_gguf_reader", "test_deepseek_v3",
+         "test_conformance_deepseek_v3", "test_qwen3_next")
 
 
 def pytest_collection_modifyitems(config, items):

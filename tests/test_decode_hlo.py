@@ -1,7 +1,7 @@
 """Structural checks on the optimised HLO of decode steps (`support.hlo.whole_buffer_ops`): nothing
 but in-place row updates touches a whole cache buffer, so a step's cost does not grow with the cache
 capacity. Here on a Qwen3 target with a sliding layer, both layouts, the drafter, the prefill and the
-whole decode loop in every mode; test_family_conformance runs the decode step of every family."""
+whole decode loop in every mode; the conformance suite (support/conformance.py) runs the decode step of every family."""
 import dataclasses
 
 import jax

@@ -1,20 +1,20 @@
 """Generation on a device mesh (`dflash_jax.sharding`): greedy speculative output on 8 simulated CPU
 devices equals the 1-device output token for token in float32: a tiny Qwen3 target (q/k norms,
-untied head) on tensor x data = 2 x 4, a tiny Llama one (no q/k norms, tied embeddings) on 4 x 2
-(both on all of 2 x 4, 4 x 2 and 8 x 1 under `make test-all`), a Qwen3-MoE target with its experts
-over an `expert` axis (expert x tensor = 4 x 2; all 8 on expert under `make test-all`) and a
-Qwen3.5-MoE hybrid (Gated DeltaNet layers, routed and shared experts) on expert x tensor x data =
-2 x 2 x 2, with ragged prompts. The compiled programs' parameter shardings are the rules' and no
-weight the rules split is replicated (the decode state's, the state rules'); the sharded decode
-loop copies no cache (`make test-all`); models loaded with a mesh are placed by the rules as they are read, shard by
-shard; kv heads fewer than the tensor axis are replicated over the shards that need them, the KV caches too (a
-2-kv-head Qwen3 on tensor x data = 4 x 2, a 1-kv-head Llama on 2 x 4 and 4 x 2, a 1-kv-head Qwen3.5 hybrid on
-2 x 4 whose Gated DeltaNet weights, conv tails and states the compiled programs split over `tensor`: speculative
-and plain, one device's tokens); a kv-head count the tensor axis neither divides nor is a multiple of is refused
-with an error naming the weight;
-speculative sampling on a mesh keeps the target's exact distribution (tests/test_sampling.py's
-chi-square); and two processes joined by jax.distributed, the prompts given to one, generate as
-one device does.
+untied head) on tensor x data = 2 x 4 (a tiny Llama one, no q/k norms, tied embeddings, runs on 4 x 2
+with one kv head by default, below; both on all of 2 x 4, 4 x 2 and 8 x 1 with their kv heads under
+`make test-all`), a Qwen3-MoE target with its experts over an `expert` axis (expert x tensor = 4 x 2;
+all 8 on expert under `make test-all`) and a Qwen3.5-MoE hybrid (Gated DeltaNet layers, routed and
+shared experts) on expert x tensor x data = 2 x 2 x 2, with ragged prompts. The compiled programs'
+parameter shardings are the rules' and no weight the rules split is replicated (the decode state's,
+the state rules'); the sharded decode loop copies no cache (`make test-all`); models loaded with a mesh
+are placed by the rules as they are read, shard by shard; kv heads fewer than the tensor axis are
+replicated over the shards that need them, the KV caches too (a 2-kv-head Qwen3 on tensor x data =
+4 x 2, a 1-kv-head Llama on 4 x 2 (and 2 x 4 under `make test-all`), a 1-kv-head Qwen3.5 hybrid on
+2 x 4 whose Gated DeltaNet weights, conv tails and states the compiled programs split over `tensor`:
+speculative and plain, one device's tokens); a kv-head count the tensor axis neither divides nor is a
+multiple of is refused with an error naming the weight; speculative sampling on a mesh keeps the
+target's exact distribution (tests/test_sampling.py's chi-square); and two processes joined by
+jax.distributed, the prompts given to one, generate as one device does.
 
 The multi-device checks run in a subprocess (`sharded_run`; `extra_run` for the slow ones; 8
 devices: conftest pins this process to 1), which writes its findings as JSON for the tests below.
@@ -155,17 +155,19 @@ def save_target_dir(target, directory: Path) -> None:
 
 
 # The default suite runs these (model, mesh) pairs; `make test-all` adds EXTRA_CASES in a second
-# subprocess (`extra_run`): the rest of the tensor x data shapes for Qwen3 and Llama, all 8 devices
-# on `expert`, and the whole-buffer check of the sharded decode loops.
-DEFAULT_MESHES = {"qwen3": ["tensor2_data4"], "llama": ["tensor4_data2"],
-                  "qwen3_moe": ["expert4_tensor2"], "qwen3_5_moe": ["expert2_tensor2_data2"]}
-EXTRA_MESHES = {"qwen3": ["tensor4_data2", "tensor8_data1"], "llama": ["tensor2_data4", "tensor8_data1"],
-                "qwen3_moe": ["expert8"]}
+# subprocess (`extra_run`): the rest of the tensor x data shapes for Qwen3 and Llama (whose Llama on
+# tensor=4 x data=2 the 1-kv-head Llama of LAYOUT_MESHES stands for by default: the same mesh and layers,
+# its kv heads replicated), all 8 devices on `expert`, and the whole-buffer check of the sharded decode
+# loops.
+DEFAULT_MESHES = {"qwen3": ["tensor2_data4"], "qwen3_moe": ["expert4_tensor2"],
+                  "qwen3_5_moe": ["expert2_tensor2_data2"]}
+EXTRA_MESHES = {"qwen3": ["tensor4_data2", "tensor8_data1"],
+                "llama": ["tensor4_data2", "tensor2_data4", "tensor8_data1"], "qwen3_moe": ["expert8"]}
 
 
 def _mesh_cases(meshes, mesh_names_of, found, generators):
-    """Each model's one-device reference (and, for Qwen3, the odd batch and the stream) and its
-    output and compiled shardings on each of its meshes, into `found`."""
+    """Each model's one-device reference and its output and compiled shardings on each of its meshes
+    (and, for Qwen3 on tensor=2 x data=4, the odd batch and the stream), into `found`."""
 
     from dflash_jax import sharding
     from dflash_jax._speculative import Generator
@@ -174,10 +176,8 @@ def _mesh_cases(meshes, mesh_names_of, found, generators):
         target, drafter = _models(name)
         reference = Generator(target, drafter, backend="xla")  # one device, the same XLA numerics
         case = {"reference": {}, "meshes": {}, "odd_batch": {}, "problems": {}, "stream": {}}
-        for prompts_name, prompts in (("even", PROMPTS), ("odd", ODD_PROMPTS))[: 2 if name == "qwen3" else 1]:
-            result = reference.generate(prompts, max_new_tokens=MAX_NEW, stop_token_ids=())
-            case["reference"][prompts_name] = result.tokens
-            case.setdefault("histogram", result.histogram().tolist())
+        result = reference.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=())
+        case["reference"]["even"], case["histogram"] = result.tokens, result.histogram().tolist()
         for mesh_name in mesh_names:
             mesh = meshes[mesh_name]
             generator = generators[name, mesh_name] = Generator(target, drafter, mesh=mesh)
@@ -197,12 +197,13 @@ def _mesh_cases(meshes, mesh_names_of, found, generators):
 
 # Fewer kv heads than the tensor axis (each replicated over the shards that need it, the KV caches
 # too) and a Qwen3.5 hybrid whose Gated DeltaNet is split over `tensor`: greedy tokens, speculative
-# and plain, against one device. The default suite runs LAYOUT_MESHES (in `sharded_run`),
-# `make test-all` EXTRA_LAYOUT_MESHES: 4 copies of each kv head, and a hybrid whose 2 linear key
-# heads the tensor axis (4) does not divide (its linear layers replicated).
-LAYOUT_MESHES = {"qwen3_kv2": ["tensor4_data2"], "llama_kv1": ["tensor2_data4", "tensor4_data2"],
-                 "qwen3_5_kv1": ["tensor2_data4"]}
-EXTRA_LAYOUT_MESHES = {"qwen3_kv2": ["tensor8_data1"], "qwen3_5_kv1": ["tensor4_data2"]}
+# and plain, against one device. The default suite runs LAYOUT_MESHES (in `sharded_run`: 2 copies of
+# each kv head, Qwen3's two on tensor=4 and the hybrid's one on tensor=2; 4 copies, Llama's one on
+# tensor=4), `make test-all` EXTRA_LAYOUT_MESHES: 4 copies of each of two kv heads, Llama's one kv head
+# in 2 copies (as Qwen3's and the hybrid's), and a hybrid whose 2 linear key heads the tensor axis (4)
+# does not divide (its linear layers replicated).
+LAYOUT_MESHES = {"qwen3_kv2": ["tensor4_data2"], "llama_kv1": ["tensor4_data2"], "qwen3_5_kv1": ["tensor2_data4"]}
+EXTRA_LAYOUT_MESHES = {"qwen3_kv2": ["tensor8_data1"], "llama_kv1": ["tensor2_data4"], "qwen3_5_kv1": ["tensor4_data2"]}
 
 
 def _compiled_layout(generator) -> dict:
@@ -418,7 +419,9 @@ def test_sharded_greedy_equals_one_device(findings, model, mesh):
 
 
 def test_a_batch_data_does_not_divide_is_replicated_and_agrees(findings):
-    assert findings["qwen3"]["odd_batch"] == findings["qwen3"]["reference"]["odd"]
+    """Three rows on data=4: each row is one device's (a row's tokens do not depend on the rows beside
+    it: ODD_PROMPTS are PROMPTS' first three)."""
+    assert findings["qwen3"]["odd_batch"] == findings["qwen3"]["reference"]["even"][:len(ODD_PROMPTS)]
 
 
 def test_sharded_stream_equals_one_device(findings):
@@ -476,8 +479,8 @@ def _check_layout_case(case, model: str, mesh: str, kind: str) -> None:
 
 @pytest.mark.parametrize("model, mesh, kind", LAYOUT_CASES)
 def test_kv_heads_fewer_than_the_tensor_axis_are_replicated_and_agree(findings, model, mesh, kind):
-    """A 2-kv-head Qwen3 on tensor=4 x data=2, a 1-kv-head Llama on tensor=2 x data=4 and 4 x 2 and a
-    1-kv-head Qwen3.5 hybrid on tensor=2 x data=4 (its drafters' kv heads alike), speculative and
+    """A 2-kv-head Qwen3 on tensor=4 x data=2, a 1-kv-head Llama on tensor=4 x data=2 (and 2 x 4 under
+    `make test-all`) and a 1-kv-head Qwen3.5 hybrid on tensor=2 x data=4 (its drafters' kv heads alike), speculative and
     plain: one device's tokens; every KV cache holds `tensor` heads, one per device."""
     _check_layout_case(findings["layouts"][model], model, mesh, kind)
 

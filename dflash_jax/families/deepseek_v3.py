@@ -36,9 +36,9 @@ from dflash_jax import _masks as masks
 from dflash_jax._attention import attention, cache_attention
 from dflash_jax._cache import LatentCache
 from dflash_jax._config import ConfigFields, MLAConfig, ModelConfig, MoEConfig
-from dflash_jax._layers import MLP, RMSNorm, apply_rotary, capture_into, make_dense
+from dflash_jax._decoder_layer import PreNormLayer
+from dflash_jax._layers import RMSNorm, apply_rotary, make_dense
 from dflash_jax._errors import CheckpointError
-from dflash_jax._moe import moe_block
 from dflash_jax.families import register
 from dflash_jax.families.base import MLP_PROJECTIONS, Family
 from dflash_jax.loading import fp8_block, int4_pack
@@ -162,35 +162,16 @@ class LatentAttention(nn.Module):
         return dense(cfg.hidden_size, cfg.attention_bias, "o_proj")(values.reshape(b, t, h * dv)), keys
 
 
-class DeepseekV3Layer(nn.Module):
-    """A pre-norm decoder layer (`DeepseekV3DecoderLayer`): MLA, then the dense SwiGLU MLP or the MoE
-    block. Called as `dflash_jax._target.TargetLayer` is: carry (hidden, features | None), xs (cache
-    layer index, window, capture slot), broadcast (positions, cos, sin, a `LatentCache` | None); ys
-    (with a cache): (the new cache rows [B, T, 1, R + Dr], None), what `LatentCache.commit` writes."""
+class DeepseekV3Layer(PreNormLayer):
+    """A pre-norm decoder layer (`DeepseekV3DecoderLayer`; `PreNormLayer`): MLA, then the dense SwiGLU MLP
+    or the MoE block; its cache a `LatentCache`, ys (with a cache): (the new cache rows [B, T, 1, R + Dr],
+    None), what `LatentCache.commit` writes. `kv_replicas` is unused: the latent is one kv head,
+    replicated on a mesh."""
 
-    config: ModelConfig
-    dtype: Any = jnp.float32
-    attn_impl: str = "auto"
-    backend: str = "xla"
-    kv_replicas: int = 1  # unused: the latent is one kv head, replicated on a mesh
-    mixer: str = "attention"
-    mlp: str = "auto"  # "dense" | "moe"; "auto": the first layer's (a stack of identical layers)
-
-    @nn.compact
-    def __call__(self, carry, layer_xs, positions, cos, sin, cache: LatentCache | None):
-        cfg = self.config
-        hidden, features = carry
-        layer, window, slot = layer_xs
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        mixed, rows = LatentAttention(cfg, self.dtype, self.attn_impl, self.backend, name="self_attn")(
+    def attend(self, x, positions, window, cos, sin, cache: LatentCache | None, layer):
+        mixed, rows = LatentAttention(self.config, self.dtype, self.attn_impl, self.backend, name="self_attn")(
             x, positions, window, cos, sin, cache, layer)
-        hidden = hidden + mixed
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        if (cfg.mlp_kinds[0] if self.mlp == "auto" else self.mlp) == "moe":
-            hidden = hidden + moe_block(cfg.moe, self.dtype, self.backend)(x)
-        else:
-            hidden = hidden + MLP(cfg.intermediate_size, False, self.dtype, self.backend, name="mlp")(x)
-        return (hidden, capture_into(features, slot, hidden)), (None if cache is None else (rows, None))
+        return mixed, (rows, None)
 
 
 # ---------------------------------------------------------------------------------------------

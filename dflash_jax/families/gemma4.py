@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import _masks as masks
-from dflash_jax._attention import attention, cache_attention
+from dflash_jax._attention import causal_attention
 from dflash_jax._cache import GroupedKVCache
 from dflash_jax._config import ConfigFields, ModelConfig, MoEConfig, _freeze
 from dflash_jax._layers import RMSNorm, apply_rotary, capture_into, make_dense, rms_normalize, rope_frequencies, \
@@ -222,35 +221,22 @@ class Gemma4Attention(nn.Module):
         inv_freq, scale = layer_rotary(cfg, self.full)
         cos, sin = rotary_cos_sin(positions, inv_freq, scale)
         q = apply_rotary(norm("q_norm")(dense(h * d, "q_proj")(x).reshape(b, t, h, d)), cos, sin)
-        ranges = masks.causal(positions, window)
         out = lambda attended: dense(cfg.hidden_size, "o_proj")(attended.reshape(b, t, h * d))  # noqa: E731
+        attend = lambda k, v, cache, layer: causal_attention(  # noqa: E731
+            q, k, v, positions, window, cache, layer, scale=1.0, impl=self.attn_impl, backend=self.backend)
         if self.kv_shared:
             (whole, shared), (g, layer) = cache, kv_source(cfg, FULL if self.full else SLIDING)
-            k, v = shared[g][0][layer], shared[g][1][layer]
-            if whole is None:
-                return out(attention(q, k, v, ranges, scale=1.0, impl=self.attn_impl)), None
             source = whole.groups[g] if isinstance(whole, GroupedKVCache) else whole
-            offsets = source.lengths
-            return out(cache_attention(q, source.k, source.v, layer, ranges.segment(0, offsets), k, v,
-                                       ranges.segment(offsets, offsets + t), scale=1.0, impl=self.attn_impl,
-                                       backend=self.backend)), None
+            return out(attend(shared[g][0][layer], shared[g][1][layer], source, layer)[0]), None
         raw_k = dense(hkv * d, "k_proj")(x).reshape(b, t, hkv, d)
         raw_v = raw_k if self.full and opts.attention_k_eq_v else dense(hkv * d, "v_proj")(x).reshape(b, t, hkv, d)
         k = apply_rotary(norm("k_norm")(raw_k), cos, sin)
         v = rms_normalize(raw_v, cfg.rms_norm_eps).astype(raw_v.dtype)
         if self.kv_replicas > 1:  # sharding: kv-head replication, the copies of a head side by side
             k, v = jnp.repeat(k, self.kv_replicas, axis=2), jnp.repeat(v, self.kv_replicas, axis=2)
-        if cache is None:
-            attended = attention(q, k, v, ranges, scale=1.0, impl=self.attn_impl)
-            new = (k, v) if opts.num_kv_shared_layers else None  # read by the kv-shared layers
-        else:
-            offsets = cache.lengths
-            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-            attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, offsets), k, v,
-                                       ranges.segment(offsets, offsets + t), scale=1.0, impl=self.attn_impl,
-                                       backend=self.backend)
-            new = (k, v)
-        return out(attended), new
+        attended, new = attend(k, v, cache, layer)
+        # without a cache the new keys are wanted only by the kv-shared layers
+        return out(attended), (new if cache is not None or opts.num_kv_shared_layers else None)
 
 
 class Gemma4Layer(nn.Module):

@@ -28,13 +28,12 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from dflash_jax import _masks as masks
-from dflash_jax._attention import attention, cache_attention
+from dflash_jax._attention import causal_attention
 from dflash_jax._cache import KVCache
 from dflash_jax._config import ConfigFields, ModelConfig, MoEConfig
+from dflash_jax._decoder_layer import PreNormLayer
 from dflash_jax._errors import CheckpointError
-from dflash_jax._layers import MLP, RMSNorm, apply_rotary, capture_into, make_dense
-from dflash_jax._moe import moe_block
+from dflash_jax._layers import RMSNorm, apply_rotary, make_dense
 from dflash_jax.families import register
 from dflash_jax.families.base import MLP_PROJECTIONS, Family
 from dflash_jax.loading import fp8_block, fp8_channel
@@ -135,49 +134,21 @@ class SigmoidMoeAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.kv_replicas > 1:  # sharding: kv-head replication
             k, v = jnp.repeat(k, self.kv_replicas, axis=2), jnp.repeat(v, self.kv_replicas, axis=2)
-        ranges = masks.causal(positions, window)
-        if cache is None:
-            attended = attention(q, k, v, ranges, impl=self.attn_impl)
-        else:
-            offsets = cache.lengths
-            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-            attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, offsets), k, v,
-                                       ranges.segment(offsets, offsets + t), impl=self.attn_impl,
-                                       backend=self.backend)
+        attended, (k, v) = causal_attention(q, k, v, positions, window, cache, layer, impl=self.attn_impl,
+                                            backend=self.backend)
         out = dense(cfg.hidden_size, False, "o_proj")(attended.reshape(b, t, h * d))
         return out, (k, v)
 
 
-class SigmoidMoeLayer(nn.Module):
-    """A pre-norm decoder layer of GLM-4 MoE or MiniMax-M2 (`SigmoidMoeAttention` with the family's
-    `qk_norm_kind`, then the dense SwiGLU or the MoE block of `config.moe`), called as every layer of the
-    stack is (`dflash_jax._target.TargetLayer`): carry (hidden, features | None), xs (KV-cache layer index,
-    window, capture slot), the KV cache or None; ys: the new (k, v), or None without a cache."""
+class SigmoidMoeLayer(PreNormLayer):
+    """A pre-norm decoder layer of GLM-4 MoE or MiniMax-M2 (`PreNormLayer`: `SigmoidMoeAttention` with the
+    family's `qk_norm_kind`, then the dense SwiGLU or the MoE block of `config.moe`); ys: the new (k, v), or
+    None without a cache."""
 
-    config: ModelConfig
-    dtype: Any = jnp.float32
-    attn_impl: str = "auto"
-    backend: str = "xla"
-    kv_replicas: int = 1
-    mixer: str = "attention"
-    mlp: str = "auto"  # "dense" | "moe"; "auto": the first layer's (a stack of identical layers)
-
-    @nn.compact
-    def __call__(self, carry, layer_xs, positions, cos, sin, cache: KVCache | None):
+    def attend(self, x, positions, window, cos, sin, cache: KVCache | None, layer):
         cfg = self.config
-        hidden, features = carry
-        layer, window, slot = layer_xs
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        mixed, kv = SigmoidMoeAttention(cfg, cfg.family.qk_norm_kind(cfg), self.dtype, self.attn_impl, self.backend,
-                                        self.kv_replicas, name="self_attn")(x, positions, window, cos, sin, cache,
-                                                                            layer)
-        hidden = hidden + mixed
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        if (cfg.mlp_kinds[0] if self.mlp == "auto" else self.mlp) == "moe":
-            hidden = hidden + moe_block(cfg.moe, self.dtype, self.backend)(x)
-        else:
-            hidden = hidden + MLP(cfg.intermediate_size, False, self.dtype, self.backend, name="mlp")(x)
-        return (hidden, capture_into(features, slot, hidden)), (None if cache is None else kv)
+        return SigmoidMoeAttention(cfg, cfg.family.qk_norm_kind(cfg), self.dtype, self.attn_impl, self.backend,
+                                   self.kv_replicas, name="self_attn")(x, positions, window, cos, sin, cache, layer)
 
 
 class SigmoidMoeFamily(Family):

@@ -25,8 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import _gated_delta as gd, _masks as masks
-from dflash_jax._attention import attention, cache_attention
+from dflash_jax import _gated_delta as gd
+from dflash_jax._attention import causal_attention
 from dflash_jax._cache import KVCache
 from dflash_jax._config import LINEAR, ConfigFields, LinearAttentionConfig, ModelConfig, MoEConfig
 from dflash_jax._layers import MLP, apply_rotary, capture_into, make_dense, rms_normalize
@@ -143,14 +143,7 @@ class GatedAttention(nn.Module):
         v = dense(hkv * d, "v_proj")(x).reshape(b, t, hkv, d)
         if self.kv_replicas > 1:  # sharding: kv-head replication
             k, v = jnp.repeat(k, self.kv_replicas, axis=2), jnp.repeat(v, self.kv_replicas, axis=2)
-        ranges = masks.causal(positions, 0)
-        if cache is None:
-            attended = attention(q, k, v, ranges, impl=self.attn_impl)
-        else:
-            offsets = cache.lengths
-            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-            attended = cache_attention(q, cache.k, cache.v, layer, ranges.segment(0, offsets), k, v,
-                                       ranges.segment(offsets, offsets + t), impl=self.attn_impl)
+        attended, (k, v) = causal_attention(q, k, v, positions, 0, cache, layer, impl=self.attn_impl)
         out = attended.reshape(b, t, h * d) * jax.nn.sigmoid(gate)
         return dense(cfg.hidden_size, "o_proj")(out), (k, v)
 

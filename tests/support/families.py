@@ -1,12 +1,11 @@
-"""The target families the conformance suite (tests/test_family_conformance.py) runs over: one row
+"""The target families the conformance suite (tests/support/conformance.py) runs over: one row
 per family, with its tiny Hugging Face config, the transformers class that is its reference, how
 its weights are randomised, and the knobs its checks need. Also the tiny models built from a row:
 `make_hf` (transformers' model, saved with save_pretrained; no hub) and `tiny_target` (ours, built
 directly from the row's config, no torch).
 
-Adding a family: one row in FAMILIES (test_family_conformance.py's
-test_every_library_family_has_a_conformance_row fails until it is there), and its own tests in its
-own file.
+Adding a family: one row in FAMILIES and its name in one group of support/conformance.py's GROUPS
+(test_family_conformance.py fails until both are there), and its own tests in its own file.
 """
 from __future__ import annotations
 
@@ -98,6 +97,9 @@ class Family:
     slow_variants: frozenset = frozenset()
     # (buffer name, buffer, torch) -> None: randomise transformers' persistent buffers in place (None: left)
     init_buffers: Callable | None = None
+    # config overrides (after decode_overrides) of the sampling chi-square's target: 6,000 rows, where
+    # every layer costs
+    sampling_overrides: dict = dataclasses.field(default_factory=dict)
 
     @property
     def default_variant(self) -> str:
@@ -223,6 +225,8 @@ FAMILIES = {row.name: row for row in [
            # loop stand for these by default
            slow=frozenset({"prefill", "greedy", "speculative", "rejections", "decode_loop_hlo"}),
            parity_tokens=77,  # two chunks of the chunked delta rule
+           # the chi-square on one repeat of the pattern (3 linear, 1 full): every kind of layer, half the cost
+           sampling_overrides=dict(num_hidden_layers=4),
            # 300 tokens: a 256-token prefill chunk and a remainder, each row's recurrent state stopping
            # at its own length
            prefill=dict(lengths=(300, 131, 5), capacity=512, chunk_size=None)),

@@ -30,6 +30,30 @@ def plain_greedy(target, prompt, max_new, stops=(), capacity=256):
     return out
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _greedy_prefill(spec, params, tokens, cache, lengths):
+    hidden, _, cache = spec.prefill(params, tokens, cache, num_new=lengths)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return jnp.argmax(spec.logits(params, last), -1), cache
+
+
+def plain_greedy_rows(target, prompts, max_new, capacity=256):
+    """`plain_greedy` of each prompt, the prompts as one right-padded batch: each row's own length
+    through the cached prefill (`num_new`), then one token per row at a time. Two compiled programs
+    whatever the prompts' lengths (`plain_greedy` compiles one per prompt length)."""
+    lengths = [len(p) for p in prompts]
+    tokens = np.zeros((len(prompts), max(lengths)), np.int32)
+    for row, p in enumerate(prompts):
+        tokens[row, :len(p)] = p
+    token, cache = _greedy_prefill(target.spec, target.params, jnp.asarray(tokens),
+                                   target.init_cache(len(prompts), capacity), jnp.asarray(lengths, jnp.int32))
+    out = [token]
+    for _ in range(max_new - 1):
+        token, cache = _greedy_step(target.spec, target.params, token[:, None], cache)
+        out.append(token)
+    return np.stack(out, axis=1).tolist()
+
+
 def prompts_mix(seed=0):
     """Three prompts of the fitted models' pattern (3, 7, 12 tokens) and three of noise (1, 5, 9)."""
     rng = np.random.default_rng(seed)
@@ -54,13 +78,13 @@ def check_rejections_at_every_position(target, drafter, prompts, max_new, monkey
     """Generate with drafts that are the plain greedy continuation with one token wrong at a position
     that moves every cycle (cycle c of row b: position (c + b) mod G, none wrong at G - 1), so every
     cycle rejects at a known place and the cache rolls back there: the output must stay plain
-    greedy decoding (`expect`, by default `plain_greedy` of each prompt) bit for bit, and every
+    greedy decoding (`expect`, by default `plain_greedy_rows` of the prompts) bit for bit, and every
     acceptance length 1..G must occur."""
     from dflash_jax import _decode_loop as decode_loop
     from dflash_jax._speculative import Generator
 
     g = drafter.config.block_size
-    expect = [plain_greedy(target, p, max_new) for p in prompts] if expect is None else expect
+    expect = plain_greedy_rows(target, prompts, max_new) if expect is None else expect
     reference = np.zeros((len(prompts), 128), np.int32)
     for row, (p, e) in enumerate(zip(prompts, expect)):
         reference[row, :len(p) + max_new] = p + e

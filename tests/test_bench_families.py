@@ -62,3 +62,37 @@ def test_hybrid_of_linear_layers_only_decodes_as_transformers(tmp_path):
     assert generate(target, None, PROMPTS, max_new_tokens=12, stop_token_ids=()).tokens == expect
     drafter = tiny_drafter(target, block_size=4, seed=3)
     assert generate(target, drafter, PROMPTS, max_new_tokens=12, stop_token_ids=()).tokens == expect
+
+
+@pytest.mark.parametrize("preset, layers, moe_layers", [("deepseek-v3", 1, 0), ("deepseek-v3", 4, 1),
+                                                        ("glm-4.5-air", 1, 0),
+                                                        ("glm-4.5-air", 2, 1), ("qwen3-coder-next", 1, 1),
+                                                        ("gemma-4-26b-a4b", 2, 2)])
+def test_profile_cycle_counts_only_the_moe_layers_experts(preset, layers, moe_layers):
+    """profile_cycle's expert bytes: one expert's three projections, over the MoE layers of the cut target only
+    (a dense prefix holds none)."""
+    from infer.profile_cycle import expert_bytes, random_target_config
+
+    config = random_target_config(preset, layers)
+    per_expert, count = expert_bytes(config, "bfloat16")
+    assert count == moe_layers
+    expect = 0 if config.moe is None else 3 * config.hidden_size * config.moe.intermediate_size * 2  # bfloat16
+    assert per_expert == expect
+
+
+@pytest.mark.parametrize("preset, layers", [("gemma-4-26b-a4b", 2), ("gemma-4-31b", 1), ("deepseek-v3", 1),
+                                            ("glm-4.5-air", 1), ("qwen3-coder-next", 1), ("qwen3-8b", 2)])
+def test_profile_cycle_cuts_a_random_target_as_the_benchmark_does(preset, layers):
+    """`profile_cycle --random-target P --layers N` times the target `infer.benchmark` runs: the
+    preset's config with N layers (Gemma 4's last layer full, DeepSeek-V3's dense prefix without
+    experts), not the first N layers of the full config."""
+    from dflash_jax.cli.bench_random import random_configs
+    from infer.profile_cycle import random_target_config
+
+    config = random_target_config(preset, layers)
+    assert config == random_configs(preset, layers, None)[0]
+    assert config.num_layers == layers
+    if config.arch == "gemma4":
+        assert config.layer_types[-1] == "full_attention"
+    if preset == "deepseek-v3":
+        assert config.num_experts == 0 and set(config.mlp_kinds) == {"dense"}

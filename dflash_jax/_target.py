@@ -212,7 +212,9 @@ class TargetModel(nn.Module):
             kv_base = jnp.stack([sum(group_of.get(i) == g for i in range(segment.start))
                                  + sum(group_of.get(i) == g for i in range(segment.start, segment.start + len(mixers)))
                                  * jnp.arange(segment.repeats, dtype=jnp.int32)
-                                 for g in range(len(cfg.kv_groups))], axis=-1).astype(jnp.int32)
+                                 for g in range(len(cfg.kv_groups))]
+                                or [jnp.zeros((segment.repeats,), jnp.int32)],  # no attention layer: a dummy
+                                axis=-1).astype(jnp.int32)
             slots = jnp.asarray(plan.slots[segment.start:segment.stop].reshape(segment.repeats, -1))
             windows = jnp.asarray(cfg.layer_windows[segment.start:segment.stop], jnp.int32).reshape(segment.repeats, -1)
             per_repeat = lambda x: None if not hybrid or not per_linear else x[  # noqa: E731

@@ -78,8 +78,8 @@ def build_models(args):
     """(target, target params, {generation: (drafter, drafter params)}, name)."""
     dtype = jnp.dtype(args.dtype)
     if args.random_target:
-        config = RANDOM_TARGETS[args.random_target]
-        name = args.random_target
+        config = random_target_config(args.random_target, args.layers)
+        name = args.random_target + (f" ({args.layers} layers)" if args.layers else "")
     else:
         from dflash_jax.loading.target_loader import load_target
         from dflash_jax._resources import smollm2_gguf_path
@@ -87,7 +87,7 @@ def build_models(args):
         loaded = load_target(args.target or smollm2_gguf_path(), args.dtype, tokenizer=False,
                              decode_activations=args.decode_activations)
         config, name = loaded.config, "SmolLM2-135M" if not args.target else str(args.target)
-    if args.layers:
+    if args.layers and not args.random_target:
         cut = {} if config.moe is None else {"moe": _replace(config.moe, dense_layers=tuple(
             i for i in config.moe.dense_layers if i < args.layers))}  # a dense prefix (DeepSeek-V3) cut too
         config = _replace(config, num_layers=args.layers, layer_types=config.layer_types[:args.layers], **cut)
@@ -118,6 +118,15 @@ def build_models(args):
     # the layout generate decodes with on this backend (`Generator`)
     target_params = target.decode_params(target_params)
     return target, target_params, drafters, name
+
+
+def random_target_config(name: str, layers: int = 0) -> ModelConfig:
+    """The ModelConfig of `--random-target name [--layers N]`: the preset's config.json values with
+    num_hidden_layers N, read as `infer.benchmark` reads them (`bench_random.random_configs`), so that a
+    cut Gemma 4 keeps its last layer full and a cut dense prefix (DeepSeek-V3) holds no experts."""
+    from dflash_jax.cli.bench_random import random_configs
+
+    return random_configs(name, layers or None, None)[0] if layers else RANDOM_TARGETS[name]
 
 
 def generation_config(base: DrafterConfig, generation: str) -> DrafterConfig:
@@ -344,6 +353,16 @@ def _print_generation_costs(times, generation: str, g: int, args) -> None:
             print(f"{generation}: {piece} / drafter block = {own[0] / block[0]:.2f} wall, {own[1] / block[1]:.2f} CPU")
 
 
+def expert_bytes(config, dtype) -> tuple[int, int]:
+    """(bytes of one expert's three projections in `dtype`, how many of the target's layers have an
+    MoE MLP): a dense prefix (DeepSeek-V3's, GLM-4 MoE's) and dense layers hold no experts; (0, 0)
+    for a target without any."""
+    if config.moe is None:
+        return 0, 0
+    per_expert = 3 * config.hidden_size * config.moe.intermediate_size * jnp.dtype(dtype).itemsize
+    return per_expert, sum(mlp == "moe" for mlp in config.mlp_kinds)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -382,12 +401,12 @@ def main(argv=None):
           f"median of {args.repeats} (ms)")
     cfg = target.config
     if cfg.num_experts:  # what the grouped expert matmul reads (dflash_jax._moe.grouped_experts)
-        per_layer = 3 * cfg.hidden_size * cfg.moe.intermediate_size * jnp.dtype(args.dtype).itemsize
-        total = cfg.num_layers * cfg.num_experts * per_layer
-        print(f"# experts: {cfg.num_experts} x {per_layer / 2**20:.1f} MiB per layer ({total / 2**30:.2f} GiB in all); "
-              f"a step of B rows gathers its B x {cfg.moe.num_experts_per_tok} (token, expert) pairs' weights while "
-              f"they are fewer than the experts (on a CPU: while they fit backends.base.CPU_GATHER_BYTES), else runs "
-              f"ragged_dot over the pairs")
+        per_expert, moe_layers = expert_bytes(cfg, args.dtype)
+        total = moe_layers * cfg.num_experts * per_expert
+        print(f"# experts: {cfg.num_experts} x {per_expert / 2**20:.1f} MiB per MoE layer, {moe_layers} of the "
+              f"{cfg.num_layers} layers ({total / 2**30:.2f} GiB in all); a step of B rows gathers its B x "
+              f"{cfg.moe.num_experts_per_tok} (token, expert) pairs' weights while they are fewer than the experts "
+              f"(on a CPU: while they fit backends.base.CPU_GATHER_BYTES), else runs ragged_dot over the pairs")
     for batch in [] if args.prefill_only else args.batch:
         for capacity in args.capacity:
             for block in args.block:

@@ -47,21 +47,36 @@ def hf_greedy(model, prompts, max_new_tokens):
     return out
 
 
-def test_hybrid_of_linear_layers_only_decodes_as_transformers(tmp_path):
-    """Qwen3-Next cut to 2 layers under its interval of 4: both Gated DeltaNet, no KV cache at all.
-    Plain and speculative greedy decoding (a random drafter of block 4, so drafts are rejected at
-    every kind of place and the recurrent states rolled back) equal transformers' generate."""
+def _linear_only(tmp_path):
+    """Qwen3-Next cut to 2 layers under its interval of 4: both Gated DeltaNet, no KV cache at all ->
+    (our target, transformers' model)."""
     from dflash_jax import load_target
-    from dflash_jax._speculative import generate
-    from support.speculative import tiny_drafter
 
     model = families.make_hf("qwen3_next", tmp_path, num_hidden_layers=2, full_attention_interval=4)
     target = load_target(tmp_path, tokenizer=False)
     assert target.config.layer_types == ("linear_attention", "linear_attention")
-    expect = hf_greedy(model, PROMPTS, 12)
-    assert generate(target, None, PROMPTS, max_new_tokens=12, stop_token_ids=()).tokens == expect
+    return target, model
+
+
+def test_hybrid_of_linear_layers_only_decodes_as_transformers(tmp_path):
+    """Plain greedy decoding of a stack with no attention layer equals transformers' generate."""
+    from dflash_jax._speculative import generate
+
+    target, model = _linear_only(tmp_path)
+    assert generate(target, None, PROMPTS, max_new_tokens=12, stop_token_ids=()).tokens == hf_greedy(model, PROMPTS, 12)
+
+
+@pytest.mark.slow
+def test_hybrid_of_linear_layers_only_decodes_speculatively_as_transformers(tmp_path):
+    """The same speculatively (a random drafter of block 4, so drafts are rejected at every kind of
+    place and the recurrent states rolled back)."""
+    from dflash_jax._speculative import generate
+    from support.speculative import tiny_drafter
+
+    target, model = _linear_only(tmp_path)
     drafter = tiny_drafter(target, block_size=4, seed=3)
-    assert generate(target, drafter, PROMPTS, max_new_tokens=12, stop_token_ids=()).tokens == expect
+    assert generate(target, drafter, PROMPTS, max_new_tokens=12, stop_token_ids=()).tokens == \
+        hf_greedy(model, PROMPTS, 12)
 
 
 @pytest.mark.parametrize("preset, layers, moe_layers", [("deepseek-v3", 1, 0), ("deepseek-v3", 4, 1),

@@ -50,6 +50,7 @@ def hf_greedy(model, prompts, max_new_tokens):
 def _linear_only(tmp_path):
     """Qwen3-Next cut to 2 layers under its interval of 4: both Gated DeltaNet, no KV cache at all ->
     (our target, transformers' model)."""
+    pytest.importorskip("torch")  # transformers' model (no torch on the newer-jax leg)
     from dflash_jax import load_target
 
     model = families.make_hf("qwen3_next", tmp_path, num_hidden_layers=2, full_attention_interval=4)

@@ -151,6 +151,16 @@ def _finished(cfg: GenerationConfig, params: SamplingParams, emitted, num_emitte
     return (is_stop & valid).any(-1) | (lengths - prompt_lengths >= cfg.max_new_tokens)
 
 
+def _empty_draft_cache(drafter, cfg: GenerationConfig, batch: int, capacity: int):
+    """The drafter's empty context cache (None without a drafter): the target cache's capacity, or with
+    cfg.draft_context below it a ring of that window (`RingKVCache`)."""
+    if drafter is None:
+        return None
+    if cfg.draft_context and cfg.draft_context < capacity:
+        return drafter.init_cache(batch, round_up(cfg.draft_context, KEY_TILE), window=cfg.draft_context)
+    return drafter.init_cache(batch, capacity)
+
+
 def prefill(target, drafter, cfg: GenerationConfig, target_params, drafter_params, prompt_tokens,
             prompt_lengths, rng, params: SamplingParams) -> DecodeState:
     """Run the prompts [B, P] (right-padded) through the target; the first token becomes the anchor."""
@@ -172,12 +182,8 @@ def prefill(target, drafter, cfg: GenerationConfig, target_params, drafter_param
         first = sampling.greedy(logits)
     tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
     tokens = write_rows(tokens, first[:, None], prompt_lengths)
-    draft_cache = None
+    draft_cache = _empty_draft_cache(drafter, cfg, b, cache_capacity)
     if drafter is not None:
-        if cfg.draft_context and cfg.draft_context < cache_capacity:
-            draft_cache = drafter.init_cache(b, round_up(cfg.draft_context, KEY_TILE), window=cfg.draft_context)
-        else:
-            draft_cache = drafter.init_cache(b, cache_capacity)
         draft_cache = drafter.append_context(drafter_params, draft_cache, features, num_new=prompt_lengths)
     lengths = prompt_lengths + 1
     done = _finished(cfg, params, first[:, None], jnp.ones_like(lengths), lengths, prompt_lengths)
@@ -486,12 +492,7 @@ def decode(target, drafter, cfg, target_params, drafter_params, state, params) -
 def empty_state(target, drafter, cfg: GenerationConfig, batch: int, capacity: int) -> DecodeState:
     """A decode state of `batch` idle slots of `capacity` tokens (prompt, generated tokens and one
     block; a multiple of the kernel's key tile), every row done."""
-    draft_cache = None
-    if drafter is not None:
-        if cfg.draft_context and cfg.draft_context < capacity:
-            draft_cache = drafter.init_cache(batch, round_up(cfg.draft_context, KEY_TILE), window=cfg.draft_context)
-        else:
-            draft_cache = drafter.init_cache(batch, capacity)
+    draft_cache = _empty_draft_cache(drafter, cfg, batch, capacity)
     zeros = jnp.zeros((batch,), jnp.int32)
     return DecodeState(tokens=jnp.zeros((batch, capacity), jnp.int32), lengths=zeros, prompt_lengths=zeros,
                        done=jnp.ones((batch,), bool), target_cache=target.init_cache(batch, capacity),

@@ -10,16 +10,12 @@ import pytest
 from dflash_jax._drafter_config import DFlash2Config, DSparkConfig
 from dflash_jax.cli import benchmark
 from dflash_jax.cli.bench_random import random_configs
-
-# A Qwen3-shaped target small enough to compile in seconds (hidden 32: DFlash2's groups of 16 divide it).
-TINY = ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32,
-         "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
-         "tie_word_embeddings": True, "eos_token_id": 1}, 95)
+from support.cli import TINY
 
 
 @pytest.fixture
 def no_work(monkeypatch):
+    """Fail the test if the benchmark gets as far as loading a model."""
     def refuse(args):
         raise AssertionError("the benchmark started working")
 

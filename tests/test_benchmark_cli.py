@@ -19,14 +19,9 @@ import pytest
 from dflash_jax import _compilation_cache as compilation_cache
 from dflash_jax._speculative import GenerationResult
 from dflash_jax.cli import benchmark
+from support.cli import TINY
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-# A Qwen3-shaped target small enough to compile in seconds, for --random-target.
-TINY = ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32,
-         "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
-         "tie_word_embeddings": True, "eos_token_id": 1}, 95)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from support import families
+from support import families, fp8
 from support.families import DEEPSEEK_V3
 
 from dflash_jax._cache import Cache, LatentCache
@@ -159,33 +159,6 @@ def test_every_weight_has_a_sharding_rule():
 # DeepSeek's block-scaled FP8 checkpoints
 
 
-def _fp8_quantise(weight: np.ndarray, block: int = 128):
-    """(float8_e4m3fn weight, float32 scale_inv [ceil(R / block), ceil(C / block)]) of a float32 matrix:
-    each block scaled so its largest value is e4m3's largest (448), as DeepSeek's checkpoints are."""
-    import ml_dtypes
-
-    rows, cols = weight.shape
-    grid = (-(-rows // block), -(-cols // block))
-    scale = np.zeros(grid, np.float32)
-    quantised = np.zeros(weight.shape, ml_dtypes.float8_e4m3fn)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            part = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
-            scale[i, j] = max(float(np.abs(part).max()), 1e-12) / 448.0
-            quantised[i * block:(i + 1) * block, j * block:(j + 1) * block] = (part / scale[i, j]).astype(
-                ml_dtypes.float8_e4m3fn)
-    return quantised, scale
-
-
-def _float64_dequant(weight, scale, block: int = 128) -> np.ndarray:
-    """The format in float64: every value times its block's scale, rounded once to float32."""
-    out = np.zeros(weight.shape, np.float64)
-    for i in range(weight.shape[0]):
-        for j in range(weight.shape[1]):
-            out[i, j] = float(weight[i, j]) * float(scale[i // block, j // block])
-    return out.astype(np.float32)
-
-
 def test_fp8_block_dequantisation_is_the_reference_bit_for_bit():
     """Random e4m3 weights (every finite code, edge blocks partial both ways) and random float32 scales:
     the dequantised float32 equals the float64 product rounded once, whole or a few rows at a time."""
@@ -198,7 +171,7 @@ def test_fp8_block_dequantisation_is_the_reference_bit_for_bit():
     codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaN codes
     weight = codes.view(ml_dtypes.float8_e4m3fn)
     scale = (rng.random((3, 2)) * 2.0 ** rng.integers(-20, 5, size=(3, 2))).astype(np.float32)
-    expected = _float64_dequant(weight, scale)
+    expected = fp8.float64_block(weight, scale)
     tensor = Fp8BlockTensor(weight, scale, "w")
     np.testing.assert_array_equal(np.asarray(tensor).view(np.uint32), expected.view(np.uint32))
     for rows in (slice(0, 128), slice(130, 290), slice(256, 300), slice(5, 6)):
@@ -223,7 +196,7 @@ def test_fp8_checkpoint_loads_dequantised(tmp_path):
     quantised, expected = {}, dict(tensors)
     for name, value in tensors.items():
         if value.ndim == 2 and ("self_attn." in name or "experts" in name) and name.endswith("proj.weight"):
-            weight, scale = _fp8_quantise(value)
+            weight, scale = fp8.quantise_block(value)
             quantised[name], quantised[name.replace(".weight", ".weight_scale_inv")] = weight, scale
             expected[name] = dequantize_block_fp8(weight, scale)
     assert len(quantised) > 20

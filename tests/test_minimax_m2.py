@@ -170,18 +170,6 @@ def test_drafter_training_reads_the_right_layers_and_learns(tmp_path):
     `train.cache_features` read are the outputs of the chosen layers, and the loss of a short run is finite and
     falls."""
     from support import family_training
-    from train import step as step_lib
-    from train.cache_features import _feature_fn
 
-    layer_ids = (0, 1)
-    target = family_training.saved_target("minimax_m2", tmp_path / "target")
-    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 96, size=(2, 40)), jnp.int32)
-    each = family_training.features_of_each_layer(target, tokens, layer_ids)
-    online = step_lib.target_features(target, target.params, tokens, layer_ids)
-    cached, _ = _feature_fn(target, layer_ids)(target.params, tokens)
-    np.testing.assert_array_equal(np.asarray(online), each)
-    np.testing.assert_allclose(np.asarray(cached, np.float32), np.asarray(online.astype(jnp.bfloat16), np.float32),
-                               atol=2e-2, rtol=1e-2)
-    losses = family_training.train_online(tmp_path / "target", target, tmp_path, layer_ids, steps=16)
-    assert len(losses) == 16 and np.all(np.isfinite(losses))
+    losses = family_training.check_features_then_train("minimax_m2", tmp_path, (0, 1), vocab=96, steps=16)
     assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses  # measured: 5.47 -> 2.79

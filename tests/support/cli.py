@@ -22,3 +22,12 @@ def kwargs_given_to_load_target(monkeypatch, target_path: Path, **load_models_kw
     with pytest.raises(common.CLIError, match="stop here"):
         common.load_models(target_path, None, "float32", **load_models_kwargs)
     return seen
+
+
+# A Qwen3-shaped target small enough to compile in seconds, for `infer.benchmark --random-target` (as a
+# RANDOM_TARGETS entry: its config.json and mask token id; hidden 32: DFlash2's groups of 16 divide it).
+TINY = ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+         "tie_word_embeddings": True, "eos_token_id": 1}, 95)
+

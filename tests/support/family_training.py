@@ -53,3 +53,25 @@ def train_online(target_dir, target, tmp_path, layer_ids, steps: int) -> list[fl
     assert last["step"] == steps
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
             if "loss" in json.loads(line)]
+
+
+def check_features_then_train(family: str, tmp_path, layer_ids, vocab: int, steps: int) -> list[float]:
+    """`train.train` with a saved `family` target: the features the online step and `train.cache_features`
+    read are the chosen layers' outputs (the cache's in bfloat16), then the losses of a short online run
+    (checked finite; the caller checks that they fall)."""
+    import jax.numpy as jnp
+
+    from train import step as step_lib
+    from train.cache_features import _feature_fn
+
+    target = saved_target(family, tmp_path / "target")
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, vocab, size=(2, 40)), jnp.int32)
+    each = features_of_each_layer(target, tokens, layer_ids)
+    online = step_lib.target_features(target, target.params, tokens, layer_ids)
+    cached, _ = _feature_fn(target, layer_ids)(target.params, tokens)
+    np.testing.assert_array_equal(np.asarray(online), each)
+    np.testing.assert_allclose(np.asarray(cached, np.float32), np.asarray(online.astype(jnp.bfloat16), np.float32),
+                               atol=2e-2, rtol=1e-2)
+    losses = train_online(tmp_path / "target", target, tmp_path, layer_ids, steps=steps)
+    assert len(losses) == steps and np.all(np.isfinite(losses))
+    return losses

@@ -32,6 +32,28 @@ def test_cut_presets_build_their_param_and_cache_shapes(preset, layers):
         assert cache_bytes_per_token(spec) == 0  # recurrent states only: nothing grows per token
 
 
+def test_random_params_draws_big_leaves_in_blocks_of_rows():
+    """A leaf over the block limit (gemma-4-31b's 262,144 x 5,376 table) is drawn a block of rows at a
+    time: the same shape and dtype, scales still ones, the blocks independent draws of normal(0, 0.02)."""
+    import jax.numpy as jnp
+
+    from dflash_jax.cli.bench_random import random_params
+
+    shapes = {"embed": jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16), "norm": {"scale": jax.ShapeDtypeStruct(
+        (64,), jnp.bfloat16)}, "small": jax.ShapeDtypeStruct((3, 4), jnp.float32)}
+    whole = random_params(shapes, 0)
+    blocked = random_params(shapes, 0, block_elements=64 * 300)
+    assert jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), blocked) == jax.tree_util.tree_map(
+        lambda s: (s.shape, s.dtype), shapes)
+    assert np.all(np.asarray(blocked["norm"]["scale"]) == 1)
+    np.testing.assert_array_equal(np.asarray(blocked["small"]), np.asarray(whole["small"]))
+    table = np.asarray(blocked["embed"], np.float32)
+    assert abs(table.std() - 0.02) < 0.001 and abs(table.mean()) < 0.001
+    heads = [table[start:start + 100] for start in (0, 300, 600, 900)]  # four blocks: none repeats another
+    assert all(not np.array_equal(heads[i], heads[j]) for i in range(4) for j in range(i + 1, 4))
+    assert not np.array_equal(table, np.asarray(whole["embed"], np.float32))
+
+
 def hf_greedy(model, prompts, max_new_tokens):
     """transformers' greedy continuation of each prompt alone, each token from a full forward of the
     sequence so far (its `generate` needs an attention layer in the cache to size its mask)."""

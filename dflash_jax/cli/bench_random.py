@@ -198,25 +198,37 @@ DFLASH2_SETTINGS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank
 DSPARK_MARKOV_RANK = 256
 
 
-def random_params(shapes, seed: int):
+def random_params(shapes, seed: int, block_elements: int = 1 << 26):
     """Params of the given shapes (a pytree of ShapeDtypeStruct) drawn on the default device:
     normal(0, 0.02) weights, unit norm scales (leaves named "scale": a Qwen3.5 target's centred norms
-    then scale by 2, which changes no cost). One leaf at a time: drawing all at once holds every
-    leaf's random bits together (30 GB for Qwen3.5-9B cut to 4 layers, whose two 248,320 x 4,096
-    tables dominate)."""
+    then scale by 2, which changes no cost). One leaf at a time, and a leaf of more than
+    `block_elements` values in blocks of rows: drawing all at once holds every leaf's random bits
+    together (30 GB for Qwen3.5-9B cut to 4 layers, whose two 248,320 x 4,096 tables dominate), and
+    one draw of gemma-4-31b's 262,144 x 5,376 table holds its bits and float32 values beside it."""
     import functools
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     @functools.partial(jax.jit, static_argnums=(1, 2, 3))
     def draw(key, shape, dtype, ones):
         return jnp.ones(shape, dtype) if ones else 0.02 * jax.random.normal(key, shape, dtype)
 
+    def leaf(key, shape, dtype, ones):
+        size = int(np.prod(shape))
+        if ones or size <= block_elements or len(shape) < 2:
+            return jax.block_until_ready(draw(key, shape, dtype, ones))
+        rows = max(1, block_elements // (size // shape[0]))
+        blocks = [jax.block_until_ready(draw(jax.random.fold_in(key, i), (min(rows, shape[0] - start), *shape[1:]),
+                                             dtype, False))
+                  for i, start in enumerate(range(0, shape[0], rows))]
+        return jax.block_until_ready(jnp.concatenate(blocks))
+
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     return treedef.unflatten([
-        jax.block_until_ready(draw(k, tuple(s.shape), jnp.dtype(s.dtype), getattr(path[-1], "key", None) == "scale"))
+        leaf(k, tuple(s.shape), jnp.dtype(s.dtype), getattr(path[-1], "key", None) == "scale")
         for k, (path, s) in zip(keys, leaves)])
 
 

@@ -23,9 +23,10 @@ def test_greedy_ragged_batch_equals_rows_alone(fitted):
     target, drafter = fitted
     prompts = prompts_mix(1)
     batch = generate(target, drafter, prompts, max_new_tokens=37, stop_token_ids=())
-    for prompt, row in zip(prompts, batch.tokens):
+    for prompt, row, accepted in zip(prompts, batch.tokens, batch.acceptance_lengths):
         assert row == plain_greedy(target, prompt, 37)
-        assert row == generate(target, drafter, [prompt], max_new_tokens=37, stop_token_ids=()).tokens[0]
+        alone = generate(target, drafter, [prompt], max_new_tokens=37, stop_token_ids=())
+        assert row == alone.tokens[0] and accepted == alone.acceptance_lengths[0]
 
 
 def test_stop_tokens_cut_output(fitted):

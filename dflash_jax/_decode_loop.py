@@ -36,12 +36,21 @@ from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of
 from dflash_jax._lookup import lookup_drafts, merge_lookup
 
 ACCEPTANCE_RULES = ("exact", "match")
+NEW_TOKENS_BUCKET = 64  # GenerationConfig.max_new_tokens: a multiple of this
+
+
+def new_tokens_bucket(max_new_tokens: int) -> int:
+    """The room a program compiled for `max_new_tokens` new tokens holds (GenerationConfig.max_new_tokens)."""
+    return round_up(max_new_tokens, NEW_TOKENS_BUCKET)
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
     """Everything that fixes the compiled program (values that don't are passed as arrays)."""
 
+    # the most new tokens the program has room for: a call's own max_new_tokens rounded up to a
+    # multiple of NEW_TOKENS_BUCKET (`new_tokens_bucket`), so that calls differing only in it share
+    # one program; each call's own limit is SamplingParams.max_new_tokens
     max_new_tokens: int = 256
     block_size: int = 1  # 1 = autoregressive
     sampling: bool = False  # False = greedy
@@ -103,6 +112,9 @@ class SamplingParams:
     verify_budget: jax.Array | None = None
     # [len(verify_widths)] float32, verify_policy "costs": seconds of a cycle verifying each width
     verify_costs: jax.Array | None = None
+    # [] int32: the new tokens after which a row is done, at most GenerationConfig.max_new_tokens
+    # (None: GenerationConfig.max_new_tokens)
+    max_new_tokens: jax.Array | None = None
 
 
 @struct.dataclass
@@ -148,7 +160,8 @@ def _finished(cfg: GenerationConfig, params: SamplingParams, emitted, num_emitte
     """A row is done when it emitted a stop token or reached max_new_tokens."""
     valid = jnp.arange(emitted.shape[1])[None, :] < num_emitted[:, None]
     is_stop = (emitted[..., None] == params.stop_token_ids[None, None, :]).any(-1)
-    return (is_stop & valid).any(-1) | (lengths - prompt_lengths >= cfg.max_new_tokens)
+    limit = cfg.max_new_tokens if params.max_new_tokens is None else params.max_new_tokens
+    return (is_stop & valid).any(-1) | (lengths - prompt_lengths >= limit)
 
 
 def _empty_draft_cache(drafter, cfg: GenerationConfig, batch: int, capacity: int):

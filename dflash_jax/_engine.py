@@ -141,9 +141,9 @@ class BatchEngine:
         target, drafter = generator.target, generator.drafter
         self.config, self._params, self.stop_token_ids = _configure(target, drafter, self.options)
         limit = target.config.max_position_embeddings
-        self.max_prompt_tokens = min(max_prompt_tokens, limit - self.config.max_new_tokens)
+        self.max_prompt_tokens = min(max_prompt_tokens, limit - self.options.max_new_tokens)
         if self.max_prompt_tokens < 1:
-            raise ValueError(f"max_new_tokens {self.config.max_new_tokens} leaves no room for a prompt in the "
+            raise ValueError(f"max_new_tokens {self.options.max_new_tokens} leaves no room for a prompt in the "
                              f"target's max_position_embeddings ({limit})")
         self.slots = slots
         self.capacity = round_up(prompt_bucket(self.max_prompt_tokens) + self.config.max_new_tokens
@@ -323,7 +323,7 @@ class BatchEngine:
         tokens, lengths, prompt_lengths, cycles, emitted = (x[finished] for x in _fetch(
             (state.tokens, state.lengths, state.prompt_lengths, state.cycles, state.emitted_per_cycle)))
         for j, b in enumerate(finished):
-            generated = _cut(tokens[j], int(prompt_lengths[j]), int(lengths[j]), self.config.max_new_tokens,
+            generated = _cut(tokens[j], int(prompt_lengths[j]), int(lengths[j]), self.options.max_new_tokens,
                              self.stop_token_ids)
             accepted = [int(n) for n in emitted[j, : cycles[j]]]
             yield b, PromptResult(slots[b].index, generated, accepted, self.config.block_size)

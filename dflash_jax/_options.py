@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax._config import default_stop_token_ids
-from dflash_jax._decode_loop import ACCEPTANCE_RULES, GenerationConfig, SamplingParams, round_up
+from dflash_jax._decode_loop import ACCEPTANCE_RULES, GenerationConfig, SamplingParams, new_tokens_bucket, round_up
 
 _SMALLEST_BUCKET, _LARGEST_POWER_BUCKET = 16, 1024
 _STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this: few shapes, no recompiles
@@ -225,7 +225,7 @@ def _configure(target, drafter, o: SamplingOptions):
     widths, policy, costs = _verify_options(drafter, o, block_size)
     stops = _stop_ids(target, o.stop_token_ids)
     sampled = o.temperature > 0
-    cfg = GenerationConfig(max_new_tokens=o.max_new_tokens, block_size=block_size, sampling=sampled,
+    cfg = GenerationConfig(max_new_tokens=new_tokens_bucket(o.max_new_tokens), block_size=block_size, sampling=sampled,
                            top_k=o.top_k if sampled else 0, use_top_p=sampled and o.top_p < 1.0,
                            acceptance=o.acceptance, lookup=o.lookup, gate_drafts=o.min_draft_probability > 0,
                            draft_context=o.draft_context if drafter is not None else 0, verify_widths=widths,
@@ -237,7 +237,8 @@ def _configure(target, drafter, o: SamplingOptions):
                             min_draft_probability=jnp.float32(o.min_draft_probability),
                             confidence_threshold=jnp.float32(o.confidence_threshold) if confidence else None,
                             verify_budget=jnp.int32(o.verify_budget) if o.verify_budget else None,
-                            verify_costs=None if costs is None else jnp.asarray(costs, jnp.float32))
+                            verify_costs=None if costs is None else jnp.asarray(costs, jnp.float32),
+                            max_new_tokens=jnp.int32(o.max_new_tokens))
     return cfg, params, stops
 
 

@@ -162,7 +162,7 @@ def _from_process_zero(prompts, vocab: int):
     return np.asarray(tokens), np.asarray(lengths)
 
 
-def _stream_chunks(prefill_fn, cycle_fn, cfg, args, stops) -> Iterator[list[list[int]]]:
+def _stream_chunks(prefill_fn, cycle_fn, max_new_tokens: int, args, stops) -> Iterator[list[list[int]]]:
     state = prefill_fn(*args)
     sent = [0] * state.tokens.shape[0]
     while True:
@@ -170,7 +170,7 @@ def _stream_chunks(prefill_fn, cycle_fn, cfg, args, stops) -> Iterator[list[list
             (state.tokens, state.lengths, state.prompt_lengths, state.done))
         new = []
         for b in range(tokens.shape[0]):
-            row = _cut(tokens[b], int(prompt_lengths[b]), int(lengths[b]), cfg.max_new_tokens, stops)
+            row = _cut(tokens[b], int(prompt_lengths[b]), int(lengths[b]), max_new_tokens, stops)
             new.append(row[sent[b]:])
             sent[b] = len(row)
         yield new
@@ -291,7 +291,7 @@ class Generator:
         decode_seconds = time.perf_counter() - start
         tokens, lengths, prompt_lengths, cycles, emitted = _fetch(
             (state.tokens, state.lengths, state.prompt_lengths, state.cycles, state.emitted_per_cycle))
-        rows = [_cut(tokens[b], int(prompt_lengths[b]), int(lengths[b]), cfg.max_new_tokens, stops)
+        rows = [_cut(tokens[b], int(prompt_lengths[b]), int(lengths[b]), options.max_new_tokens, stops)
                 for b in range(tokens.shape[0])]
         acceptance_lengths = [[int(n) for n in emitted[b, : cycles[b]]] for b in range(tokens.shape[0])]
         return GenerationResult(rows, acceptance_lengths, prefill_seconds, decode_seconds, compile_seconds,
@@ -302,14 +302,15 @@ class Generator:
                block_size: int | None = None, seed: int = 0, acceptance: str = "exact", lookup: int = 0,
                min_draft_probability: float = 0.0, draft_context: int = 0,
                confidence_threshold: float = 0.0, verify_budget: int = 0,
-                 verify_costs: Mapping[int, float] | None = None) -> "GenerationStream":
+               verify_costs: Mapping[int, float] | None = None) -> "GenerationStream":
         """Like `generate`, streaming (see `generate_stream`)."""
         return self._stream(prompts, SamplingOptions.of_call(locals()))
 
     def _stream(self, prompts, options: SamplingOptions) -> "GenerationStream":
         cfg, args, stops = self._prepare(prompts, options)
         prefill_fn, cycle_fn, compile_seconds = self._executables(cfg, args, "cycle")
-        return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, cfg, args, stops), compile_seconds)
+        return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, options.max_new_tokens, args, stops),
+                                compile_seconds)
 
     def engine(self, *, slots: int = 8, max_prompt_tokens: int = 1024, cycles_per_chunk: int = 1,
                max_cycles: int | None = None, **options):
@@ -462,7 +463,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int = 256, temperature
     `jax.sharding.Mesh` to generate on (None: the
     target's, `Target.mesh`; see `Generator`). Bad arguments raise TypeError/ValueError naming the
     argument. The Generator it uses is kept for the next call with models of the same specs (the two
-    most recent pairs); `release_generators()` frees what they hold.
+    most recent pairs); `release_generators()` frees what they hold. Its programs are compiled per
+    prompt bucket (`prompt_bucket`) and per 64 of max_new_tokens: calls asking for 1 to 64 new tokens
+    share one.
     """
     return generator_for(target, drafter, mesh)._generate(prompts, SamplingOptions.of_call(locals()))
 

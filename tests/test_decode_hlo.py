@@ -114,7 +114,7 @@ def test_check_flags_a_whole_buffer_writer(writer, batch, flagged):
     (True, 0.0, 0, 0.5), (True, 1.0, 3, 0.5)])
 def test_generate_loop_touches_only_new_rows(target, drafter, draft, temperature, lookup, gate):
     """The whole compiled decode loop of `generate` (on a CPU: the packed target layout) copies
-    no cache: its step cost does not follow the capacity (prompt bucket + 1000 + block, rounded up
+    no cache: its step cost does not follow the capacity (prompt bucket + 960 + block, rounded up
     to 1024). With gated drafts (min_draft_probability) the verify is a `lax.cond` whose branches
     only read the caches (a branch that returned the target cache made XLA copy it)."""
     from dflash_jax import _speculative as speculative
@@ -122,11 +122,11 @@ def test_generate_loop_touches_only_new_rows(target, drafter, draft, temperature
 
     model = drafter if draft else None
     generator = speculative.Generator(target, model)
-    cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=1000,
+    cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=960,
                                         temperature=temperature, top_k=0, top_p=1.0, stop_token_ids=(),
                                         block_size=None, seed=0, acceptance="exact", lookup=lookup,
                                         min_draft_probability=gate)
-    capacity = round_up(speculative.prompt_bucket(3) + 1000 + cfg.block_size, KEY_TILE)
+    capacity = round_up(speculative.prompt_bucket(3) + cfg.max_new_tokens + cfg.block_size, KEY_TILE)
     assert capacity == 1024  # a number no other dimension of these models has
     _, loop, _ = generator._executables(cfg, args, "decode")
     assert whole_buffer_ops(loop.as_text(), capacity) == []

@@ -227,10 +227,10 @@ def test_the_decode_loop_copies_no_cache(temperature, lookup, gate):
     target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
     cfg = config(block_size=4)
     generator = speculative.Generator(target, Drafter(cfg, random_params(cfg)))
-    gen_cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=1000, temperature=temperature, top_k=0,
+    gen_cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=960, temperature=temperature, top_k=0,
                                           top_p=1.0, stop_token_ids=(), block_size=None, seed=0, acceptance="exact",
                                           lookup=lookup, min_draft_probability=gate)
-    capacity = round_up(speculative.prompt_bucket(3) + 1000 + gen_cfg.block_size, KEY_TILE)
+    capacity = round_up(speculative.prompt_bucket(3) + gen_cfg.max_new_tokens + gen_cfg.block_size, KEY_TILE)
     assert capacity == 1024
     _, loop, _ = generator._executables(gen_cfg, args, "decode")
     assert whole_buffer_ops(loop.as_text(), capacity) == []

@@ -269,7 +269,7 @@ def test_rejections_at_every_block_position(monkeypatch):
 def test_the_decode_loop_copies_no_cache(temperature, lookup, gate):
     """The compiled decode loop with a DSpark drafter (the Markov chain's scan and the proposal limit
     inside, with lookup and gated drafts where sampled) copies no whole cache buffer (`support.hlo`).
-    990 new tokens: the token buffer (16 + 990 + G + 1) and the lookup's shifted copies of it stay
+    960 new tokens: the token buffer (16 + 960 + G + 1) and the lookup's shifted copies of it stay
     shorter than the caches (1024), which the check tells apart by length."""
     from dflash_jax import _speculative as speculative
     from dflash_jax.kernels import KEY_TILE, round_up
@@ -278,10 +278,10 @@ def test_the_decode_loop_copies_no_cache(temperature, lookup, gate):
     target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
     cfg = config()
     generator = speculative.Generator(target, Drafter(cfg, random_params(cfg)))
-    gen_cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=990, temperature=temperature, top_k=0,
+    gen_cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=960, temperature=temperature, top_k=0,
                                           top_p=1.0, stop_token_ids=(), block_size=None, seed=0, acceptance="exact",
                                           lookup=lookup, min_draft_probability=gate, confidence_threshold=0.5)
-    capacity = round_up(speculative.prompt_bucket(3) + 990 + gen_cfg.block_size, KEY_TILE)
+    capacity = round_up(speculative.prompt_bucket(3) + gen_cfg.max_new_tokens + gen_cfg.block_size, KEY_TILE)
     assert capacity == 1024 and gen_cfg.block_size == G + 1
     _, loop, _ = generator._executables(gen_cfg, args, "decode")
     assert whole_buffer_ops(loop.as_text(), capacity) == []

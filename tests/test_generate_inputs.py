@@ -133,11 +133,28 @@ def test_compiled_executables_are_bounded(pair, monkeypatch, bound):
     if bound == "default":
         monkeypatch.setattr(speculative, "MAX_COMPILED", 2)
     generator = speculative.Generator(target, None, max_compiled=2 if bound == "argument" else None)
-    for new in (2, 3):  # each max_new_tokens is a new program: prefill + loop
+    for new in (2, 70):  # max_new_tokens in two buckets of 64: a new program each (prefill + loop)
         generator.generate([[1]], max_new_tokens=new, stop_token_ids=())
         assert generator.compile_cache_size == 2
-    assert generator.generate([[1]], max_new_tokens=3, stop_token_ids=()).compile_seconds == 0.0
+    assert generator.generate([[1]], max_new_tokens=70, stop_token_ids=()).compile_seconds == 0.0
     assert generator.generate([[1]], max_new_tokens=2, stop_token_ids=()).compile_seconds > 0.0
+
+
+@pytest.mark.parametrize("speculative_pair", [False, True], ids=["plain", "speculative"])
+def test_max_new_tokens_in_one_bucket_share_a_program_and_each_call_stops_at_its_own(pair, speculative_pair):
+    """max_new_tokens is an argument of the compiled programs, their room a multiple of 64: calls
+    asking for 1..64 new tokens run one prefill and one loop, and each stops at its own count."""
+    target, drafter = pair
+    generator = speculative.Generator(target, drafter if speculative_pair else None)
+    longest = generator.generate([[1, 2], [3]], max_new_tokens=64, stop_token_ids=())
+    assert [len(row) for row in longest.tokens] == [64, 64]
+    for new in (1, 5, 17, 63):
+        got = generator.generate([[1, 2], [3]], max_new_tokens=new, stop_token_ids=())
+        assert got.compile_seconds == 0.0 and generator.compile_cache_size == 2
+        assert got.tokens == [row[:new] for row in longest.tokens]
+        for accepted, whole in zip(got.acceptance_lengths, longest.acceptance_lengths):
+            assert 1 + sum(accepted) >= new and accepted == whole[:len(accepted)]  # the prefill gives one
+    assert generator.generate([[1, 2], [3]], max_new_tokens=65, stop_token_ids=()).compile_seconds > 0.0
 
 
 def test_models_with_one_spec_share_executables_and_weights_are_arguments(pair):

@@ -266,9 +266,9 @@ def _whole_buffer_ops(generator) -> list[str]:
     from dflash_jax._speculative import prompt_bucket
     from dflash_jax.kernels import KEY_TILE, round_up
 
-    cfg, args, _ = generator._prepare(PROMPTS, max_new_tokens=1000, temperature=0.0, top_k=0, top_p=1.0,
+    cfg, args, _ = generator._prepare(PROMPTS, max_new_tokens=960, temperature=0.0, top_k=0, top_p=1.0,
                                       stop_token_ids=(), block_size=None, seed=0, acceptance="exact")
-    capacity = round_up(prompt_bucket(max(map(len, PROMPTS))) + 1000 + cfg.block_size, KEY_TILE)
+    capacity = round_up(prompt_bucket(max(map(len, PROMPTS))) + cfg.max_new_tokens + cfg.block_size, KEY_TILE)
     assert capacity == 1024, capacity
     _, loop, _ = generator._executables(cfg, args, "decode")
     return whole_buffer_ops(loop.as_text(), capacity)

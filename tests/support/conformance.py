@@ -288,17 +288,17 @@ def test_decode_step_touches_only_new_cache_rows(family, num_tokens):
 @_over_rows("decode_loop_hlo", "family", variants=False, keys=False)
 def test_decode_loop_touches_only_new_cache_rows(family):
     """The whole compiled speculative greedy loop of `generate`: its step cost does not follow the
-    capacity (prompt bucket + 1000 + block, rounded up to 1024)."""
+    capacity (prompt bucket + 960 + block, rounded up to 1024)."""
     from dflash_jax import _speculative as speculative
     from dflash_jax.kernels import KEY_TILE, round_up
     from support.hlo import whole_buffer_ops
 
     target = families.tiny_target(family, max_position_embeddings=2048)
     generator = speculative.Generator(target, tiny_drafter(target, block_size=4))
-    cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=1000, temperature=0.0, top_k=0, top_p=1.0,
+    cfg, args, _ = generator._prepare([[1, 2, 3]], max_new_tokens=960, temperature=0.0, top_k=0, top_p=1.0,
                                       stop_token_ids=(), block_size=None, seed=0, acceptance="exact", lookup=0,
                                       min_draft_probability=0.0)
-    capacity = round_up(speculative.prompt_bucket(3) + 1000 + cfg.block_size, KEY_TILE)
+    capacity = round_up(speculative.prompt_bucket(3) + cfg.max_new_tokens + cfg.block_size, KEY_TILE)
     assert capacity == 1024  # a number no other dimension of these models has
     _, loop, _ = generator._executables(cfg, args, "decode")
     assert whole_buffer_ops(loop.as_text(), capacity) == []

@@ -34,6 +34,8 @@ def whole_buffer_ops(hlo: str, capacity: int = CAPACITY) -> list[str]:
             roots[computation] = opcode
         if str(capacity) in dims.split(","):
             instructions.append((name, opcode, line.strip()))
+    if not instructions:  # the check would pass whatever the program did
+        raise AssertionError(f"no instruction of the HLO has a dimension of {capacity}: is it the cache's capacity?")
     flagged = []
     for name, opcode, line in instructions:
         if opcode in _ALIASES:

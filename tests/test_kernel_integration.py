@@ -44,10 +44,12 @@ def test_target_cached_forward_through_kernel():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 49, size=(2, 7)))
     outs = []
     for t in (ref, ker):
-        cache = t.init_cache(2, 20)
-        h1, f1, cache = t.forward(t.params, tokens, cache, capture=(0,), num_new=jnp.asarray([7, 4]))
-        h2, _, _ = t.forward(t.params, tokens[:, :3], cache)
-        outs.append((h1, f1, h2))
+        def run(params, tokens, cache, t=t):  # one program per model, not op by op
+            h1, f1, cache = t.forward(params, tokens, cache, capture=(0,), num_new=jnp.asarray([7, 4]))
+            h2, _, _ = t.forward(params, tokens[:, :3], cache)
+            return h1, f1, h2
+
+        outs.append(jax.jit(run)(t.params, tokens, t.init_cache(2, 20)))
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
@@ -58,9 +60,11 @@ def test_drafter_inference_and_training_through_kernel():
     anchors, valid = jnp.asarray([[3, 7], [5, 0]]), jnp.asarray([[True, True], [True, False]])
     results = []
     for d in (ref, ker):
-        cache = d.append_context(d.params, d.init_cache(2, 16), feats, num_new=jnp.asarray([9, 6]))
-        results.append((d.draft_hidden(d.params, block, cache),
-                        d.train_hidden(d.params, feats, packed, anchors, valid)))
+        def run(params, cache, d=d):  # one program per drafter, not op by op
+            cache = d.append_context(params, cache, feats, num_new=jnp.asarray([9, 6]))
+            return d.draft_hidden(params, block, cache), d.train_hidden(params, feats, packed, anchors, valid)
+
+        results.append(jax.jit(run)(d.params, d.init_cache(2, 16)))
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
@@ -72,7 +76,7 @@ def test_drafter_training_gradients_through_kernel():
 
     def grads(d):
         loss = lambda p: jnp.sum(weights * d.train_hidden(p, feats, packed, anchors, valid))
-        return jax.grad(loss)(d.params)
+        return jax.jit(jax.grad(loss))(d.params)  # one program, not op by op
 
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                            grads(ref), grads(ker))

@@ -83,8 +83,9 @@ def test_chunked_cross_entropy_equals_dense_with_gradients():
     ce, correct = chunked_cross_entropy(lambda h: h @ w, hidden, labels, chunk=4)
     np.testing.assert_allclose(ce, dense(hidden), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(correct, jnp.argmax(hidden @ w, -1) == labels)
-    g1 = jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4)[0].sum())(hidden)
-    g2 = jax.grad(lambda h: dense(h).sum())(hidden)
+    # the gradients as a train step takes them: each one compiled program, not op by op
+    g1 = jax.jit(jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4)[0].sum()))(hidden)
+    g2 = jax.jit(jax.grad(lambda h: dense(h).sum()))(hidden)
     np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
 
 
@@ -118,8 +119,10 @@ def test_soft_cross_entropy_equals_dense_with_gradients():
     np.testing.assert_allclose(ce, dense(hidden), rtol=1e-5, atol=1e-6)
     assert float(ce[1, 3]) == 0.0
     np.testing.assert_array_equal(correct, jnp.argmax(hidden @ w, -1) == labels)  # against the hard labels
-    g1 = jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4, soft=(ids, probs))[0].sum())(hidden)
-    g2 = jax.grad(lambda h: dense(h).sum())(hidden)
+    # the gradients as a train step takes them: each one compiled program, not op by op
+    g1 = jax.jit(jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4, soft=(ids, probs))[0].sum()))(
+        hidden)
+    g2 = jax.jit(jax.grad(lambda h: dense(h).sum()))(hidden)
     np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
     # A point mass on the label is the hard cross-entropy, bit for bit.
     point = (labels[..., None], jnp.ones(labels.shape + (1,), jnp.float32))

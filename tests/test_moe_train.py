@@ -25,17 +25,22 @@ CONFIG = fitted_models.MOE_TARGET_CONFIG
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    """(target loaded from its directory, the directory, train JSONL, held-out prompts): a random
-    Qwen3-MoE target and its own greedy continuations of pattern prompts."""
+    """(target loaded from its directory, the directory, train JSONL, held-out prompts, the
+    target's greedy continuations of those): a random Qwen3-MoE target and its own greedy
+    continuations of pattern prompts, the training rows' written out, the held-out rows' kept (one
+    batch: rows decode as they would alone, tests/test_generate.py's ragged-batch test)."""
     root = tmp_path_factory.mktemp("moe-train")
     built = Target(CONFIG, init_target_params(CONFIG, jax.random.PRNGKey(4)))
     save_target_dir(built, root / "target")
     target = load_target(root / "target", tokenizer=False)
     assert target.config.num_experts == 8
     prompts = fitted_models.pattern_batch(np.random.default_rng(1), 40, PROMPT).tolist()
+    greedy = generate(target, None, prompts, max_new_tokens=NEW, stop_token_ids=()).tokens
     data = root / "train.jsonl"
-    held_out = fitted_models.write_self_continuations(target, data, prompts, 32, NEW)
-    return target, root / "target", data, held_out
+    with data.open("w") as f:
+        for p, t in zip(prompts[:32], greedy[:32]):
+            f.write(json.dumps({"tokens": p + t, "loss_mask": [0] * len(p) + [1] * len(t)}) + "\n")
+    return target, root / "target", data, prompts[32:], greedy[32:]
 
 
 def test_cached_features_equal_the_online_ones(moe):
@@ -69,7 +74,7 @@ def test_online_training_from_the_checkpoint_directory(moe, tmp_path):
     """`train.train` loads the MoE target from its directory and trains online; the loss at the
     last step is well below the first step's, and the trained drafter's output is the target's
     greedy output."""
-    target, target_dir, data, held_out = moe
+    target, target_dir, data, held_out, greedy = moe
     cfg = _config(target_dir, data, tmp_path / "run", steps=30, log_every=1)
     last = train(cfg)
     assert last["step"] == 30 and np.isfinite(last["loss"])
@@ -78,8 +83,8 @@ def test_online_training_from_the_checkpoint_directory(moe, tmp_path):
     assert last["loss"] < 0.6 * first["loss"], (first["loss"], last["loss"])  # measured: 4.52 -> 1.78
     _, params = checkpointing.restore_params(tmp_path / "run")
     drafter = Drafter(drafter_config_for(cfg, target), params["drafter"])
-    trained = generate(target, drafter, held_out, max_new_tokens=12, stop_token_ids=())
-    assert trained.tokens == generate(target, None, held_out, max_new_tokens=12, stop_token_ids=()).tokens
+    trained = generate(target, drafter, held_out, max_new_tokens=NEW, stop_token_ids=())
+    assert trained.tokens == greedy  # the target's own greedy continuations (the fixture's batch)
 
 
 def test_cache_features_then_offline_training(moe, tmp_path):
@@ -87,7 +92,7 @@ def test_cache_features_then_offline_training(moe, tmp_path):
     position of ragged rows), then `train.train` from the cache."""
     from train.data import DataConfig, load_token_records, make_iterator
 
-    target, target_dir, data, _ = moe
+    target, target_dir, data, _, _ = moe
     layers = (0, 2)
     records = load_token_records(data, None, 32)
     cache_features(target, records, tmp_path / "cache", layers, batch_size=4, buckets=(32,), progress=False)

@@ -252,16 +252,20 @@ def test_bad_input_fails_with_one_clear_error(tiny, tmp_path):
         config_from_dict(settings(tiny, tmp_path / "d"), ["run.labels=gold"])
 
     # run.labels=target reads the target's next tokens from a feature cache; an older cache has none.
+    # (The cache is written with --top-k 4, as the top-k test's first one is: the same compiled
+    # feature pass. What these checks read is meta.json, edited to what an older cache's says.)
     cache = tmp_path / "cache"
     cache_features(target, load_token_records(tiny[2], None, 32), cache, (0, 2), batch_size=8, buckets=(32,),
-                   progress=False)
+                   top_k=4, progress=False)
     meta = json.loads((cache / "meta.json").read_text())
+    assert meta["next_tokens"] and meta.pop("top_k") == 4
     (cache / "meta.json").write_text(json.dumps({**meta, "next_tokens": False}))
     with pytest.raises(ConfigError, match="lacks"):
         train(config_from_dict(settings(tiny, tmp_path / "e"), [f"data.path={cache}", "run.labels=target"]),
               target=target)
     assert not (tmp_path / "e").exists()
-    # run.labels=distribution reads the target's top-k tokens, which a cache holds only with --top-k.
+    # run.labels=distribution reads the target's top-k tokens, which a cache holds only with --top-k
+    # (its meta.json then names it: here taken out, as a cache written without --top-k has it).
     (cache / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="--top-k 8 or more; this one has 0"):
         train(config_from_dict(settings(tiny, tmp_path / "f"), [f"data.path={cache}", "run.labels=distribution"]),

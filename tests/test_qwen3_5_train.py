@@ -25,23 +25,30 @@ PROMPT, NEW = 4, 28
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """(target, its checkpoint directory, train JSONL, held-out prompts): a random Qwen3.5 model
-    (transformers' class, saved) and its own greedy continuations of pattern prompts."""
+def hybrid_target(tmp_path_factory):
+    """(target, its checkpoint directory): a random Qwen3.5 model (transformers' class, saved)."""
     root = tmp_path_factory.mktemp("hybrid-train")
     families.make_hf("qwen3_5", root / "target", seed=3, vocab_size=fitted_models.VOCAB, num_hidden_layers=4)
-    target = load_target(root / "target", tokenizer=False)
+    return load_target(root / "target", tokenizer=False), root / "target"
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_target):
+    """(target, its checkpoint directory, train JSONL, held-out prompts): the target above and its
+    own greedy continuations of pattern prompts (only the training runs need these: generating them
+    is not the default test's work)."""
+    target, target_dir = hybrid_target
     prompts = fitted_models.pattern_batch(np.random.default_rng(1), 72, PROMPT).tolist()
-    data = root / "train.jsonl"
+    data = target_dir.parent / "train.jsonl"
     held_out = fitted_models.write_self_continuations(target, data, prompts, 64, NEW)
-    return target, root / "target", data, held_out
+    return target, target_dir, data, held_out
 
 
-def test_cached_features_equal_the_online_ones(hybrid):
+def test_cached_features_equal_the_online_ones(hybrid_target):
     """What `train.cache_features` stores (the target run as generate's prefill runs it, 256
     tokens at a time through its cache: here 300 positions, so two chunks of the recurrence) is the
     online step's features (one causal pass), in the bfloat16 both are stored in."""
-    target = hybrid[0]
+    target = hybrid_target[0]
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 40, size=(2, 300)), jnp.int32)
     layer_ids = (0, 2, 3)
     cached, next_tokens = _feature_fn(target, layer_ids)(target.params, tokens)

@@ -190,13 +190,14 @@ def test_regenerate_answers_with_the_target_turn_by_turn_and_resumes(tmp_path, t
         assert [m["role"] for m in r["messages"]] == ["user", "assistant", "user", "assistant"]
         assert "old answer" not in json.dumps(r)
     # Each answer is the target's greedy continuation of the dialogue so far (its own earlier answer
-    # included); checked on two records in one batch of the same shape (no extra compilation).
-    for turn in (1, 3):
-        prompts = [tok.apply_chat_template(r["messages"][:turn], add_generation_prompt=True) for r in lines[:2]]
-        for r, want in zip(lines[:2], generate(tiny_target, None, prompts, max_new_tokens=6).tokens):
-            got, stopped = r["messages"][turn], want[-1] == 2
-            assert got["content"] == tok.decode(want[:-1] if stopped else want)
-            assert got.get("truncated", False) == (not stopped)
+    # included); checked on two records, both turns, in one ragged batch (one compiled prefill and
+    # decode; rows decode as they would alone, tests/test_generate.py's ragged-batch test).
+    cases = [(turn, r) for turn in (1, 3) for r in lines[:2]]
+    prompts = [tok.apply_chat_template(r["messages"][:turn], add_generation_prompt=True) for turn, r in cases]
+    for (turn, r), want in zip(cases, generate(tiny_target, None, prompts, max_new_tokens=6).tokens, strict=True):
+        got, stopped = r["messages"][turn], want[-1] == 2
+        assert got["content"] == tok.decode(want[:-1] if stopped else want)
+        assert got.get("truncated", False) == (not stopped)
     before = {f.name: f.read_text() for f in tmp_path.iterdir()}
     again = regenerate(tiny_target, records, tmp_path, cfg, progress=False)
     assert again.generated_tokens == 0 and again.shards_skipped == 2
@@ -208,12 +209,12 @@ def test_regenerate_answers_with_the_target_turn_by_turn_and_resumes(tmp_path, t
 def test_feature_cache_round_trip(tmp_path, tiny_target):
     path = write_jsonl(tmp_path / "tok.jsonl", pretokenized([5, 9, 14, 3, 16, 7, 11]))
     records = load_token_records(path, None, 16)
-    layers = (0, 2)
+    layers = (1, 2)  # as the other-layers cache of the next test: the same compiled feature pass
     stats = cache_features(tiny_target, records, tmp_path / "cache", layers, batch_size=2, buckets=(16,),
                            shard_records=3, progress=False)
     assert stats.records == 7 and stats.tokens == 65
     meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
-    assert meta["complete"] and meta["num_records"] == 7 and meta["target_layer_ids"] == [0, 2]
+    assert meta["complete"] and meta["num_records"] == 7 and meta["target_layer_ids"] == [1, 2]
     assert meta["hidden_size"] == 64 and meta["feature_dtype"] == "bfloat16"
     again = cache_features(tiny_target, records, tmp_path / "cache", layers, batch_size=2, buckets=(16,),
                            shard_records=3, progress=False)

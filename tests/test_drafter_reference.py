@@ -262,11 +262,13 @@ def test_a_ring_context_cache_sees_the_last_positions_only(chunks):
     table = (0.5 * rng.standard_normal((V, D))).astype(np.float32)
     tokens = np.array([[7] + [MASK] * (G - 1), [3] + [MASK] * (G - 1)])
     cache = drafter.init_cache(2, 5, window=4)
+    # each compiled whole (one program per chunk length, not one per operation)
+    append, draft = jax.jit(drafter.spec.append_context), jax.jit(drafter.spec.draft_hidden)
     start = 0
     for n in chunks:
-        cache = drafter.append_context(params, cache, jnp.asarray(features[:, start:start + n]))
+        cache = append(params, cache, jnp.asarray(features[:, start:start + n]))
         start += n
-    got = drafter.draft_hidden(params, jnp.asarray(table[tokens]), cache)
+    got = draft(params, jnp.asarray(table[tokens]), cache)
     for row in range(2):
         want = reference_block(cfg, params, features[row].astype(np.float64), table[tokens[row]].astype(np.float64),
                                bound=4)

@@ -1,4 +1,6 @@
 """KV-cache behaviour: incremental decode == full forward; ragged rows == rows run alone."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,21 +20,28 @@ def target():
     return Target(CFG, init_target_params(CFG, jax.random.PRNGKey(0)))
 
 
+@functools.partial(jax.jit, static_argnames=("spec", "capture"))
+def run(spec, params, tokens, cache=None, num_new=None, capture=(0, 2)):
+    """(logits, captured layers, cache) of `spec.forward`, compiled whole: one program per shape (run
+    eagerly, the forward compiles each of its dozens of operations for every new shape)."""
+    hidden, feats, cache = spec.forward(params, tokens, cache, capture=capture, num_new=num_new)
+    return spec.logits(params, hidden), feats, cache
+
+
 def full_logits(target, tokens):
-    hidden, feats, _ = target.forward(target.params, jnp.asarray(tokens)[None], capture=(0, 2))
-    return np.asarray(target.logits(target.params, hidden))[0], np.asarray(feats)[0]
+    logits, feats, _ = run(target.spec, target.params, jnp.asarray(tokens)[None])
+    return np.asarray(logits)[0], np.asarray(feats)[0]
 
 
 def test_prefill_then_decode_equals_full_forward(target):
     tokens = np.random.default_rng(0).integers(0, 97, size=14)
     want_logits, want_feats = full_logits(target, tokens)
     cache = target.init_cache(1, 32)
-    hidden, feats, cache = target.forward(target.params, jnp.asarray(tokens[None, :6]), cache, capture=(0, 2))
-    got_logits, got_feats = [target.logits(target.params, hidden)[0]], [feats[0]]
+    logits, feats, cache = run(target.spec, target.params, jnp.asarray(tokens[None, :6]), cache)
+    got_logits, got_feats = [logits[0]], [feats[0]]
     for t in range(6, 14, 2):  # two tokens at a time
-        hidden, feats, cache = target.forward(target.params, jnp.asarray(tokens[None, t:t + 2]), cache,
-                                              capture=(0, 2))
-        got_logits.append(target.logits(target.params, hidden)[0])
+        logits, feats, cache = run(target.spec, target.params, jnp.asarray(tokens[None, t:t + 2]), cache)
+        got_logits.append(logits[0])
         got_feats.append(feats[0])
     assert int(cache.lengths[0]) == 14
     np.testing.assert_allclose(np.concatenate(got_logits), want_logits, rtol=1e-5, atol=1e-5)
@@ -43,12 +52,12 @@ def test_rollback_is_setting_lengths(target):
     tokens = np.random.default_rng(1).integers(0, 97, size=10)
     want, _ = full_logits(target, tokens)
     cache = target.init_cache(1, 32)
-    _, _, cache = target.forward(target.params, jnp.asarray(tokens[None, :6]), cache)
+    _, _, cache = run(target.spec, target.params, jnp.asarray(tokens[None, :6]), cache)
     # Feed 3 wrong tokens, roll back, then feed the right ones.
-    _, _, cache = target.forward(target.params, jnp.asarray([[1, 2, 3]]), cache)
+    _, _, cache = run(target.spec, target.params, jnp.asarray([[1, 2, 3]]), cache)
     cache = cache.with_lengths(cache.lengths - 3)
-    hidden, _, cache = target.forward(target.params, jnp.asarray(tokens[None, 6:]), cache)
-    np.testing.assert_allclose(target.logits(target.params, hidden)[0], want[6:], rtol=1e-5, atol=1e-5)
+    logits, _, cache = run(target.spec, target.params, jnp.asarray(tokens[None, 6:]), cache)
+    np.testing.assert_allclose(logits[0], want[6:], rtol=1e-5, atol=1e-5)
 
 
 def test_ragged_batch_rows_match_rows_alone(target):
@@ -59,16 +68,14 @@ def test_ragged_batch_rows_match_rows_alone(target):
     for i, p in enumerate(prompts):
         batch[i, : len(p)] = p
     cache = target.init_cache(3, 24)
-    hidden, _, cache = target.forward(target.params, jnp.asarray(batch), cache,
-                                      num_new=jnp.asarray(lengths))
+    logits, _, cache = run(target.spec, target.params, jnp.asarray(batch), cache, num_new=jnp.asarray(lengths))
     np.testing.assert_array_equal(cache.lengths, lengths)
     nxt = rng.integers(0, 97, size=(3, 2))
-    hidden2, _, cache = target.forward(target.params, jnp.asarray(nxt), cache)
+    logits2, _, cache = run(target.spec, target.params, jnp.asarray(nxt), cache)
     for i, p in enumerate(prompts):
         want, _ = full_logits(target, np.concatenate([p, nxt[i]]))
-        got_prefill = target.logits(target.params, hidden[i, : len(p)])
-        np.testing.assert_allclose(got_prefill, want[: len(p)], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(target.logits(target.params, hidden2[i]), want[len(p):], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(logits[i, : len(p)], want[: len(p)], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(logits2[i], want[len(p):], rtol=1e-5, atol=1e-5)
 
 
 def test_capture_layer_out_of_range(target):
@@ -89,9 +96,11 @@ def test_prefill_in_chunks_equals_one_pass(target):
     rng = np.random.default_rng(4)
     tokens = jnp.asarray(rng.integers(0, 97, size=(2, 11)))
     lengths = jnp.asarray([11, 7])
-    want = target.forward(target.params, tokens, target.init_cache(2, 32), capture=(0, 2), num_new=lengths)
-    got = target.prefill(target.params, tokens, target.init_cache(2, 32), capture=(0, 2), num_new=lengths,
-                         chunk_size=4)  # two chunks of 4 in the scan, then a remainder of 3
+    # each compiled whole (one program, not one per operation)
+    want = jax.jit(lambda p, t, c, n: target.forward(p, t, c, capture=(0, 2), num_new=n))(
+        target.params, tokens, target.init_cache(2, 32), lengths)
+    got = jax.jit(lambda p, t, c, n: target.prefill(p, t, c, capture=(0, 2), num_new=n, chunk_size=4))(
+        target.params, tokens, target.init_cache(2, 32), lengths)  # two chunks of 4 in the scan, then a remainder of 3
     np.testing.assert_array_equal(got[2].lengths, lengths)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -109,8 +118,10 @@ def test_chunked_cache_attention_equals_dense(window):
     cache_k, cache_v = (jnp.asarray(rng.normal(size=(2, 3, 10, 2, 8)), jnp.float32) for _ in range(2))
     lengths = jnp.asarray([10, 6, 0])
     ranges = masks.causal(lengths[:, None] - 1 + jnp.arange(2)[None, :], window).segment(0, lengths)
-    got = chunked_cache_attention_with_lse(q, cache_k, cache_v, 1, ranges, chunk_size=4)
-    want = reference_attention_with_lse(q, cache_k[1], cache_v[1], ranges)
+    # each compiled whole: one program for both windows (the ranges are its arguments)
+    got = jax.jit(functools.partial(chunked_cache_attention_with_lse, layer=1, chunk_size=4))(q, cache_k, cache_v,
+                                                                                           ranges=ranges)
+    want = jax.jit(reference_attention_with_lse)(q, cache_k[1], cache_v[1], ranges)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -142,11 +153,12 @@ def test_packed_layers_equal_the_scan_and_copy_no_weights(target):
     assert is_packed_layout(packed) and not is_packed_layout(target.params)
     assert target.module_for(packed).backend == "cpu" and target.module_for(target.params).backend == "xla"
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, size=(2, 9)), jnp.int32)
-    want = target.forward(target.params, tokens, capture=(0, 2))
-    got = target.forward(packed, tokens, capture=(0, 2))
+    forward = jax.jit(lambda p, t, c: target.forward(p, t, c, capture=(0, 2)))  # one program per layout
+    want = forward(target.params, tokens, None)
+    got = forward(packed, tokens, None)
     for a, b in zip(got[:2], want[:2]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    caches = [target.forward(p, tokens, target.init_cache(2, 16))[2] for p in (target.params, packed)]
+    caches = [forward(p, tokens, target.init_cache(2, 16))[2] for p in (target.params, packed)]
     np.testing.assert_allclose(np.asarray(caches[1].k), np.asarray(caches[0].k), rtol=1e-5, atol=1e-5)
 
     def shape_text(shape):
@@ -194,9 +206,10 @@ def test_packed_layers_equal_a_loop_over_single_kernels():
     cos, sin = Rotary(config)(positions)
     one = lambda i: jax.tree.map(lambda x: x[i], packed["layers"])
     outputs = []
+    apply = jax.jit(layer.apply)  # one program for every layer
     for i in range(config.num_layers):
         xs = (jnp.int32(i), jnp.int32(config.layer_windows[i]), jnp.int32(-1))
-        (hidden, _), _ = jax.jit(layer.apply)({"params": one(i)}, (hidden, None), xs, positions, cos, sin, None)
+        (hidden, _), _ = apply({"params": one(i)}, (hidden, None), xs, positions, cos, sin, None)
         outputs.append(hidden)
     final = RMSNorm(config.rms_norm_eps).apply({"params": packed["norm"]}, hidden)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(final))
@@ -235,8 +248,9 @@ def test_packed_layers_fuse_qkv_and_gate_up_where_the_widths_allow(widths):
             [layers["self_attn"][n]["bias"] for n in ("q_proj", "k_proj", "v_proj")], -1))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, model.params), before)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, size=(2, 6)), jnp.int32)
-    want = model.forward(model.params, tokens, capture=(0, 2))
-    got = model.forward(packed, tokens, capture=(0, 2))
+    forward = jax.jit(lambda p, t: model.forward(p, t, capture=(0, 2)))  # one program per layout
+    want = forward(model.params, tokens)
+    got = forward(packed, tokens)
     for a, b in zip(got[:2], want[:2]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 

@@ -56,11 +56,11 @@ def _over_rows(check: str, argname: str = "key", **params):
 
 
 def tests(group: str) -> dict:
-    """The suite's tests (and its `hf_pairs` fixture) for the rows of `group`, by name: a test module's
-    namespace."""
+    """The suite's tests (and its `hf_pairs` and `hf_greedy` fixtures) for the rows of `group`, by name: a
+    test module's namespace."""
     rows = GROUPS[group]
     family = lambda param: param.values[0] if isinstance(param.values[0], str) else param.values[0][0]  # noqa: E731
-    out = {"hf_pairs": hf_pairs}
+    out = {"hf_pairs": hf_pairs, "hf_greedy": hf_greedy}
     for test, check, params, argname in _CHECKS:
         copy = functools.wraps(test)(lambda *args, _test=test, **kwargs: _test(*args, **kwargs))
         chosen = [p for p in families.params(check, **params) if family(p) in rows]
@@ -86,6 +86,21 @@ def hf_pairs(tmp_path_factory):
             model = families.make_hf(family, directory, variant=variant)
             built[key] = FAMILIES[family], model, load_target(directory, tokenizer=False), directory
         return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_pairs):
+    """key -> transformers' greedy continuations of `PROMPTS` (`hf_generate`, the row's max_new_tokens),
+    computed once for the module: the plain and the speculative greedy checks compare with the same."""
+    done = {}
+
+    def get(key):
+        if key not in done:
+            row, model, _, _ = hf_pairs(key)
+            done[key] = hf_generate(model, PROMPTS, row.max_new_tokens)
+        return done[key]
 
     return get
 
@@ -143,10 +158,17 @@ def test_logits_and_captured_layers_equal_transformers(hf_pairs, key):
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, row.parity_tokens))
     logits, hidden_states, _ = hf_outputs(model, ids)
     capture = (1, 0, 1, cfg.num_layers // 2, cfg.num_layers - 1)
-    hidden, features, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32), capture=capture)
+    spec = target.spec
+
+    @jax.jit  # one program (run eagerly, the forward compiles dozens of single operations)
+    def forward(params, tokens):
+        hidden, features, _ = spec.forward(params, tokens, capture=capture)
+        return spec.logits(params, hidden), features
+
+    ours, features = forward(target.params, jnp.asarray(ids, jnp.int32))
     d = cfg.hidden_size
     assert features.shape == (*ids.shape, len(capture) * d)
-    assert_model_close(np.asarray(target.logits(target.params, hidden)), logits, cfg, tokens=ids.shape[1])
+    assert_model_close(np.asarray(ours), logits, cfg, tokens=ids.shape[1])
     for j, layer in enumerate(capture):
         assert_model_close(np.asarray(features[..., j * d:(j + 1) * d]), hidden_states[layer + 1], cfg,
                            tokens=ids.shape[1], err_msg=f"layer {layer}")
@@ -164,47 +186,55 @@ def test_cached_ragged_prefill_equals_each_row_alone(hf_pairs, key):
     chunk = {} if row.prefill["chunk_size"] is None else dict(chunk_size=row.prefill["chunk_size"])
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(3, max(lengths) + 1))
     capture = (0, cfg.num_layers // 2, cfg.num_layers - 1)
-    # each compiled whole (one program, not one per operation)
-    prefill = jax.jit(lambda params, tokens, cache, num_new: target.spec.prefill(
-        params, tokens, cache, capture=capture, num_new=num_new, **chunk))
-    hidden, features, cache = prefill(target.params, jnp.asarray(ids[:, :max(lengths)], jnp.int32),
-                                      target.init_cache(3, row.prefill["capacity"]), jnp.asarray(lengths))
+    spec = target.spec
+
+    # each compiled whole with its logits (one program, not one per operation)
+    @jax.jit
+    def prefill(params, tokens, cache, num_new):
+        hidden, features, cache = spec.prefill(params, tokens, cache, capture=capture, num_new=num_new, **chunk)
+        return spec.logits(params, hidden), features, cache
+
+    @jax.jit
+    def step(params, tokens, cache):
+        return spec.logits(params, spec.forward(params, tokens, cache)[0])
+
+    ours, features, cache = prefill(target.params, jnp.asarray(ids[:, :max(lengths)], jnp.int32),
+                                    target.init_cache(3, row.prefill["capacity"]), jnp.asarray(lengths))
     assert list(np.asarray(cache.lengths)) == lengths
     nxt = ids[np.arange(3), lengths]
-    step, _, _ = jax.jit(target.spec.forward)(target.params, jnp.asarray(nxt[:, None], jnp.int32), cache)
+    following = np.asarray(step(target.params, jnp.asarray(nxt[:, None], jnp.int32), cache))
+    ours = np.asarray(ours)
     d = cfg.hidden_size
     for r, n in enumerate(lengths):
         logits, hidden_states, gap = hf_outputs(model, np.concatenate([ids[r, :n], nxt[r:r + 1]])[None], row.router)
         if row.router:
             assert gap > 1e-4  # no top-k choice that float rounding could flip
-        assert_model_close(np.asarray(target.logits(target.params, hidden[r, :n])), logits[0, :n], cfg,
-                           tokens=ids.shape[1], err_msg=f"row {r}")
-        assert_model_close(np.asarray(target.logits(target.params, step[r, 0])), logits[0, n], cfg,
-                           tokens=ids.shape[1], err_msg=f"row {r}, next step")
+        assert_model_close(ours[r, :n], logits[0, :n], cfg, tokens=ids.shape[1], err_msg=f"row {r}")
+        assert_model_close(following[r, 0], logits[0, n], cfg, tokens=ids.shape[1], err_msg=f"row {r}, next step")
         for j, layer in enumerate(capture):
             assert_model_close(np.asarray(features[r, :n, j * d:(j + 1) * d]), hidden_states[layer + 1][0, :n], cfg,
                                tokens=ids.shape[1], err_msg=f"row {r}, layer {layer}")
 
 
 @_over_rows("greedy", variants=True)
-def test_greedy_tokens_equal_transformers_generate(hf_pairs, key):
+def test_greedy_tokens_equal_transformers_generate(hf_pairs, hf_greedy, key):
     """Ragged prompts in one batch, plain decoding: each row is transformers' greedy `generate` of
     its prompt alone."""
     from dflash_jax._speculative import generate
 
-    row, model, target, _ = hf_pairs(key)
-    expect = hf_generate(model, PROMPTS, row.max_new_tokens)
+    row, _, target, _ = hf_pairs(key)
+    expect = hf_greedy(key)
     assert generate(target, None, PROMPTS, max_new_tokens=row.max_new_tokens, stop_token_ids=()).tokens == expect
 
 
 @_over_rows("speculative", variants=False)
-def test_speculative_greedy_with_a_random_drafter_equals_transformers_generate(hf_pairs, key):
+def test_speculative_greedy_with_a_random_drafter_equals_transformers_generate(hf_pairs, hf_greedy, key):
     """The same prompts decoded speculatively with a random drafter of block 4 (drafts rejected at
     every kind of place, the caches rolled back each cycle)."""
     from dflash_jax._speculative import generate
 
-    row, model, target, _ = hf_pairs(key)
-    expect = hf_generate(model, PROMPTS, row.max_new_tokens)
+    row, _, target, _ = hf_pairs(key)
+    expect = hf_greedy(key)
     drafter = tiny_drafter(target, block_size=4, seed=3)
     assert generate(target, drafter, PROMPTS, max_new_tokens=row.max_new_tokens, stop_token_ids=()).tokens == expect
 

@@ -200,8 +200,10 @@ FAMILIES = {row.name: row for row in [
                                           "sliding_attention"], sliding_window=5, use_sliding_window=True,
                              rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 64, "rope_theta": 10000.0})}),
+    # its cached ragged prefill: the qwen3 row's stands for the KV cache by default (llama's layers: its
+    # logits and greedy checks against transformers)
     Family("llama", "LlamaForCausalLM", "LlamaConfig", LLAMA, _dense_init, slow=_DENSE_SLOW | {
-        "prefill[llama3-rope]", "greedy[llama3-rope]"}, variants={
+        "prefill", "greedy[llama3-rope]"}, variants={
         DEFAULT: {},  # GQA 4:1, tied head
         "llama3-rope": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
@@ -221,9 +223,9 @@ FAMILIES = {row.name: row for row in [
                # the text model of a multimodal checkpoint (its vision tower is not read)
                "conditional-generation": dict(num_hidden_layers=4, multimodal=True)},
            slow_variants=frozenset({"interval2-tied"}),  # its checks repeat the others' on another pattern
-           # the MoE hybrid's prefill, random drafter against transformers' generate, rejections and decode
-           # loop stand for these by default
-           slow=frozenset({"prefill", "greedy", "speculative", "rejections", "decode_loop_hlo"}),
+           # the MoE hybrid's prefill, random drafter against transformers' generate, rejections, decode
+           # step and loop stand for these by default (the same hybrid cache and layers)
+           slow=frozenset({"prefill", "greedy", "speculative", "rejections", "decode_step_hlo", "decode_loop_hlo"}),
            parity_tokens=77,  # two chunks of the chunked delta rule
            # the chi-square on one repeat of the pattern (3 linear, 1 full): every kind of layer, half the cost
            sampling_overrides=dict(num_hidden_layers=4),
@@ -264,9 +266,10 @@ FAMILIES = {row.name: row for row in [
                                       norm_topk_prob=False, num_experts_per_tok=3, tie_word_embeddings=True)},
            parity_tokens=77,  # two chunks of the delta rule
            prefill=dict(lengths=(100, 41, 5), capacity=128, chunk_size=None), router="mlp.gate",
-           # the hybrid's rejections, sampling and decode HLO are the qwen3_5 / qwen3_5_moe rows' (the same
-           # layers); test_qwen3_next checks the rollback of this row's recurrent state (make test-all)
-           slow=frozenset({"prefill[dense-raw-topk]", "greedy[dense-raw-topk]", "speculative", "rejections",
+           # the hybrid's cached ragged prefill, rejections, sampling and decode HLO are the qwen3_5 /
+           # qwen3_5_moe rows' (the same layers and cache); test_qwen3_next checks the rollback of this row's
+           # recurrent state (make test-all)
+           slow=frozenset({"prefill", "greedy[dense-raw-topk]", "speculative", "rejections",
                            "sampling", "decode_step_hlo", "decode_loop_hlo"}),
            decode_overrides=dict(full_attention_interval=2)),
     Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig", GLM4_MOE, _sigmoid_moe_init,
@@ -278,14 +281,17 @@ FAMILIES = {row.name: row for row in [
                                     topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, n_shared_experts=2,
                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                      "partial_rotary_factor": 0.25})},
-           # the rejections at every position stand for the speculative check by default
-           slow=frozenset({"prefill[dense2-plain]", "greedy[dense2-plain]", "speculative", "sampling",
+           # the rejections at every position stand for the speculative check by default; the cached ragged
+           # prefill and the decode step's HLO are the qwen3_moe row's (a KV cache, MoE layers) and the
+           # deepseek_v3 row's (a dense prefix before the MoE layers) by default
+           slow=frozenset({"prefill", "greedy[dense2-plain]", "speculative", "sampling", "decode_step_hlo",
                            "decode_loop_hlo"})),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config", MINIMAX_M2, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40,
            # the glm4_moe row's rejections, sampling, decode step and loop stand for these by default (the
-           # same layers); its speculative check runs
-           slow=frozenset({"rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
+           # same layers), the qwen3_moe row's cached ragged prefill (a KV cache, MoE layers); its speculative
+           # check runs
+           slow=frozenset({"prefill", "rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK_V3, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40, variants={
                DEFAULT: {},  # q low-rank path, interleaved rope, groups, a dense prefix of 1
@@ -300,8 +306,9 @@ FAMILIES = {row.name: row for row in [
                                                          "original_max_position_embeddings": 64}),
                # every layer dense (no routed or shared experts)
                "dense": dict(first_k_dense_replace=3, n_routed_experts=0, n_shared_experts=0)},
-           slow=frozenset({"prefill[dense]", "greedy[dense]", "greedy[plain-q-yarn-dense2]", "speculative",
-                           "sampling", "decode_loop_hlo"})),
+           # the default variant's cached ragged prefill stands for the others' (the same latent cache)
+           slow=frozenset({"prefill[dense]", "prefill[plain-q-yarn-dense2]", "greedy[dense]",
+                           "greedy[plain-q-yarn-dense2]", "speculative", "sampling", "decode_loop_hlo"})),
     Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", GEMMA4, _gemma4_init, parity_tokens=12,
            conditional=("Gemma4Config", "Gemma4ForConditionalGeneration"),
            variants={

@@ -93,13 +93,15 @@ def test_cache_attention_adds_the_sink_once(impl):
     ranges = masks.causal(positions)
     got = cache_attention(q, cache_k, cache_v, 0, ranges.segment(0, lengths), new_k, new_v,
                           ranges.segment(lengths, lengths + tq), impl=impl, sinks=sinks)
-    # the same keys laid out as one buffer per row: [cache[:len] ; new]
+    # the same keys laid out as one buffer per row: [cache[:len] ; new], key j at position j, seen by the
+    # queries at positions >= j (in numpy: no eager jax op to compile per row)
+    k_all, v_all, new_k, new_v, positions = map(np.asarray, (k_all, v_all, new_k, new_v, positions))
     keys, values, visible = [], [], []
     for row in range(b):
         n = int(lengths[row])
         keys.append(np.concatenate([k_all[row, :n], new_k[row]]))
         values.append(np.concatenate([v_all[row, :n], new_v[row]]))
-        visible.append(np.asarray(masks.causal(positions[row:row + 1]).dense(n + tq))[0])
+        visible.append(np.arange(n + tq)[None, :] <= positions[row][:, None])
     for row in range(b):
         want = float64_sink_attention(q[row:row + 1], keys[row][None], values[row][None], visible[row][None],
                                       sinks, d**-0.5)

@@ -275,10 +275,11 @@ def test_kimi_k2_5_checkpoint_reads_its_language_model(tmp_path):
     target = load_target(tmp_path, tokenizer=False)
     assert target.config.arch == "deepseek_v3" and target.config.num_experts == 8
     ids = np.random.default_rng(3).integers(0, 96, size=(1, 12))
-    hidden, _, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32))
+    logits = jax.jit(lambda params, tokens: target.logits(params, target.forward(params, tokens)[0]))(
+        target.params, jnp.asarray(ids, jnp.int32))  # one program (eagerly, a program per layer scan and op)
     with torch.no_grad():
         expected = model(input_ids=torch.as_tensor(ids)).logits.numpy()
-    assert_model_close(np.asarray(target.logits(target.params, hidden)), expected, target.config, tokens=12)
+    assert_model_close(np.asarray(logits), expected, target.config, tokens=12)
     exported = params_to_hf(target_rules(target.config, "language_model.model."), target.params,
                             target.config.num_layers)
     assert sorted(exported) == sorted(tensors)
@@ -447,10 +448,16 @@ def test_training_features_through_the_latent_cache_equal_one_pass():
     target = families.tiny_target("deepseek_v3")
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 96, size=(2, 20)), jnp.int32)
     features, next_tokens = _feature_fn(target, (0, 2))(target.params, tokens)
-    hidden, expected, _ = target.forward(target.params, tokens, capture=(0, 2))
+
+    @jax.jit  # one program (eagerly, a program per layer scan and op)
+    def one_pass(params, tokens):
+        hidden, expected, _ = target.forward(params, tokens, capture=(0, 2))
+        return expected, target.logits(params, hidden).argmax(-1)
+
+    expected, greedy = one_pass(target.params, tokens)
     np.testing.assert_allclose(np.asarray(features, np.float32), np.asarray(expected.astype(jnp.bfloat16), np.float32),
                                rtol=1e-2, atol=1e-2)
-    np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(target.logits(target.params, hidden).argmax(-1)))
+    np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(greedy))
 
 
 @pytest.mark.slow  # make test-all; float16 caches under speculative decoding by default: test_kv_cache_dtype

@@ -115,8 +115,14 @@ def test_layer_scalars_and_the_softcap_equal_transformers(tmp_path):
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids), output_hidden_states=True)
     capture = tuple(range(cfg.num_layers))
-    hidden, features, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32), capture=capture)
-    logits = np.asarray(target.logits(target.params, hidden))
+
+    @jax.jit  # one program (eagerly, a program per layer scan and op)
+    def run(params, tokens):
+        hidden, features, _ = target.forward(params, tokens, capture=capture)
+        return target.logits(params, hidden), features
+
+    logits, features = run(target.params, jnp.asarray(ids, jnp.int32))
+    logits = np.asarray(logits)
     assert np.abs(logits).max() < cfg.final_logit_softcapping
     assert_model_close(logits, out.logits.numpy(), cfg, tokens=ids.shape[1])
     d = cfg.hidden_size

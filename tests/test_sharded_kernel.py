@@ -94,21 +94,12 @@ def _generator_run(mesh) -> dict:
     """Greedy tokens and all-gathers of the compiled programs: the kernel on one device, the
     kernel on `mesh`, the reference attention on `mesh`."""
     import jax
-    import numpy as np
 
     from dflash_jax._config import ModelConfig
-    from dflash_jax._drafter import Drafter, drafter_param_shapes
+    from dflash_jax._drafter import Drafter, init_drafter_params
     from dflash_jax._drafter_config import DrafterConfig
     from dflash_jax._speculative import Generator
-    from dflash_jax._target import Target, target_param_shapes
-
-    def drawn(shapes, seed):
-        """numpy draws (no initialiser to compile, as `support.families.tiny_target`): norms near 1, the
-        rest N(0, 0.3)."""
-        rng = np.random.default_rng(seed)
-        return jax.tree_util.tree_map_with_path(lambda path, s: jax.numpy.asarray(
-            (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"
-             else 0.3 * rng.standard_normal(s.shape)).astype(np.float32)), shapes)
+    from dflash_jax._target import Target, init_target_params
 
     vocab = 64
     config = ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -118,12 +109,10 @@ def _generator_run(mesh) -> dict:
                                    block_size=4, mask_token_id=vocab - 1, max_position_embeddings=128)
     prompts = [[3, 9, 4], [7, 1, 2, 5, 8], [12], [5, 5, 20, 31]]
     found = {}
-    target_params = drawn(target_param_shapes(config), 0)
-    drafter_params = drawn(drafter_param_shapes(drafter_config), 1)
     for name, impl, on_mesh in (("kernel_one_device", "pallas_interpret", None),
                                 ("kernel_mesh", "pallas_interpret", mesh), ("reference_mesh", "reference", mesh)):
-        target = Target(config, target_params, attn_impl=impl)
-        drafter = Drafter(drafter_config, drafter_params, attn_impl=impl)
+        target = Target(config, init_target_params(config, jax.random.PRNGKey(0)), attn_impl=impl)
+        drafter = Drafter(drafter_config, init_drafter_params(drafter_config, jax.random.PRNGKey(1)), attn_impl=impl)
         generator = (Generator(target, drafter, backend="xla") if on_mesh is None
                      else Generator(target, drafter, mesh=mesh))
         tokens = generator.generate(prompts, max_new_tokens=6, stop_token_ids=()).tokens

@@ -48,12 +48,11 @@ def float64_sink_attention(q, k, v, visible, sinks, scale, return_lse=False):
 
 
 def _case(seed, b=2, tq=5, tk=11, hq=4, hkv=2, d=8):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(keys[0], (b, tq, hq, d), jnp.float32)
-    k = jax.random.normal(keys[1], (b, tk, hkv, d), jnp.float32)
-    v = jax.random.normal(keys[2], (b, tk, hkv, d), jnp.float32)
-    sinks = 2.0 * jax.random.normal(keys[3], (hq,), jnp.float32)
-    return q, k, v, sinks
+    """q, k, v and sinks (2 x N(0, 1)) in float32; numpy draws (nothing to compile)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32))
+               for shape in [(b, tq, hq, d), (b, tk, hkv, d), (b, tk, hkv, d)])
+    return q, k, v, jnp.asarray(2.0 * rng.standard_normal(hq, np.float32))
 
 
 @pytest.mark.parametrize("window", [0, 3])
@@ -94,13 +93,15 @@ def test_cache_attention_adds_the_sink_once(impl):
     ranges = masks.causal(positions)
     got = cache_attention(q, cache_k, cache_v, 0, ranges.segment(0, lengths), new_k, new_v,
                           ranges.segment(lengths, lengths + tq), impl=impl, sinks=sinks)
-    # the same keys laid out as one buffer per row: [cache[:len] ; new]
+    # the same keys laid out as one buffer per row: [cache[:len] ; new], key j at position j, seen by the
+    # queries at positions >= j (in numpy: no eager jax op to compile per row)
+    k_all, v_all, new_k, new_v, positions = map(np.asarray, (k_all, v_all, new_k, new_v, positions))
     keys, values, visible = [], [], []
     for row in range(b):
         n = int(lengths[row])
         keys.append(np.concatenate([k_all[row, :n], new_k[row]]))
         values.append(np.concatenate([v_all[row, :n], new_v[row]]))
-        visible.append(np.asarray(masks.causal(positions[row:row + 1]).dense(n + tq))[0])
+        visible.append(np.arange(n + tq)[None, :] <= positions[row][:, None])
     for row in range(b):
         want = float64_sink_attention(q[row:row + 1], keys[row][None], values[row][None], visible[row][None],
                                       sinks, d**-0.5)

@@ -31,12 +31,18 @@ def test_latent_cache_decode_equals_transformers_step_by_step(q_lora_rank, tmp_p
     target = load_target(tmp_path, tokenizer=False)
     assert (target.config.mla.q_lora_rank or None) == q_lora_rank
     ids = np.random.default_rng(2).integers(0, 96, size=(1, 16))
-    hidden, _, cache = target.forward(target.params, jnp.asarray(ids[:, :6], jnp.int32), target.init_cache(1, 32))
+
+    @jax.jit  # a program for the prompt and one for every step (eagerly, each step's layer scans compile anew)
+    def step(params, tokens, cache):
+        hidden, _, cache = target.forward(params, tokens, cache)
+        return target.logits(params, hidden), cache
+
+    logits, cache = step(target.params, jnp.asarray(ids[:, :6], jnp.int32), target.init_cache(1, 32))
     assert isinstance(cache, LatentCache)
-    ours = [np.asarray(target.logits(target.params, hidden))[0]]
+    ours = [np.asarray(logits)[0]]
     for i in range(6, 16):
-        hidden, _, cache = target.forward(target.params, jnp.asarray(ids[:, i:i + 1], jnp.int32), cache)
-        ours.append(np.asarray(target.logits(target.params, hidden))[0])
+        logits, cache = step(target.params, jnp.asarray(ids[:, i:i + 1], jnp.int32), cache)
+        ours.append(np.asarray(logits)[0])
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids[:, :6]), use_cache=True)
         theirs, past = [out.logits[0].numpy()], out.past_key_values
@@ -269,10 +275,11 @@ def test_kimi_k2_5_checkpoint_reads_its_language_model(tmp_path):
     target = load_target(tmp_path, tokenizer=False)
     assert target.config.arch == "deepseek_v3" and target.config.num_experts == 8
     ids = np.random.default_rng(3).integers(0, 96, size=(1, 12))
-    hidden, _, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32))
+    logits = jax.jit(lambda params, tokens: target.logits(params, target.forward(params, tokens)[0]))(
+        target.params, jnp.asarray(ids, jnp.int32))  # one program (eagerly, a program per layer scan and op)
     with torch.no_grad():
         expected = model(input_ids=torch.as_tensor(ids)).logits.numpy()
-    assert_model_close(np.asarray(target.logits(target.params, hidden)), expected, target.config, tokens=12)
+    assert_model_close(np.asarray(logits), expected, target.config, tokens=12)
     exported = params_to_hf(target_rules(target.config, "language_model.model."), target.params,
                             target.config.num_layers)
     assert sorted(exported) == sorted(tensors)
@@ -365,10 +372,19 @@ def test_int4_expert_checkpoint_loads_dequantised(tmp_path):
 # On a device mesh
 
 
-def sharded_run(out: str) -> None:
+# The default suite runs DeepSeek-V3 on MESHES, `make test-all` on MORE_MESHES too: heads over a tensor axis
+# of 4 (one per device) with the experts replicated over `expert`. The default mesh runs the same rules (MLA's
+# heads and each expert's width over `tensor`, the latent cache by rows over `data`) with the experts over
+# `expert` besides.
+MESHES = {"expert2_tensor2_data2": dict(expert=2, tensor=2, data=2)}
+MORE_MESHES = {"tensor4_data2": dict(tensor=4, data=2)}
+
+
+def sharded_run(out: str, meshes: str = "MESHES") -> None:
     """(In a subprocess with 8 CPU devices: `support.devices.run_8_devices`.) Greedy speculative tokens of
-    the row's tiny MoE target and a random drafter on one device and on two meshes (experts over `expert`,
-    heads over `tensor`, rows over `data`), and the latent cache's shardings -> JSON at `out`."""
+    the row's tiny MoE target and a random drafter on one device and on the meshes of `meshes` (MESHES or
+    MORE_MESHES: experts over `expert`, heads over `tensor`, rows over `data`), and the latent cache's
+    shardings -> JSON at `out`."""
     import json
 
     from dflash_jax import sharding
@@ -380,8 +396,7 @@ def sharded_run(out: str) -> None:
     prompts = [[3, 9, 4], [7, 1, 2, 5, 8, 6, 11], [12], [5, 5, 20, 31, 2]]
     found = {"reference": Generator(target, drafter, backend="xla").generate(
         prompts, max_new_tokens=12, stop_token_ids=()).tokens}
-    for name, axes in {"expert2_tensor2_data2": dict(expert=2, tensor=2, data=2),
-                       "tensor4_data2": dict(tensor=4, data=2)}.items():
+    for name, axes in globals()[meshes].items():
         mesh = sharding.make_mesh(**axes)
         found[name] = Generator(target, drafter, mesh=mesh).generate(prompts, max_new_tokens=12,
                                                                      stop_token_ids=()).tokens
@@ -391,15 +406,25 @@ def sharded_run(out: str) -> None:
         json.dump(found, f)
 
 
+def _check_sharded(meshes: str) -> None:
+    from support.devices import run_8_devices
+
+    found = run_8_devices(f"sharded_run({{out}}, {meshes!r})", "test_deepseek_v3")
+    for name in globals()[meshes]:
+        assert found[name] == found["reference"], name
+        assert found[f"{name}_cache"] == [[None, "data", None, None, None], ["data"]]
+
+
 def test_sharded_greedy_equals_one_device():
     """On 8 devices, experts split over `expert` and heads (q_b_proj, kv_b_proj, o_proj) over `tensor`, the
     latent cache split by rows and replicated over `tensor`: the tokens of one device."""
-    from support.devices import run_8_devices
+    _check_sharded("MESHES")
 
-    found = run_8_devices("sharded_run({out})", "test_deepseek_v3")
-    for name in ("expert2_tensor2_data2", "tensor4_data2"):
-        assert found[name] == found["reference"], name
-        assert found[f"{name}_cache"] == [[None, "data", None, None, None], ["data"]]
+
+@pytest.mark.slow  # make test-all; test_sharded_greedy_equals_one_device runs the same rules on expert x tensor x data
+def test_sharded_greedy_on_a_wider_tensor_axis_equals_one_device():
+    """Heads over a tensor axis of 4 (one per device), the experts not over `expert`: the tokens of one device."""
+    _check_sharded("MORE_MESHES")
 
 
 def test_benchmark_reports_the_latent_caches_bytes_per_token():
@@ -423,10 +448,16 @@ def test_training_features_through_the_latent_cache_equal_one_pass():
     target = families.tiny_target("deepseek_v3")
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 96, size=(2, 20)), jnp.int32)
     features, next_tokens = _feature_fn(target, (0, 2))(target.params, tokens)
-    hidden, expected, _ = target.forward(target.params, tokens, capture=(0, 2))
+
+    @jax.jit  # one program (eagerly, a program per layer scan and op)
+    def one_pass(params, tokens):
+        hidden, expected, _ = target.forward(params, tokens, capture=(0, 2))
+        return expected, target.logits(params, hidden).argmax(-1)
+
+    expected, greedy = one_pass(target.params, tokens)
     np.testing.assert_allclose(np.asarray(features, np.float32), np.asarray(expected.astype(jnp.bfloat16), np.float32),
                                rtol=1e-2, atol=1e-2)
-    np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(target.logits(target.params, hidden).argmax(-1)))
+    np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(greedy))
 
 
 @pytest.mark.slow  # make test-all; float16 caches under speculative decoding by default: test_kv_cache_dtype

@@ -115,8 +115,14 @@ def test_layer_scalars_and_the_softcap_equal_transformers(tmp_path):
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids), output_hidden_states=True)
     capture = tuple(range(cfg.num_layers))
-    hidden, features, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32), capture=capture)
-    logits = np.asarray(target.logits(target.params, hidden))
+
+    @jax.jit  # one program (eagerly, a program per layer scan and op)
+    def run(params, tokens):
+        hidden, features, _ = target.forward(params, tokens, capture=capture)
+        return target.logits(params, hidden), features
+
+    logits, features = run(target.params, jnp.asarray(ids, jnp.int32))
+    logits = np.asarray(logits)
     assert np.abs(logits).max() < cfg.final_logit_softcapping
     assert_model_close(logits, out.logits.numpy(), cfg, tokens=ids.shape[1])
     d = cfg.hidden_size
@@ -144,13 +150,39 @@ def test_a_stack_of_full_layers_only_equals_transformers(tmp_path, overrides):
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 12))
     with torch.no_grad():
         want = model(input_ids=torch.as_tensor(ids)).logits.numpy()
-    hidden, _, _ = target.forward(target.params, jnp.asarray(ids, jnp.int32))
-    assert_model_close(np.asarray(target.logits(target.params, hidden)), want, cfg, tokens=12)
-    cache = target.init_cache(2, 32)
-    first, _, cache = target.forward(target.params, jnp.asarray(ids[:, :7], jnp.int32), cache)
-    rest, _, cache = target.forward(target.params, jnp.asarray(ids[:, 7:], jnp.int32), cache)
-    cached = np.asarray(target.logits(target.params, jnp.concatenate([first, rest], axis=1)))
-    assert_model_close(cached, want, cfg, tokens=12)
+
+    @jax.jit  # the three passes in one program (eagerly, each pass's layer scans compile anew)
+    def run(params, tokens):
+        hidden, _, _ = target.forward(params, tokens)
+        cache = target.init_cache(2, 32)
+        first, _, cache = target.forward(params, tokens[:, :7], cache)
+        rest, _, cache = target.forward(params, tokens[:, 7:], cache)
+        return target.logits(params, hidden), target.logits(params, jnp.concatenate([first, rest], axis=1))
+
+    logits, cached = run(target.params, jnp.asarray(ids, jnp.int32))
+    assert_model_close(np.asarray(logits), want, cfg, tokens=12)
+    assert_model_close(np.asarray(cached), want, cfg, tokens=12)
+
+
+def _two_token_joints(targets, prompt, vocab):
+    """Each target's exact p(x1, x2 | prompt) by enumeration (as `support.sampling.exact_joint` at temperature 1,
+    no filter, depth 2), all from one program: the prompt followed by each token t, the logits (`Target.logits`)
+    at the prompt's last position giving x1's distribution and at t's position x2's given x1 = t."""
+    from dflash_jax import _sampling as sampling
+
+    batch = jnp.asarray([list(prompt) + [t] for t in range(vocab)], jnp.int32)
+
+    @jax.jit
+    def probs(params):
+        return [sampling.filtered_probs(t.logits(params, t.forward(params, batch)[0][:, -2:]), 1.0, 0, None)
+                for t in targets]
+
+    joints = []
+    for p in probs(targets[0].params):
+        p = np.asarray(p, np.float64)
+        joints.append({(a, b): p[a, 0, a] * p[a, 1, b] for a in range(vocab) for b in range(vocab)
+                       if p[a, 0, a] > 0 and p[a, 1, b] > 0})
+    return joints
 
 
 def test_sampled_tokens_follow_the_softcapped_distribution():
@@ -159,12 +191,12 @@ def test_sampled_tokens_follow_the_softcapped_distribution():
     `Target.logits`) and not the raw logits' softmax, and drafts are accepted."""
     from dflash_jax._speculative import generate
     from dflash_jax._target import Target
-    from support.sampling import PROMPT, SAMPLES, V, chi_square_pvalue, exact_joint
+    from support.sampling import PROMPT, SAMPLES, V, chi_square_pvalue
     from support.speculative import tiny_drafter
 
     target = families.tiny_target("gemma4", seed=3, scale=0.6, vocab_size=V + 1, final_logit_softcapping=0.5)
     raw = Target(dataclasses.replace(target.config, final_logit_softcapping=0.0), target.params)
-    capped, uncapped = exact_joint(target, depth=2), exact_joint(raw, depth=2)
+    capped, uncapped = _two_token_joints((target, raw), PROMPT, V + 1)
     assert max(abs(capped[s] - uncapped.get(s, 0.0)) for s in capped) > 0.05
     result = generate(target, tiny_drafter(target, block_size=4, seed=5), [PROMPT] * SAMPLES, max_new_tokens=2,
                       stop_token_ids=(), temperature=1.0, seed=11)
@@ -300,14 +332,19 @@ def test_kv_heads_copied_per_layer_kind_compute_what_one_device_computes():
     assert sharding.group_kv_replicas(cfg, 1) == 1
     copied = dataclasses.replace(spec, kv_replicas=(1, 8))
     tokens = jnp.asarray([[3, 9, 4, 7, 1, 30], [5, 5, 20, 31, 2, 8]], jnp.int32)
-    outputs = []
-    for s in (spec, copied):
-        cache = s.init_cache(2, 16)
-        hidden, feats, cache = s.forward(target.params, tokens, cache, capture=(1, 3))
-        step, _, cache = s.forward(target.params, tokens[:, :1], cache)
-        outputs.append((s.logits(target.params, hidden), feats, s.logits(target.params, step),
-                        [g.k.shape[3] for g in cache.groups]))
-    (*want, heads), (*got, copied_heads) = outputs
+
+    @jax.jit  # both specs in one program (eagerly, each layer segment's scan compiles for each)
+    def run(params):
+        outputs = []
+        for s in (spec, copied):
+            cache = s.init_cache(2, 16)
+            hidden, feats, cache = s.forward(params, tokens, cache, capture=(1, 3))
+            step, _, cache = s.forward(params, tokens[:, :1], cache)
+            outputs.append((s.logits(params, hidden), feats, s.logits(params, step), cache))
+        return outputs
+
+    (*want, cache), (*got, copied_cache) = run(target.params)
+    heads, copied_heads = ([g.k.shape[3] for g in c.groups] for c in (cache, copied_cache))
     assert heads == [8, 1] and copied_heads == [8, 8]
     for g, w in zip(got, want):
         assert_model_close(np.asarray(g), np.asarray(w), cfg, tokens=tokens.shape[1] + 1)

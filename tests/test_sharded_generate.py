@@ -9,12 +9,13 @@ parameter shardings are the rules' and no weight the rules split is replicated (
 the state rules'); the sharded decode loop copies no cache (`make test-all`); models loaded with a mesh
 are placed by the rules as they are read, shard by shard; kv heads fewer than the tensor axis are
 replicated over the shards that need them, the KV caches too (a 2-kv-head Qwen3 on tensor x data =
-4 x 2, a 1-kv-head Llama on 4 x 2 (and 2 x 4 under `make test-all`), a 1-kv-head Qwen3.5 hybrid on
-2 x 4 whose Gated DeltaNet weights, conv tails and states the compiled programs split over `tensor`:
-speculative and plain, one device's tokens); a kv-head count the tensor axis neither divides nor is a
-multiple of is refused with an error naming the weight; speculative sampling on a mesh keeps the
-target's exact distribution (tests/test_sampling.py's chi-square); and two processes joined by
-jax.distributed, the prompts given to one, generate as one device does.
+4 x 2, a 1-kv-head Llama on 4 x 2 (and 2 x 4 under `make test-all`), speculative (plain under `make
+test-all`), a 1-kv-head Qwen3.5 hybrid on 2 x 4 whose Gated DeltaNet weights, conv tails and states the
+compiled programs split over `tensor`: speculative and plain, one device's tokens); a kv-head count
+the tensor axis neither divides nor is a multiple of is refused with an error naming the weight;
+speculative sampling on a mesh keeps the target's exact distribution (tests/test_sampling.py's
+chi-square); and two processes joined by jax.distributed, the prompts given to one, generate as one
+device does.
 
 The multi-device checks run in a subprocess (`sharded_run`; `extra_run` for the slow ones; 8
 devices: conftest pins this process to 1), which writes its findings as JSON for the tests below.
@@ -81,17 +82,27 @@ def _configs():
             "qwen3_5_kv1": dataclasses.replace(qwen3_5, num_kv_heads=1)}, drafter
 
 
-def _models(name: str):
+def _drawn(shapes, seed: int, scale: float = 0.3):
+    """Params of `shapes` drawn with numpy (no initialiser to compile, as `support.families.tiny_target`):
+    norms near 1, the rest N(0, scale)."""
     import jax
+    import numpy as np
 
-    from dflash_jax._drafter import Drafter, init_drafter_params
-    from dflash_jax._target import Target, init_target_params
+    rng = np.random.default_rng(seed)
+    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
+                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(lambda path, s: jax.numpy.asarray(draw(path, s)), shapes)
+
+
+def _models(name: str):
+    from dflash_jax._drafter import Drafter, drafter_param_shapes
+    from dflash_jax._target import Target, target_param_shapes
 
     targets, drafter_config = _configs()
     config = targets[name]
     drafter_config = dataclasses.replace(drafter_config, num_kv_heads=config.num_kv_heads)
-    target = Target(config, init_target_params(config, jax.random.PRNGKey(0)))
-    drafter = Drafter(drafter_config, init_drafter_params(drafter_config, jax.random.PRNGKey(1)))
+    target = Target(config, _drawn(target_param_shapes(config), 0))
+    drafter = Drafter(drafter_config, _drawn(drafter_param_shapes(drafter_config), 1))
     return target, drafter
 
 
@@ -156,7 +167,7 @@ def save_target_dir(target, directory: Path) -> None:
 
 # The default suite runs these (model, mesh) pairs; `make test-all` adds EXTRA_CASES in a second
 # subprocess (`extra_run`): the rest of the tensor x data shapes for Qwen3 and Llama (whose Llama on
-# tensor=4 x data=2 the 1-kv-head Llama of LAYOUT_MESHES stands for by default: the same mesh and layers,
+# tensor=4 x data=2 the 1-kv-head Llama of LAYOUT_CASES stands for by default: the same mesh and layers,
 # its kv heads replicated), all 8 devices on `expert`, and the whole-buffer check of the sharded decode
 # loops.
 DEFAULT_MESHES = {"qwen3": ["tensor2_data4"], "qwen3_moe": ["expert4_tensor2"],
@@ -197,13 +208,21 @@ def _mesh_cases(meshes, mesh_names_of, found, generators):
 
 # Fewer kv heads than the tensor axis (each replicated over the shards that need it, the KV caches
 # too) and a Qwen3.5 hybrid whose Gated DeltaNet is split over `tensor`: greedy tokens, speculative
-# and plain, against one device. The default suite runs LAYOUT_MESHES (in `sharded_run`: 2 copies of
+# and plain, against one device. The default suite runs LAYOUT_CASES (in `sharded_run`: 2 copies of
 # each kv head, Qwen3's two on tensor=4 and the hybrid's one on tensor=2; 4 copies, Llama's one on
-# tensor=4), `make test-all` EXTRA_LAYOUT_MESHES: 4 copies of each of two kv heads, Llama's one kv head
-# in 2 copies (as Qwen3's and the hybrid's), and a hybrid whose 2 linear key heads the tensor axis (4)
-# does not divide (its linear layers replicated).
-LAYOUT_MESHES = {"qwen3_kv2": ["tensor4_data2"], "llama_kv1": ["tensor4_data2"], "qwen3_5_kv1": ["tensor2_data4"]}
-EXTRA_LAYOUT_MESHES = {"qwen3_kv2": ["tensor8_data1"], "llama_kv1": ["tensor2_data4"], "qwen3_5_kv1": ["tensor4_data2"]}
+# tensor=4), `make test-all` EXTRA_LAYOUT_CASES: 4 copies of each of two kv heads, Llama's one kv head
+# in 2 copies (as Qwen3's and the hybrid's), a hybrid whose 2 linear key heads the tensor axis (4)
+# does not divide (its linear layers replicated), and the plain (drafterless) runs of Qwen3's and
+# Llama's tensor=4 x data=2 cases. Those two stand for each other by default: their speculative runs
+# replicate the same target's kv heads (the drafter's too), and the hybrid's plain run on tensor=2 x
+# data=4 is the plain decode loop over replicated kv heads and their caches.
+LAYOUT_CASES = [("qwen3_kv2", "tensor4_data2", "speculative"), ("llama_kv1", "tensor4_data2", "speculative"),
+                ("qwen3_5_kv1", "tensor2_data4", "speculative"), ("qwen3_5_kv1", "tensor2_data4", "plain")]
+EXTRA_LAYOUT_CASES = [(model, mesh, kind) for model, mesh in (("qwen3_kv2", "tensor8_data1"),
+                                                              ("llama_kv1", "tensor2_data4"),
+                                                              ("qwen3_5_kv1", "tensor4_data2"))
+                      for kind in ("speculative", "plain")] + [("qwen3_kv2", "tensor4_data2", "plain"),
+                                                               ("llama_kv1", "tensor4_data2", "plain")]
 
 
 def _compiled_layout(generator) -> dict:
@@ -234,20 +253,20 @@ def _compiled_layout(generator) -> dict:
     return found
 
 
-def _layout_cases(meshes, mesh_names_of, found) -> None:
-    """LAYOUT_MESHES' cases into `found`: per model, one device's plain greedy tokens (the target's
-    own continuation, which greedy speculative decoding equals), and per mesh and kind
-    ("speculative", "plain") the tokens, the compiled shardings' problems and `_compiled_layout`."""
+def _layout_cases(meshes, cases, found) -> None:
+    """`cases` ((model, mesh, kind) of LAYOUT_CASES) into `found`: per model, one device's plain greedy
+    tokens (the target's own continuation, which greedy speculative decoding equals), and per mesh and
+    kind ("speculative", "plain") the tokens, the compiled shardings' problems and `_compiled_layout`."""
     from dflash_jax import sharding
     from dflash_jax._speculative import Generator
 
-    for name, mesh_names in mesh_names_of.items():
+    for name in dict.fromkeys(model for model, _, _ in cases):
         target, drafter = _models(name)
         case = found[name] = {"meshes": {}, "problems": {}, "layout": {}}
         case["reference"] = Generator(target, None, backend="xla").generate(
             PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
         for kind, pair_drafter in (("speculative", drafter), ("plain", None)):
-            for mesh_name in mesh_names:
+            for mesh_name in [mesh for model, mesh, k in cases if (model, k) == (name, kind)]:
                 mesh, key = meshes[mesh_name], f"{mesh_name}/{kind}"
                 generator = Generator(target, pair_drafter, mesh=mesh)
                 case["meshes"][key] = generator.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
@@ -285,7 +304,7 @@ def extra_run(out: str) -> None:
     generators: dict = {}
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     _mesh_cases(meshes, EXTRA_MESHES, found, generators)
-    _layout_cases(meshes, EXTRA_LAYOUT_MESHES, found.setdefault("layouts", {}))
+    _layout_cases(meshes, EXTRA_LAYOUT_CASES, found.setdefault("layouts", {}))
     found["whole_buffer_ops"] = {"qwen3": _whole_buffer_ops(generators["qwen3", "tensor4_data2"]),
                                  "qwen3_moe": _whole_buffer_ops(generators["qwen3_moe", "expert8"])}
     Path(out).write_text(json.dumps(found))
@@ -305,7 +324,7 @@ def sharded_run(out: str, workdir: str) -> None:
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     generators = {}
     _mesh_cases(meshes, DEFAULT_MESHES, found, generators)
-    _layout_cases(meshes, LAYOUT_MESHES, found.setdefault("layouts", {}))
+    _layout_cases(meshes, LAYOUT_CASES, found.setdefault("layouts", {}))
 
     # Loaded with a mesh: every weight on the rules' shards as read; generating from them agrees.
     target, drafter = _models("qwen3")
@@ -355,13 +374,17 @@ def sharded_run(out: str, workdir: str) -> None:
                                PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens}
 
     # A kv-head count (6) the tensor axis (4) neither divides nor is a multiple of (12 query heads,
-    # which it divides): refused, naming the weight. (2 kv heads on 4 are replicated: LAYOUT_MESHES.)
+    # which it divides): refused, naming the weight. (2 kv heads on 4 are replicated: LAYOUT_CASES.)
     mesh = meshes["tensor4_data2"]
     errors = {}
     narrow = dataclasses.replace(target.config, num_heads=12, num_kv_heads=6)
-    from dflash_jax._target import Target, init_target_params
+    import numpy as np
 
-    narrow_target = Target(narrow, init_target_params(narrow, jax.random.PRNGKey(0)))
+    from dflash_jax._target import Target, target_param_shapes
+
+    # zeros of the right shapes (refused before any is read; no init program to compile)
+    narrow_target = Target(narrow, jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype),
+                                                          target_param_shapes(narrow)))
     for what, call in (("generator", lambda: Generator(narrow_target, None, mesh=mesh)),
                        ("load_target", lambda: (save_target_dir(narrow_target, Path(workdir) / "narrow"),
                                                 load_target(Path(workdir) / "narrow", tokenizer=False, mesh=mesh)))):
@@ -457,10 +480,7 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_refused(findings, what):
         assert word in message, (word, message)
 
 
-LAYOUT_CASES = [(model, mesh, kind) for model, meshes in LAYOUT_MESHES.items() for mesh in meshes
-                for kind in ("speculative", "plain")]
-EXTRA_LAYOUT_CASES = [(model, mesh, kind) for model, meshes in EXTRA_LAYOUT_MESHES.items() for mesh in meshes
-                      for kind in ("speculative", "plain")]
+
 
 
 def _check_layout_case(case, model: str, mesh: str, kind: str) -> None:
@@ -480,8 +500,9 @@ def _check_layout_case(case, model: str, mesh: str, kind: str) -> None:
 @pytest.mark.parametrize("model, mesh, kind", LAYOUT_CASES)
 def test_kv_heads_fewer_than_the_tensor_axis_are_replicated_and_agree(findings, model, mesh, kind):
     """A 2-kv-head Qwen3 on tensor=4 x data=2, a 1-kv-head Llama on tensor=4 x data=2 (and 2 x 4 under
-    `make test-all`) and a 1-kv-head Qwen3.5 hybrid on tensor=2 x data=4 (its drafters' kv heads alike), speculative and
-    plain: one device's tokens; every KV cache holds `tensor` heads, one per device."""
+    `make test-all`), speculative (their plain runs under `make test-all`: LAYOUT_CASES), and a 1-kv-head
+    Qwen3.5 hybrid on tensor=2 x data=4, speculative and plain (the drafters' kv heads alike): one device's
+    tokens; every KV cache holds `tensor` heads, one per device."""
     _check_layout_case(findings["layouts"][model], model, mesh, kind)
 
 

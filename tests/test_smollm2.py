@@ -140,6 +140,7 @@ def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_i
     (dequantised) weights to float rounding (the kernel multiplies the blocks in factored form) and
     pick the same tokens."""
     import flax
+    import jax
     import jax.numpy as jnp
 
     from dflash_jax.backends.cpu.matmul import available, is_narrow
@@ -161,6 +162,7 @@ def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_i
     floats = pack_layers(load_target(gguf_path, "float32", tokenizer=False, layout="stacked").params)
     prompt, step = jnp.asarray([chat_ids], jnp.int32), jnp.asarray([[chat_ids[-1]]], jnp.int32)
 
+    @jax.jit  # one program per layout (eagerly, a program per layer scan and op, the scans anew for each pass)
     def logits(params):
         hidden, _, cache = target.forward(params, prompt, target.init_cache(1, 64))
         first = target.logits(params, hidden)

@@ -424,17 +424,55 @@ class Target:
     module = property(lambda self: self.spec.module_for(self.params),
                       doc="The Flax module that reads `params`, on the backend of their layout (`module_for`).")
     module_for = on_spec("module_for")
-    forward = on_spec("forward")
-    prefill = on_spec("prefill")
     embed = on_spec("embed")
-    logits = on_spec("logits")
     init_cache = on_spec("init_cache")
+
+    def forward(self, params, tokens, cache=None, **options):
+        """`TargetSpec.forward`, compiled when called outside a trace (`_compiled`)."""
+        return self._compiled("forward", params, tokens, cache, **options)
+
+    def prefill(self, params, tokens, cache, **options):
+        """`TargetSpec.prefill`, compiled when called outside a trace (`_compiled`)."""
+        return self._compiled("prefill", params, tokens, cache, **options)
+
+    def logits(self, params, hidden):
+        """`TargetSpec.logits`, compiled when called outside a trace (`_compiled`)."""
+        return self._compiled("logits", params, hidden)
+
+    def _compiled(self, name: str, params, *args, **options):
+        """The spec's `name` as one jitted program (kept per spec, options and argument shapes) when
+        no argument is traced: run eagerly, every operation would be dispatched alone and every
+        layer scan compiled anew on each call. Inside a trace (jit, grad, vmap) the spec's function
+        as it is. A cache's room is checked first, while its lengths are concrete."""
+        spec = self.spec
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((params, args, options))):
+            return getattr(spec, name)(params, *args, **options)
+        if name != "logits":
+            tokens, cache = jnp.asarray(args[0]), args[1]
+            args = (tokens, cache)
+            if cache is not None:
+                check_fits(cache, tokens.shape[1])
+        if "capture" in options:
+            options["capture"] = tuple(int(i) for i in options["capture"])
+        return _COMPILED[name](spec, params, *args, **options)
 
     @property
     def decode_activations(self) -> str:
         """How the decode's products round activations: "int8" for a GGUF target loaded with
         `load_target(..., decode_activations="int8")`, else "float32"."""
         return backends.get(backends.of_target_params(self.params)).activations(self.params)
+
+
+def _spec_call(name: str):
+    def run(spec, params, *args, **options):
+        return getattr(spec, name)(params, *args, **options)
+    return run
+
+
+# `Target._compiled`'s programs: the spec static, and the options that pick code paths
+_COMPILED = {name: jax.jit(_spec_call(name), static_argnums=0,
+                           static_argnames=("capture", "write_cache", "chunk_size"))
+             for name in ("forward", "prefill", "logits")}
 
 
 def after(tree, value):

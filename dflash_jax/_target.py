@@ -404,6 +404,8 @@ class Target:
 
     The pure functions (`forward`, `prefill`, `embed`, `logits`, `init_cache`, `module_for`) are the
     spec's, reachable from here for convenience; jitted code takes `spec` and the params apart.
+    Called outside a trace, `forward`, `prefill` and `logits` run compiled (one program per spec,
+    options and argument shapes), as a notebook wants them.
     """
 
     config: ModelConfig

@@ -327,24 +327,26 @@ def test_released_params_are_given_up_and_pack_the_same(target):
 
 
 def test_a_targets_forward_called_eagerly_is_one_compiled_program(target):
-    """`Target.forward` / `prefill` / `logits` outside a trace run the spec's function jitted: the same
-    values as a jitted call, no new program for a second call of the same shapes, and a cache's room
-    still checked first (under jit its lengths are traced)."""
+    """`Target.forward` / `prefill` / `logits` outside a trace run the spec's function jitted: one new
+    program for a new shape, none for a second call of it, none for a call inside a trace (the spec's
+    function there), the values of a jitted call, and a cache's room still checked first (under jit its
+    lengths are traced)."""
     from dflash_jax import _target
 
-    tokens = np.random.default_rng(3).integers(0, 97, size=(2, 9))
+    tokens = np.random.default_rng(3).integers(0, 97, size=(3, 11))  # a shape no other test here runs
+    programs = _target._COMPILED["forward"]._cache_size()
     hidden, feats, _ = target.forward(target.params, tokens, capture=[0, 2])
-    want_hidden, want_feats, _ = jax.jit(lambda p, t: target.spec.forward(p, t, capture=(0, 2)))(
+    assert _target._COMPILED["forward"]._cache_size() == programs + 1
+    target.forward(target.params, tokens + 1, capture=(0, 2))
+    want_hidden, want_feats, _ = jax.jit(lambda p, t: target.forward(p, t, capture=(0, 2)))(
         target.params, jnp.asarray(tokens))
+    assert _target._COMPILED["forward"]._cache_size() == programs + 1
     np.testing.assert_array_equal(np.asarray(hidden), np.asarray(want_hidden))
     np.testing.assert_array_equal(np.asarray(feats), np.asarray(want_feats))
     np.testing.assert_array_equal(np.asarray(target.logits(target.params, hidden)),
                                   np.asarray(jax.jit(target.spec.logits)(target.params, hidden)))
-    programs = _target._COMPILED["forward"]._cache_size()
-    target.forward(target.params, tokens + 1, capture=(0, 2))
-    assert _target._COMPILED["forward"]._cache_size() == programs
-    cache = target.init_cache(2, 16)
+    cache = target.init_cache(3, 16)
     _, _, cache = target.prefill(target.params, tokens, cache)
-    assert np.asarray(cache.lengths).tolist() == [9, 9]
+    assert np.asarray(cache.lengths).tolist() == [11, 11, 11]
     with pytest.raises(ValueError, match="prompt too long for the cache"):
         target.forward(target.params, tokens, cache)

@@ -116,9 +116,22 @@ def hf_model(tmp_path_factory, worker_id):
         pytest.skip(str(e))
 
     def load_with_transformers():
+        import functools
+
+        import gguf
+
+        # transformers' loader builds gguf's tensor-name map anew for every tensor it converts (a
+        # third of the load): the same map (architecture, layer count) each time, kept here instead
+        name_map = gguf.get_tensor_name_map
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+        try:
+            return load(str(gguf_path.parent), gguf_path.name)
+        finally:
+            gguf.get_tensor_name_map = name_map
+
+    def load(folder, name):
         import importlib.util
 
-        folder, name = str(gguf_path.parent), gguf_path.name
         if importlib.util.find_spec("accelerate") is not None:
             try:
                 return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,

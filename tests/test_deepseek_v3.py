@@ -32,7 +32,7 @@ def test_latent_cache_decode_equals_transformers_step_by_step(q_lora_rank, tmp_p
     assert (target.config.mla.q_lora_rank or None) == q_lora_rank
     ids = np.random.default_rng(2).integers(0, 96, size=(1, 16))
 
-    @jax.jit  # a program for the prompt and one for every step (eagerly, each step's layer scans compile anew)
+    @jax.jit  # forward and logits in one program per token count (the prompt's, a step's)
     def step(params, tokens, cache):
         hidden, _, cache = target.forward(params, tokens, cache)
         return target.logits(params, hidden), cache
@@ -276,7 +276,7 @@ def test_kimi_k2_5_checkpoint_reads_its_language_model(tmp_path):
     assert target.config.arch == "deepseek_v3" and target.config.num_experts == 8
     ids = np.random.default_rng(3).integers(0, 96, size=(1, 12))
     logits = jax.jit(lambda params, tokens: target.logits(params, target.forward(params, tokens)[0]))(
-        target.params, jnp.asarray(ids, jnp.int32))  # one program (eagerly, a program per layer scan and op)
+        target.params, jnp.asarray(ids, jnp.int32))  # forward and logits in one program
     with torch.no_grad():
         expected = model(input_ids=torch.as_tensor(ids)).logits.numpy()
     assert_model_close(np.asarray(logits), expected, target.config, tokens=12)
@@ -449,7 +449,7 @@ def test_training_features_through_the_latent_cache_equal_one_pass():
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 96, size=(2, 20)), jnp.int32)
     features, next_tokens = _feature_fn(target, (0, 2))(target.params, tokens)
 
-    @jax.jit  # one program (eagerly, a program per layer scan and op)
+    @jax.jit  # forward and logits in one program
     def one_pass(params, tokens):
         hidden, expected, _ = target.forward(params, tokens, capture=(0, 2))
         return expected, target.logits(params, hidden).argmax(-1)

@@ -116,7 +116,7 @@ def test_layer_scalars_and_the_softcap_equal_transformers(tmp_path):
         out = model(input_ids=torch.as_tensor(ids), output_hidden_states=True)
     capture = tuple(range(cfg.num_layers))
 
-    @jax.jit  # one program (eagerly, a program per layer scan and op)
+    @jax.jit  # forward and logits in one program
     def run(params, tokens):
         hidden, features, _ = target.forward(params, tokens, capture=capture)
         return target.logits(params, hidden), features
@@ -151,7 +151,7 @@ def test_a_stack_of_full_layers_only_equals_transformers(tmp_path, overrides):
     with torch.no_grad():
         want = model(input_ids=torch.as_tensor(ids)).logits.numpy()
 
-    @jax.jit  # the three passes in one program (eagerly, each pass's layer scans compile anew)
+    @jax.jit  # the three passes and their logits in one program
     def run(params, tokens):
         hidden, _, _ = target.forward(params, tokens)
         cache = target.init_cache(2, 32)

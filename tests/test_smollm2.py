@@ -162,7 +162,7 @@ def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_i
     floats = pack_layers(load_target(gguf_path, "float32", tokenizer=False, layout="stacked").params)
     prompt, step = jnp.asarray([chat_ids], jnp.int32), jnp.asarray([[chat_ids[-1]]], jnp.int32)
 
-    @jax.jit  # one program per layout (eagerly, a program per layer scan and op, the scans anew for each pass)
+    @jax.jit  # both passes and their logits in one program per layout
     def logits(params):
         hidden, _, cache = target.forward(params, prompt, target.init_cache(1, 64))
         first = target.logits(params, hidden)

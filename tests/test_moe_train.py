@@ -51,12 +51,13 @@ def test_cached_features_equal_the_online_ones(moe):
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 40, size=(2, 300)), jnp.int32)
     layer_ids = (0, 2)
     cached, next_tokens = _feature_fn(target, layer_ids)(target.params, tokens)
-    # the online features and the reference argmax each one compiled program (as a train step runs
-    # them), not op by op
-    online = jax.jit(lambda p, t: step_lib.target_features(target, p, t, layer_ids))(target.params, tokens)
+    # the online features and the reference argmax compiled (as a train step runs them), not op by op,
+    # both in one program (one compile)
+    online, greedy = jax.jit(lambda p, t: (step_lib.target_features(target, p, t, layer_ids),
+                                           jnp.argmax(target.logits(p, target.forward(p, t)[0]), -1)))(
+        target.params, tokens)
     np.testing.assert_allclose(np.asarray(cached, np.float32), np.asarray(online.astype(jnp.bfloat16), np.float32),
                                atol=2e-2, rtol=1e-2)
-    greedy = jax.jit(lambda p, t: jnp.argmax(target.logits(p, target.forward(p, t)[0]), -1))(target.params, tokens)
     np.testing.assert_array_equal(np.asarray(next_tokens), np.asarray(greedy))
 
 
@@ -88,6 +89,10 @@ def test_online_training_from_the_checkpoint_directory(moe, tmp_path):
     assert trained.tokens == greedy  # the target's own greedy continuations (the fixture's batch)
 
 
+@pytest.mark.slow  # covered by default: test_cached_features_equal_the_online_ones (this MoE target's cache_features
+# pass), test_train_data.py::test_feature_cache_round_trip (a cache read back through the iterator equals a forward
+# at every real position of ragged rows), test_train_run.py::test_a_run_learns_the_targets_distribution_from_a_top_k
+# _cache (train.train offline from feature caches; nothing of the target but its tables runs offline): `make test-all`
 def test_cache_features_then_offline_training(moe, tmp_path):
     """The offline pipeline: features of the records cached (equal to a forward's at every real
     position of ragged rows), then `train.train` from the cache."""

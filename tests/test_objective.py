@@ -10,10 +10,11 @@ from dflash_jax._objective import (block_distributions, block_inputs, block_targ
 
 
 def test_anchor_candidates_are_distinct_sorted_and_inside_the_mask():
+    draw = jax.jit(sample_anchors, static_argnums=2)  # compiled once a shape (as a train step runs it), not op by op
     mask = np.zeros((3, 20), bool)
     mask[0, 5:15] = True  # candidates 5..13
     mask[1, [2, 3, 10]] = True  # candidate 2 only
-    anchors, valid = sample_anchors(jax.random.PRNGKey(0), jnp.asarray(mask), 4)
+    anchors, valid = draw(jax.random.PRNGKey(0), jnp.asarray(mask), 4)
     anchors, valid = np.asarray(anchors), np.asarray(valid)
     assert valid[0].all() and len(set(anchors[0])) == 4 and (np.diff(anchors[0]) > 0).all()
     assert all(mask[0, a] and mask[0, a + 1] for a in anchors[0])
@@ -22,7 +23,7 @@ def test_anchor_candidates_are_distinct_sorted_and_inside_the_mask():
     # Fresh draws differ; over many draws every candidate appears (uniform over candidates).
     seen = set()
     for seed in range(30):
-        a, _ = sample_anchors(jax.random.PRNGKey(seed), jnp.asarray(mask[:1]), 2)
+        a, _ = draw(jax.random.PRNGKey(seed), jnp.asarray(mask[:1]), 2)
         seen.update(np.asarray(a)[0].tolist())
     assert seen == set(range(5, 14))
 
@@ -32,13 +33,15 @@ def test_block_targets_labels_weights_and_padding():
     loss_mask = jnp.asarray([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1]], bool)
     anchors = jnp.asarray([[2, 8, 0]])
     valid = jnp.asarray([[True, True, False]])
-    labels, weights = block_targets(tokens, loss_mask, anchors, valid, 4, decay=2.0)
+    # each compiled once (as a train step runs them), not op by op
+    labels, weights = jax.jit(block_targets, static_argnums=(4, 5))(tokens, loss_mask, anchors, valid, 4, 2.0)
     assert np.asarray(labels)[0, 0].tolist() == [102, 103, 104, 105]
     w = np.asarray(weights)[0]
     np.testing.assert_allclose(w[0], [0, 1, np.exp(-0.5), np.exp(-1.0)], rtol=1e-6)
     np.testing.assert_allclose(w[1], [0, 1, 0, 0])  # labels past the end get weight 0
     np.testing.assert_allclose(w[2], 0)  # padding block
-    assert np.asarray(block_inputs(tokens, anchors, 4, 7))[0, :4].tolist() == [102, 7, 7, 7]
+    assert np.asarray(jax.jit(block_inputs, static_argnums=(2, 3))(tokens, anchors, 4, 7))[0, :4].tolist() == \
+        [102, 7, 7, 7]
     assert default_decay(16) == 7 and default_decay(10) == 5 and default_decay(8) == 4
 
 
@@ -80,12 +83,17 @@ def test_chunked_cross_entropy_equals_dense_with_gradients():
     def dense(h):
         return optax.softmax_cross_entropy_with_integer_labels(h @ w, labels)
 
-    ce, correct = chunked_cross_entropy(lambda h: h @ w, hidden, labels, chunk=4)
-    np.testing.assert_allclose(ce, dense(hidden), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(correct, jnp.argmax(hidden @ w, -1) == labels)
-    # the gradients as a train step takes them: each one compiled program, not op by op
-    g1 = jax.jit(jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4)[0].sum()))(hidden)
-    g2 = jax.jit(jax.grad(lambda h: dense(h).sum()))(hidden)
+    # the values and the gradients as a train step takes them: one compiled program, not op by op
+    @jax.jit
+    def both(h):
+        ce, correct = chunked_cross_entropy(lambda x: x @ w, h, labels, chunk=4)
+        g1 = jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4)[0].sum())(h)
+        g2 = jax.grad(lambda h: dense(h).sum())(h)
+        return ce, correct, dense(h), jnp.argmax(h @ w, -1) == labels, g1, g2
+
+    ce, correct, want, want_correct, g1, g2 = both(hidden)
+    np.testing.assert_allclose(ce, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(correct, want_correct)
     np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
 
 
@@ -115,19 +123,25 @@ def test_soft_cross_entropy_equals_dense_with_gradients():
         log_p = jax.nn.log_softmax(h @ w, -1)
         return -jnp.sum(probs * jnp.take_along_axis(log_p, ids, -1), -1)
 
-    ce, correct = chunked_cross_entropy(lambda h: h @ w, hidden, labels, 4, soft=(ids, probs))
-    np.testing.assert_allclose(ce, dense(hidden), rtol=1e-5, atol=1e-6)
+    point = (labels[..., None], jnp.ones(labels.shape + (1,), jnp.float32))
+
+    # the values and the gradients as a train step takes them: one compiled program, not op by op
+    @jax.jit
+    def both(h):
+        ce, correct = chunked_cross_entropy(lambda x: x @ w, h, labels, 4, soft=(ids, probs))
+        g1 = jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4, soft=(ids, probs))[0].sum())(h)
+        g2 = jax.grad(lambda h: dense(h).sum())(h)
+        on_point = chunked_cross_entropy(lambda x: x @ w, h, labels, 4, soft=point)[0]
+        hard = chunked_cross_entropy(lambda x: x @ w, h, labels, 4)[0]
+        return ce, correct, dense(h), jnp.argmax(h @ w, -1) == labels, g1, g2, on_point, hard
+
+    ce, correct, want, want_correct, g1, g2, on_point, hard = both(hidden)
+    np.testing.assert_allclose(ce, want, rtol=1e-5, atol=1e-6)
     assert float(ce[1, 3]) == 0.0
-    np.testing.assert_array_equal(correct, jnp.argmax(hidden @ w, -1) == labels)  # against the hard labels
-    # the gradients as a train step takes them: each one compiled program, not op by op
-    g1 = jax.jit(jax.grad(lambda h: chunked_cross_entropy(lambda x: x @ w, h, labels, 4, soft=(ids, probs))[0].sum()))(
-        hidden)
-    g2 = jax.jit(jax.grad(lambda h: dense(h).sum()))(hidden)
+    np.testing.assert_array_equal(correct, want_correct)  # against the hard labels
     np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
     # A point mass on the label is the hard cross-entropy, bit for bit.
-    point = (labels[..., None], jnp.ones(labels.shape + (1,), jnp.float32))
-    np.testing.assert_array_equal(chunked_cross_entropy(lambda h: h @ w, hidden, labels, 4, soft=point)[0],
-                                  chunked_cross_entropy(lambda h: h @ w, hidden, labels, 4)[0])
+    np.testing.assert_array_equal(on_point, hard)
 
 
 def test_block_distributions_read_the_position_before_each_slot():
@@ -136,14 +150,16 @@ def test_block_distributions_read_the_position_before_each_slot():
     top_ids = jnp.asarray(positions + np.asarray([100, 200, 300]))  # [1, T, 3]
     top_logits = jnp.asarray(positions + np.asarray([2.0, 1.0, 0.0]), jnp.float32)
     anchors = jnp.asarray([[2, 5]])
-    ids, probs = block_distributions(top_ids, top_logits, anchors, 3)
+    distributions = jax.jit(block_distributions, static_argnums=(3, 4))  # compiled, not op by op
+    ids, probs = distributions(top_ids, top_logits, anchors, 3)
     assert ids.shape == (1, 2, 3, 3)
     # slot k of the block at anchor a learns what the target said after position a + k - 1
     assert np.asarray(ids)[0, 0, 1].tolist() == [102, 202, 302] and np.asarray(ids)[0, 1, 2].tolist() == [106, 206, 306]
-    np.testing.assert_allclose(probs[0, 1, 2], jax.nn.softmax(jnp.asarray([2.0, 1.0, 0.0])), rtol=1e-6)
-    ids2, probs2 = block_distributions(top_ids, top_logits, anchors, 3, top_k=2)
+    softmax = lambda x: np.exp(x - np.max(x)) / np.sum(np.exp(x - np.max(x)))  # noqa: E731
+    np.testing.assert_allclose(np.asarray(probs)[0, 1, 2], softmax(np.asarray([2.0, 1.0, 0.0])), rtol=1e-6)
+    ids2, probs2 = distributions(top_ids, top_logits, anchors, 3, 2)
     assert np.asarray(ids2)[0, 0, 1].tolist() == [102, 202]
-    np.testing.assert_allclose(probs2[0, 0, 1], jax.nn.softmax(jnp.asarray([2.0, 1.0])), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(probs2)[0, 0, 1], softmax(np.asarray([2.0, 1.0])), rtol=1e-6)
 
 
 def test_draft_distributions_drop_ids_outside_the_draft_vocabulary():

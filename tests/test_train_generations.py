@@ -160,17 +160,16 @@ def test_the_dflash2_batch_loss_is_the_backbone_loss_plus_alpha_times_the_select
     params = random_drafter_params(config, seed=5)
     batch = _batch(g)
     spec = step_lib.StepSpec(num_anchors=3, decay=4.0, selector_alpha=0.7, logits_chunk=5)
-    loss, _ = jax.jit(lambda p, f, b: step_lib.batch_loss(target, config, spec, p, f, b))(
-        {"drafter": params}, {"target": target.params}, batch)
 
-    @jax.jit
-    def drafter_hidden(params, target_params, batch):
+    @jax.jit  # the batch loss and, for the reference, the drafter's hidden states: one compiled program
+    def loss_and_hidden(params, target_params, batch):
+        loss, _ = step_lib.batch_loss(target, config, spec, {"drafter": params}, {"target": target_params}, batch)
         _, features, _ = target.forward(target_params, batch["tokens"], capture=config.target_layer_ids)
         hidden = objective.drafter_block_hidden(DrafterSpec(config), target, params, target_params, features,
                                                 batch["tokens"], batch["anchors"], batch["valid"])
-        return hidden, target.logits(target_params, hidden)
+        return loss, hidden, target.logits(target_params, hidden)
 
-    hidden, logits = drafter_hidden(params, target.params, batch)
+    loss, hidden, logits = loss_and_hidden(params, target.params, batch)
     logits = np.asarray(logits, F64)  # [B, N*G, V]
     hidden, tokens = np.asarray(hidden, F64), np.asarray(batch["tokens"])
     anchors, valid, mask = map(np.asarray, (batch["anchors"], batch["valid"], batch["loss_mask"]))
@@ -202,19 +201,19 @@ def test_the_dspark_batch_loss_equals_the_float64_reference(from_anchor):
     batch = _batch(g)
     spec = step_lib.StepSpec(num_anchors=3, decay=4.0, ce_alpha=0.3, l1_alpha=0.5, confidence_alpha=0.2,
                              logits_chunk=7)
-    loss, accuracy = jax.jit(lambda p, f, b: step_lib.batch_loss(target, config, spec, p, f, b))(
-        {"drafter": params}, {"target": target.params}, batch)
-    assert accuracy.shape == (config.proposals,) == ((g,) if from_anchor else (g - 1,))
 
-    @jax.jit
-    def drafter_hidden(params, target_params, batch):
+    @jax.jit  # the batch loss and, for the reference, the drafter's hidden states: one compiled program
+    def loss_and_hidden(params, target_params, batch):
+        loss, accuracy = step_lib.batch_loss(target, config, spec, {"drafter": params}, {"target": target_params},
+                                             batch)
         target_hidden, features, _ = target.forward(target_params, batch["tokens"], capture=config.target_layer_ids)
         hidden = objective.drafter_block_hidden(DrafterSpec(config), target, params, target_params, features,
                                                 batch["tokens"], batch["anchors"], batch["valid"],
                                                 embed=lambda block: params["embed_tokens"]["embedding"][block])
-        return hidden, target.logits(target_params, target_hidden)
+        return loss, accuracy, hidden, target.logits(target_params, target_hidden)
 
-    hidden, target_logits = drafter_hidden(params, target.params, batch)
+    loss, accuracy, hidden, target_logits = loss_and_hidden(params, target.params, batch)
+    assert accuracy.shape == (config.proposals,) == ((g,) if from_anchor else (g - 1,))
     target_logits = np.asarray(target_logits, F64)
     hidden, p = np.asarray(hidden, F64), _as64(params)
     tokens = np.asarray(batch["tokens"])

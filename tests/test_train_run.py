@@ -132,12 +132,24 @@ def test_a_run_exports_and_a_later_run_continues_from_the_export(tiny, tmp_path)
     assert jax.tree.leaves(grown["drafter"]["layers"])[0].shape[0] == 2
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a[:1], b, atol=1e-6), grown["drafter"]["layers"],
                  params["drafter"]["layers"])
+    # The added layer started as an identity (drafter_init.grow zeroes its attention output and MLP down
+    # projections; a fresh init's are far from 0, one step at 1e-9 keeps them within 1e-6), and grow
+    # refuses to "extend" a drafter to fewer layers (test_a_grown_drafter_drafts_what_it_grew_from, under
+    # make test-all, checks by drafting that the grown drafter drafts what it grew from).
+    added = grown["drafter"]["layers"]
+    for projection in (added["self_attn"]["o_proj"], added["mlp"]["down_proj"]):
+        jax.tree.map(lambda a: np.testing.assert_allclose(a[1:], 0, atol=1e-6), projection)
+    with pytest.raises(drafter_init.DrafterFitError, match="cannot extend"):
+        drafter_init.grow(grown, params)
     with pytest.raises(ConfigError, match=r"does not fit the configured drafter .*num_layers"):
         train(config_from_dict(settings(tiny, tmp_path / "shrunk"),
                                [f"model.init_from={export(tmp_path / 'grown', tmp_path / 'deeper')}",
                                 "model.num_layers=1"]), target=target)
 
 
+@pytest.mark.slow  # covered by default: test_a_run_exports_and_a_later_run_continues_from_the_export (a run grown
+# from an export through drafter_init.grow: the trained layer kept, the added one's zeroed projections, the same
+# "cannot extend" DrafterFitError); here the three generate runs that show it drafts the same: `make test-all`
 def test_a_grown_drafter_drafts_what_it_grew_from(fitted, tiny):
     """drafter_init.grow stacks identity layers on a trained drafter: the same drafts, cycle for
     cycle, as the drafter it grew from (a deeper run starts where the shallower one ended), where

@@ -48,6 +48,28 @@ def run_step(target, config, params, batch, frozen_extra=None, **spec_kwargs):
     return _STEPS[key][1](state, frozen, batch)
 
 
+_LOSSES = {}  # one jitted loss per (target, config, spec), as _STEPS
+
+
+def run_loss(target, config, params, batch, frozen_extra=None, **spec_kwargs):
+    """(loss, slot accuracy [G-1]) as run_step's step reports them (`step_lib.batch_loss` at the anchors its
+    first step draws: init_state's key of seed 3 folded with step 0), without the step's gradients and update:
+    a compiled forward, about a third of a step's compile. For checks that compare losses, not updates."""
+    spec = step_lib.StepSpec(num_anchors=NUM_ANCHORS, decay=4.0, **spec_kwargs)
+    key = (id(target), config, spec)
+    if key not in _LOSSES:
+        def loss(params, frozen, batch):
+            anchors, valid = objective.sample_anchors(jax.random.fold_in(jax.random.PRNGKey(3), 0),
+                                                      batch["loss_mask"], NUM_ANCHORS)
+            value, slots = step_lib.batch_loss(target, config, spec, params, frozen,
+                                               {**batch, "anchors": anchors, "valid": valid})
+            return {"loss": value, "slot_accuracy": slots[1:]}
+
+        _LOSSES[key] = (target, jax.jit(loss))
+    frozen = {"target": target.params, **(frozen_extra or {})}
+    return _LOSSES[key][1](params, frozen, jax.tree.map(jnp.asarray, batch))
+
+
 def test_online_and_offline_features_give_the_same_step(setup):
     target, config, params, batch = setup
     features = step_lib.target_features(target, target.params, jnp.asarray(batch["tokens"]), config.target_layer_ids)
@@ -67,16 +89,17 @@ def test_target_labels_online_equal_cached_next_tokens(setup):
                                                      next_tokens=True, logits_chunk=5)
     hidden, _, _ = target.forward(target.params, tokens)
     np.testing.assert_array_equal(next_tokens, jnp.argmax(target.logits(target.params, hidden), -1))
-    online_state, online = run_step(target, config, params, batch, target_labels=True)
-    offline_state, offline = run_step(target, config, params, {**batch, "features": np.asarray(features),
-                                                               "next_tokens": np.asarray(next_tokens)},
-                                      target_labels=True)
+    # the losses a step reports (run_loss: what is compared is the loss, not an update; a step's online and
+    # offline updates are compared in the test above and the next)
+    online = run_loss(target, config, params, batch, target_labels=True)
+    offline = run_loss(target, config, params, {**batch, "features": np.asarray(features),
+                                                "next_tokens": np.asarray(next_tokens)}, target_labels=True)
     np.testing.assert_allclose(online["loss"], offline["loss"], rtol=1e-6)
     # A random target's greedy choices are not the text: the labels (and so the loss) differ.
-    _, text = run_step(target, config, params, batch)
+    text = run_loss(target, config, params, batch)
     assert abs(float(online["loss"]) - float(text["loss"])) > 1e-3
     with pytest.raises(ValueError, match="next_tokens"):
-        run_step(target, config, params, {**batch, "features": np.asarray(features)}, target_labels=True)
+        run_loss(target, config, params, {**batch, "features": np.asarray(features)}, target_labels=True)
 
 
 def test_soft_labels_online_equal_offline_and_their_top_1_is_the_target_labels(setup):
@@ -92,23 +115,25 @@ def test_soft_labels_online_equal_offline_and_their_top_1_is_the_target_labels(s
     np.testing.assert_allclose(online["loss"], offline["loss"], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  online_state.params, offline_state.params)
-    # The target-label step on the cache without its top-k (the batch test_target_labels' offline
-    # step reads: the same program, so no new compile): the top-k is what changes the loss.
+    # The target-label loss on the cache without its top-k (the batch test_target_labels' offline loss
+    # reads: the same program, so no new compile; at the anchors of the step above): the top-k is what
+    # changes the loss.
     hard_cached = {key: cached[key] for key in ("tokens", "loss_mask", "lengths", "features", "next_tokens")}
-    _, hard = run_step(target, config, params, hard_cached, target_labels=True)
+    hard = run_loss(target, config, params, hard_cached, target_labels=True)
     assert abs(float(offline["loss"]) - float(hard["loss"])) > 1e-3  # a distribution is another loss
     np.testing.assert_array_equal(offline["slot_accuracy"], hard["slot_accuracy"])  # scored on the same labels
-    # The top 1 is a point mass on the greedy label: the target-label step, with the full head and
-    # with a reduced draft vocabulary (where top-1 labels outside it weigh 0 as hard labels do).
-    _, top1 = run_step(target, config, params, cached, target_labels=True, label_top_k=1)
+    # The top 1 is a point mass on the greedy label: the target-label loss, with the full head and
+    # with a reduced draft vocabulary (where top-1 labels outside it weigh 0 as hard labels do). The
+    # losses a step reports, without the steps' gradients (run_loss).
+    top1 = run_loss(target, config, params, cached, target_labels=True, label_top_k=1)
     np.testing.assert_allclose(top1["loss"], hard["loss"], rtol=1e-6)
     keep = np.asarray([0, 2, 3, 5, 8, 13, 21, 34], np.int32)
     target_to_draft = np.full((config.vocab_size,), -1, np.int32)
     target_to_draft[keep] = np.arange(len(keep))
     reduced = drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1), draft_to_target=keep)
     extra = {"target_to_draft": jnp.asarray(target_to_draft)}
-    _, top1 = run_step(target, config, reduced, cached, extra, target_labels=True, label_top_k=1)
-    _, hard = run_step(target, config, reduced, cached, extra, target_labels=True)
+    top1 = run_loss(target, config, reduced, cached, extra, target_labels=True, label_top_k=1)
+    hard = run_loss(target, config, reduced, cached, extra, target_labels=True)
     np.testing.assert_allclose(top1["loss"], hard["loss"], rtol=1e-6)
     np.testing.assert_array_equal(top1["slot_accuracy"], hard["slot_accuracy"])
     with pytest.raises(ValueError, match="--top-k 3"):
@@ -138,15 +163,20 @@ def test_reduced_vocabulary_loss_equals_a_hand_computed_reference(setup):
     head = np.asarray(params["draft_head"])
     np.testing.assert_array_equal(head, np.asarray(target.params["lm_head"]["kernel"])[:, keep])
     tokens, mask = jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"])
-    anchors, valid = objective.sample_anchors(jax.random.PRNGKey(5), mask, NUM_ANCHORS)
-    features = step_lib.target_features(target, target.params, tokens, config.target_layer_ids)
-    micro = {"tokens": tokens, "loss_mask": mask, "features": features, "anchors": anchors, "valid": valid}
     spec = step_lib.StepSpec(num_anchors=NUM_ANCHORS, decay=2.0)
     frozen = {"target": target.params, "target_to_draft": jnp.asarray(target_to_draft)}
-    loss, slots = step_lib.batch_loss(target, config, spec, params, frozen, micro)
 
-    hidden = objective.drafter_block_hidden(DrafterSpec(config), target, params["drafter"], target.params,
-                                            features, tokens, anchors, valid)
+    @jax.jit  # one compiled program (as a train step runs these), not op by op
+    def loss_and_hidden(params, frozen, tokens, mask):
+        anchors, valid = objective.sample_anchors(jax.random.PRNGKey(5), mask, NUM_ANCHORS)
+        features = step_lib.target_features(target, frozen["target"], tokens, config.target_layer_ids)
+        micro = {"tokens": tokens, "loss_mask": mask, "features": features, "anchors": anchors, "valid": valid}
+        loss, slots = step_lib.batch_loss(target, config, spec, params, frozen, micro)
+        hidden = objective.drafter_block_hidden(DrafterSpec(config), target, params["drafter"], frozen["target"],
+                                                features, tokens, anchors, valid)
+        return loss, slots, hidden, anchors, valid
+
+    loss, slots, hidden, anchors, valid = loss_and_hidden(params, frozen, tokens, mask)
     logits = np.asarray(hidden, np.float64) @ head.astype(np.float64)  # [B, N*G, Vd]
     tokens, mask, anchors, valid = map(np.asarray, (tokens, mask, anchors, valid))
     g, total, weight_sum = config.block_size, 0.0, 0.0
@@ -175,7 +205,11 @@ def test_reduced_vocabulary_loss_equals_a_hand_computed_reference(setup):
 def test_warm_start_copies_the_targets_top_layers():
     llama = dataclasses.replace(fitted_models.TARGET_CONFIG, arch="llama", qk_norm=False, num_layers=4,
                                 layer_types=())
-    target = Target(llama, init_target_params(llama, jax.random.PRNGKey(2)))
+    # random values in the shapes init_target_params gives (what is checked is which of them are copied where:
+    # jax.eval_shape compiles nothing, the init itself would compile a program for this config alone)
+    rng = np.random.default_rng(2)
+    target = Target(llama, jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype),
+                                        jax.eval_shape(lambda: init_target_params(llama, jax.random.PRNGKey(2)))))
     config = dataclasses.replace(fitted_models.drafter_config(), num_layers=2, num_target_layers=4,
                                  layer_types=())
     params = drafter_init.initial_params(config, target, target.params, jax.random.PRNGKey(1), warm=True,

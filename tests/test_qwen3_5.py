@@ -47,8 +47,9 @@ def test_delta_rule_forms_agree_with_transformers_reference():
 
     q, k, v, g, beta, state = _delta_inputs(np.random.default_rng(2), t=150)
     t = lambda x: torch.as_tensor(np.array(x))
+    rule = jax.jit(gd.delta_rule, static_argnames="form")  # compiled, as the model runs it
     for form in ("recurrent", "chunked"):
-        out, final = gd.delta_rule(q, k, v, g, beta, state, form=form)
+        out, final = rule(q, k, v, g, beta, state, form=form)
         fn = ref.torch_recurrent_gated_delta_rule if form == "recurrent" else ref.torch_chunk_gated_delta_rule
         want, want_final = fn(t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(state), output_final_state=True)
         np.testing.assert_allclose(np.asarray(out), want.numpy(), atol=2e-5, rtol=0)
@@ -57,10 +58,11 @@ def test_delta_rule_forms_agree_with_transformers_reference():
 
 def test_unit_lower_inverse_by_doubling():
     rng = np.random.default_rng(7)
+    inverse = jax.jit(gd.unit_lower_inverse)  # compiled, as the chunked form runs it
     for c in (1, 3, 16, 37, 64):
         m = np.tril(rng.uniform(-1, 1, size=(3, c, c)), -1) + np.eye(c)
         want = np.linalg.inv(m)
-        got = np.asarray(gd.unit_lower_inverse(jnp.asarray(m, jnp.float32)))
+        got = np.asarray(inverse(jnp.asarray(m, jnp.float32)))
         np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=0)
 
 

@@ -109,8 +109,11 @@ def test_check_flags_a_whole_buffer_writer(writer, batch, flagged):
     assert bool(whole_buffer_ops(hlo)) == flagged
 
 
+# make test-all: sampling alone and lookup alone; by default [True-1.0-3-0.0] compiles both into the same
+# ungated verify (sampled drafts' acceptance and the lookup's shifted token buffer), [True-1.0-3-0.5] into the gated one
 @pytest.mark.parametrize("draft,temperature,lookup,gate", [
-    (False, 0.0, 0, 0.0), (True, 0.0, 0, 0.0), (True, 1.0, 0, 0.0), (True, 0.0, 3, 0.0), (True, 1.0, 3, 0.0),
+    (False, 0.0, 0, 0.0), (True, 0.0, 0, 0.0), pytest.param(True, 1.0, 0, 0.0, marks=pytest.mark.slow),
+    pytest.param(True, 0.0, 3, 0.0, marks=pytest.mark.slow), (True, 1.0, 3, 0.0),
     (True, 0.0, 0, 0.5), (True, 1.0, 3, 0.5)])
 def test_generate_loop_touches_only_new_rows(target, drafter, draft, temperature, lookup, gate):
     """The whole compiled decode loop of `generate` (on a CPU: the packed target layout) copies

@@ -5,6 +5,7 @@ The reference here is float64 numpy written from the description of the authors'
 our model code), on tiny random weights: the block's hidden states, the draft logits, the selector's
 walk (its choices and its q over the candidates)."""
 import dataclasses
+import functools
 import json
 
 import jax
@@ -251,6 +252,7 @@ def test_every_dflash2_weight_has_declared_sharding_axes():
 
 # ---- sampling ------------------------------------------------------------------------------------
 
+@functools.cache  # one (target, drafter) for the module: exact_joint compiles its steps once
 def sampling_setup():
     from support.sampling import DRAFTER, sampling_pair
 

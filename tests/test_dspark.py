@@ -6,6 +6,7 @@ The reference here is float64 numpy written from the description of DeepSpec's m
 model code), on tiny random weights: the block's hidden states, the base and Markov-biased logits
 along the drafted chain, its choices and its draft distributions, and the confidences."""
 import dataclasses
+import functools
 import json
 
 import jax
@@ -307,6 +308,7 @@ def test_the_cli_flag_reaches_generate():
 
 # ---- sampling ------------------------------------------------------------------------------------
 
+@functools.cache  # one (target, drafter) for the module: exact_joint compiles its steps once
 def sampling_setup():
     from support.sampling import DRAFTER, sampling_pair
 

@@ -34,8 +34,11 @@ def drafter():
     return Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)))
 
 
-@pytest.mark.parametrize("layout,kv_cache_dtype", [("stacked", None), ("packed", None), ("packed", "float16")])
-@pytest.mark.parametrize("num_tokens", [1, 4])
+# make test-all: the packed float32 steps alone; by default the loops of test_generate_loop_touches_only_new_rows
+# below run them (on a CPU the packed layout: the plain loop's one-token step, the speculative loop's verify)
+@pytest.mark.parametrize("num_tokens,layout,kv_cache_dtype", [
+    pytest.param(n, layout, dtype, marks=[pytest.mark.slow] if (layout, dtype) == ("packed", None) else [])
+    for n in (1, 4) for layout, dtype in (("stacked", None), ("packed", None), ("packed", "float16"))])
 def test_target_decode_step_touches_only_new_rows(target, num_tokens, layout, kv_cache_dtype):
     """Both layouts: stacked layers (a scan) and the packed ones generate decodes with on a CPU
     (a loop whose products read the kernels in place); a float16 cache (new rows rounded, the

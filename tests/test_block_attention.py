@@ -54,8 +54,13 @@ def _out_and_grads(fn, q, k, v, w):
 
 def _run_both(q, k, v, w, ranges, scale=None, block_sizes=None, backward="pallas"):
     """(kernel out, kernel grads), (reference out, reference grads) and the same for the float32
-    reference on the upcast inputs; one jit for all."""
+    reference on the upcast inputs; one jit for all, shared by the cases of the same settings and
+    shapes."""
+    return _compiled_both(scale, block_sizes, backward)(q, k, v, w, ranges.start, ranges.end)
 
+
+@functools.cache
+def _compiled_both(scale, block_sizes, backward):
     @jax.jit
     def run(q, k, v, w, start, end):
         r = masks.KeyRanges(start, end)
@@ -71,7 +76,7 @@ def _run_both(q, k, v, w, ranges, scale=None, block_sizes=None, backward="pallas
         return (_out_and_grads(kern, q, k, v, w), _out_and_grads(ref, q, k, v, w),
                 _out_and_grads(ref, *f32, w))
 
-    return run(q, k, v, w, ranges.start, ranges.end)
+    return run
 
 
 def _assert_close(kernel, reference, tol, what):
@@ -174,8 +179,9 @@ def test_random_ranges_empty_and_out_of_bounds_hd48():
 
 
 def test_all_rows_masked_no_nan():
-    q, k, v, w = _qkv(6, 1, 16, 16, 2, 1, 16)
-    zeros = jnp.zeros((1, 16, 2), jnp.int32)
+    # the shapes and tiles of test_causal_with_cache_offsets_gqa_ragged: its compiled program
+    q, k, v, w = _qkv(6, 2, 24, 40, 4, 2, 16)
+    zeros = jnp.zeros((2, 24, 2), jnp.int32)
     ranges = masks.KeyRanges(zeros, zeros)
     kernel = _check_f32(q, k, v, w, ranges, "all masked", block_sizes=TILES_16)
     for x in (kernel[0], *kernel[1]):

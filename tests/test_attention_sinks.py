@@ -7,6 +7,7 @@ float32 reference."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,16 @@ def _case(seed, b=2, tq=5, tk=11, hq=4, hkv=2, d=8):
     return q, k, v, jnp.asarray(2.0 * rng.standard_normal(hq, np.float32))
 
 
+@functools.partial(jax.jit, static_argnames="impl")
+def _seam(q, k, v, start, end, sinks, impl=None):
+    """reference_attention (impl None) or the seam's attention(impl=), compiled as the models call
+    them; the ranges as arrays, one program for every window."""
+    ranges = masks.KeyRanges(start, end)
+    if impl is None:
+        return reference_attention(q, k, v, ranges, sinks=sinks)
+    return attention(q, k, v, ranges, impl=impl, sinks=sinks)
+
+
 @pytest.mark.parametrize("window", [0, 3])
 def test_reference_and_seam_match_float64(window):
     q, k, v, sinks = _case(0)
@@ -63,10 +74,10 @@ def test_reference_and_seam_match_float64(window):
     positions = jnp.asarray([[6, 7, 8, 9, 10], [2, 3, 4, 5, 6]], jnp.int32)  # ragged rows
     ranges = masks.causal(positions, window)
     want = float64_sink_attention(q, k, v, np.asarray(ranges.dense(tk)), sinks, d**-0.5)
-    got = reference_attention(q, k, v, ranges, sinks=sinks)
+    got = _seam(q, k, v, ranges.start, ranges.end, sinks)
     np.testing.assert_allclose(np.asarray(got), want, atol=TOL, rtol=TOL)
     for impl in ("reference", "pallas_interpret"):
-        got = attention(q, k, v, ranges, impl=impl, sinks=sinks)
+        got = _seam(q, k, v, ranges.start, ranges.end, sinks, impl=impl)
         np.testing.assert_allclose(np.asarray(got), want, atol=TOL, rtol=TOL, err_msg=impl)
     without = float64_sink_attention(q, k, v, np.asarray(ranges.dense(tk)), np.full(4, -np.inf), d**-0.5)
     assert np.abs(want - without).max() > 1e-2  # the sinks change the answer
@@ -91,8 +102,8 @@ def test_cache_attention_adds_the_sink_once(impl):
     new_k, new_v = k_all[:, capacity:], v_all[:, capacity:]
     positions = lengths[:, None] + jnp.arange(tq, dtype=jnp.int32)[None]
     ranges = masks.causal(positions)
-    got = cache_attention(q, cache_k, cache_v, 0, ranges.segment(0, lengths), new_k, new_v,
-                          ranges.segment(lengths, lengths + tq), impl=impl, sinks=sinks)
+    got = jax.jit(lambda *args: cache_attention(*args, impl=impl, sinks=sinks))(  # one program, not op by op
+        q, cache_k, cache_v, 0, ranges.segment(0, lengths), new_k, new_v, ranges.segment(lengths, lengths + tq))
     # the same keys laid out as one buffer per row: [cache[:len] ; new], key j at position j, seen by the
     # queries at positions >= j (in numpy: no eager jax op to compile per row)
     k_all, v_all, new_k, new_v, positions = map(np.asarray, (k_all, v_all, new_k, new_v, positions))

@@ -7,6 +7,7 @@ and that nothing is NaN. Shapes are small so that the whole file stays fast in i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -53,8 +54,13 @@ def _out_and_grads(fn, q, k, v, w):
 
 def _run_both(q, k, v, w, ranges, scale=None, block_sizes=None, backward="pallas"):
     """(kernel out, kernel grads), (reference out, reference grads) and the same for the float32
-    reference on the upcast inputs; one jit for all."""
+    reference on the upcast inputs; one jit for all, shared by the cases of the same settings and
+    shapes."""
+    return _compiled_both(scale, block_sizes, backward)(q, k, v, w, ranges.start, ranges.end)
 
+
+@functools.cache
+def _compiled_both(scale, block_sizes, backward):
     @jax.jit
     def run(q, k, v, w, start, end):
         r = masks.KeyRanges(start, end)
@@ -70,7 +76,7 @@ def _run_both(q, k, v, w, ranges, scale=None, block_sizes=None, backward="pallas
         return (_out_and_grads(kern, q, k, v, w), _out_and_grads(ref, q, k, v, w),
                 _out_and_grads(ref, *f32, w))
 
-    return run(q, k, v, w, ranges.start, ranges.end)
+    return run
 
 
 def _assert_close(kernel, reference, tol, what):
@@ -173,8 +179,9 @@ def test_random_ranges_empty_and_out_of_bounds_hd48():
 
 
 def test_all_rows_masked_no_nan():
-    q, k, v, w = _qkv(6, 1, 16, 16, 2, 1, 16)
-    zeros = jnp.zeros((1, 16, 2), jnp.int32)
+    # the shapes and tiles of test_causal_with_cache_offsets_gqa_ragged: its compiled program
+    q, k, v, w = _qkv(6, 2, 24, 40, 4, 2, 16)
+    zeros = jnp.zeros((2, 24, 2), jnp.int32)
     ranges = masks.KeyRanges(zeros, zeros)
     kernel = _check_f32(q, k, v, w, ranges, "all masked", block_sizes=TILES_16)
     for x in (kernel[0], *kernel[1]):
@@ -197,11 +204,15 @@ def test_with_lse():
     blocks = BlockSizes(block_q=16, block_k=16, num_splits=2)
     out, lse = jax.jit(lambda q, k, v: block_attention_with_lse(
         q, k, v, ranges, block_sizes=blocks, interpret=INTERPRET))(q, k, v)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 16**-0.5
-    scores = jnp.where(ranges.dense(24)[:, None], scores, -jnp.inf)
-    want = jnp.moveaxis(jax.nn.logsumexp(scores, axis=-1), 1, 2)  # [B, Tq, H]
-    np.testing.assert_allclose(np.asarray(out), np.asarray(reference_attention(q, k, v, ranges)),
-                               atol=F32_TOL)
+
+    @jax.jit  # the references in one program, not op by op
+    def references(q, k, v):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 16**-0.5
+        scores = jnp.where(ranges.dense(24)[:, None], scores, -jnp.inf)
+        return reference_attention(q, k, v, ranges), jnp.moveaxis(jax.nn.logsumexp(scores, axis=-1), 1, 2)
+
+    ref, want = references(q, k, v)  # want: the lse [B, Tq, H]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=F32_TOL)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want), atol=1e-5)
     assert np.isneginf(np.asarray(lse)[0, :3]).all()
 
@@ -260,6 +271,13 @@ def test_lowers_to_triton_for_cuda(dtype, d, tq, tk, blocks):
 # Tile bookkeeping (plain jnp, fast)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def plan_and_lists(start, end, group, r_pad, bq, bk, n_kt):
+    """The row tile plan and its transpose, the key tile lists, in one program (as in the kernel)."""
+    plan = row_tile_plan(row_bounds(start, end, group, r_pad), bq, bk)
+    return plan, key_tile_lists(plan, n_kt)
+
+
 def test_tile_plan_covers_exactly_the_visible_tiles():
     rng = np.random.default_rng(0)
     b, tq, tk, group, bq, bk = 2, 24, 70, 2, 16, 16
@@ -270,11 +288,11 @@ def test_tile_plan_covers_exactly_the_visible_tiles():
             start[..., 1] = start[..., 0] + 1
         start, end = np.clip(start, 0, tk), np.clip(end, 0, tk)
         r_pad = round_up(tq * group, bq)
-        bounds = row_bounds(jnp.array(start, jnp.int32), jnp.array(end, jnp.int32), group, r_pad)
-        plan = np.asarray(row_tile_plan(bounds, bq, bk))
         n_kt = round_up(tk, bk) // bk
-        lists = np.asarray(key_tile_lists(jnp.array(plan), n_kt))
-        dense = np.asarray(masks.KeyRanges(jnp.array(start), jnp.array(end)).dense(tk))
+        plan, lists = map(np.asarray, plan_and_lists(jnp.array(start, jnp.int32), jnp.array(end, jnp.int32),
+                                                     group, r_pad, bq, bk, n_kt))
+        dense = np.asarray(start[..., None] <= np.arange(tk)) & np.asarray(np.arange(tk) < end[..., None])
+        dense = dense.any(axis=-2)  # [B, Tq, Tk]: a key inside either range
         dense = np.repeat(dense, group, axis=1)  # folded rows
         for bb in range(b):
             for i in range(r_pad // bq):
@@ -298,9 +316,13 @@ def test_tile_plan_drafter_training_is_tight():
     """Row tiles of 2 blocks visit only the context before their anchors and their own blocks."""
     ctx, g, n = 64, 16, 4
     anchors = jnp.array([[10, 20, 40, 60]])
-    r = masks.drafter_training(anchors, jnp.ones((1, n), bool), ctx, g)
-    bounds = row_bounds(r.start, r.end, 1, n * g)
-    plan = np.asarray(row_tile_plan(bounds, 32, 16))
+
+    @jax.jit  # one program, not op by op
+    def tile_plan(anchors):
+        r = masks.drafter_training(anchors, jnp.ones((1, n), bool), ctx, g)
+        return row_tile_plan(row_bounds(r.start, r.end, 1, n * g), 32, 16)
+
+    plan = np.asarray(tile_plan(anchors))
     # Row tile 0 = blocks 0, 1: context [0, 20) -> tiles 0..1; blocks at keys [64, 96) -> 4..5.
     np.testing.assert_array_equal(plan[0, 0], [0, 2, 4, 6])
     # Row tile 1 = blocks 2, 3: context [0, 60) -> tiles 0..3; blocks [96, 128) -> 6..7.
@@ -326,11 +348,13 @@ def test_block_sizes_reject_bad_tiles(field, value, message):
 def test_dispatcher_impls():
     q, k, v, _ = _qkv(9, 2, 16, 24, 2, 1, 16)
     ranges = masks.causal(jnp.arange(16)[None] + 8)  # batch 1: broadcast over the batch
-    ref = reference_attention(q, k, v, ranges)
-    np.testing.assert_array_equal(np.asarray(attention(q, k, v, ranges, impl="reference")), ref)
+    # each compiled as one program, as the models call them (not op by op)
+    ref = jax.jit(lambda q, k, v: reference_attention(q, k, v, ranges))(q, k, v)
+    run = lambda **kw: jax.jit(lambda q, k, v: attention(q, k, v, ranges, **kw))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(run(impl="reference")), ref)
     if jax.default_backend() != "gpu":
-        np.testing.assert_array_equal(np.asarray(attention(q, k, v, ranges)), ref)
-    out = attention(q, k, v, ranges, impl=KERNEL_IMPL)
+        np.testing.assert_array_equal(np.asarray(run()), ref)
+    out = run(impl=KERNEL_IMPL)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=F32_TOL)
     with pytest.raises(ValueError, match="unknown attention impl"):
         attention(q, k, v, ranges, impl="flash")

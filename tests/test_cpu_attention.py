@@ -52,11 +52,18 @@ def test_kernel_equals_the_reference(tq, hq, hkv, d, window, kv_dtype):
     tq new tokens follow them (causal, optional sliding window). Float16 K/V: both read them as
     the same float32 numbers, so the tolerance stays float32's."""
     q, ck, cv, k, v = _case(2, tq, hq, hkv, d, seed=tq, kv_dtype=kv_dtype)
-    offsets = jnp.asarray([7, 30])
-    positions = offsets[:, None] + jnp.arange(tq)[None]
-    ranges = masks.causal(positions, window)
-    got, want = _both(q, ck, cv, 1, ranges.segment(0, offsets), k, v, ranges.segment(offsets, offsets + tq))
+    got, want = map(np.asarray, _decode_step_both(q, ck, cv, 1, k, v, np.asarray([7, 30]), window=window))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@functools.partial(jax.jit, static_argnames="window")
+def _decode_step_both(q, ck, cv, layer, k, v, offsets, *, window):
+    """cache_attention's "auto" (the kernel) and "reference" over decode-step ranges, built in the
+    same program (not op by op per shape)."""
+    tq = q.shape[1]
+    ranges = masks.causal(offsets[:, None] + jnp.arange(tq)[None], window)
+    args = (q, ck, cv, layer, ranges.segment(0, offsets), k, v, ranges.segment(offsets, offsets + tq))
+    return cache_attention(*args, impl="auto"), cache_attention(*args, impl="reference")
 
 
 @needs_kernel

@@ -34,8 +34,11 @@ def drafter():
     return Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)))
 
 
-@pytest.mark.parametrize("layout,kv_cache_dtype", [("stacked", None), ("packed", None), ("packed", "float16")])
-@pytest.mark.parametrize("num_tokens", [1, 4])
+# make test-all: the packed float32 steps alone; by default the loops of test_generate_loop_touches_only_new_rows
+# below run them (on a CPU the packed layout: the plain loop's one-token step, the speculative loop's verify)
+@pytest.mark.parametrize("num_tokens,layout,kv_cache_dtype", [
+    pytest.param(n, layout, dtype, marks=[pytest.mark.slow] if (layout, dtype) == ("packed", None) else [])
+    for n in (1, 4) for layout, dtype in (("stacked", None), ("packed", None), ("packed", "float16"))])
 def test_target_decode_step_touches_only_new_rows(target, num_tokens, layout, kv_cache_dtype):
     """Both layouts: stacked layers (a scan) and the packed ones generate decodes with on a CPU
     (a loop whose products read the kernels in place); a float16 cache (new rows rounded, the
@@ -109,8 +112,11 @@ def test_check_flags_a_whole_buffer_writer(writer, batch, flagged):
     assert bool(whole_buffer_ops(hlo)) == flagged
 
 
+# make test-all: sampling alone and lookup alone; by default [True-1.0-3-0.0] compiles both into the same
+# ungated verify (sampled drafts' acceptance and the lookup's shifted token buffer), [True-1.0-3-0.5] into the gated one
 @pytest.mark.parametrize("draft,temperature,lookup,gate", [
-    (False, 0.0, 0, 0.0), (True, 0.0, 0, 0.0), (True, 1.0, 0, 0.0), (True, 0.0, 3, 0.0), (True, 1.0, 3, 0.0),
+    (False, 0.0, 0, 0.0), (True, 0.0, 0, 0.0), pytest.param(True, 1.0, 0, 0.0, marks=pytest.mark.slow),
+    pytest.param(True, 0.0, 3, 0.0, marks=pytest.mark.slow), (True, 1.0, 3, 0.0),
     (True, 0.0, 0, 0.5), (True, 1.0, 3, 0.5)])
 def test_generate_loop_touches_only_new_rows(target, drafter, draft, temperature, lookup, gate):
     """The whole compiled decode loop of `generate` (on a CPU: the packed target layout) copies

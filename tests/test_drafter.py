@@ -103,8 +103,13 @@ def test_training_entry_equals_inference_entry(tmp_path, target):
     for row in range(2):
         for j in range(2):
             a = anchors[row, j]
-            want = block_logits_via_cache(drafter, target, features[row:row + 1],
-                                          jnp.asarray(blocks[row:row + 1, j]), [a])
+            # the row's whole context given, its first a positions committed (num_new): one shape for
+            # every anchor, so the eager ops compile once, not once per context length
+            cache = drafter.append_context(drafter.params, drafter.init_cache(1, 64), features[row:row + 1],
+                                           num_new=jnp.asarray([a]))
+            hidden_a = drafter.draft_hidden(drafter.params,
+                                            target.embed(target.params, jnp.asarray(blocks[row:row + 1, j])), cache)
+            want = np.asarray(target.logits(target.params, hidden_a))
             got = target.logits(target.params, hidden[row:row + 1, 4 * j:4 * j + 4])
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

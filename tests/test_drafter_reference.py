@@ -209,29 +209,12 @@ def test_yarn_in_the_drafter_rope_is_transformers_qwen3_rope():
     np.testing.assert_allclose(np.asarray(sin), want_sin.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_greedy_speculative_with_the_current_rules_equals_plain_decoding(fitted):
-    """The fitted drafter run under every rule above at once (all layers causal, a window of 3,
-    scaled embeddings, multiplied and softcapped logits): its drafts change, the output stays the
-    target's own greedy decoding, and drafts are still accepted."""
-    import dataclasses
-
-    from dflash_jax._speculative import Generator
-    from support.speculative import plain_greedy, prompts_mix
-
-    target, drafter = fitted
-    layers = ("sliding_attention",) * drafter.config.num_layers
-    cfg = dataclasses.replace(drafter.config, is_causal=True, layer_types=layers, sliding_window=3,
-                              input_embedding_scale=1.25, output_multiplier=0.8, final_logit_softcapping=4.0)
-    ruled = dataclasses.replace(drafter, config=cfg)
-    prompts = prompts_mix()[1::2]  # a pattern prompt, two of noise
-    result = Generator(target, ruled).generate(prompts, max_new_tokens=16, stop_token_ids=())
-    assert result.tokens == [plain_greedy(target, p, 16) for p in prompts]
-    assert result.tau > 1.0
-
-
-def test_a_generated_token_equal_to_the_mask_token_is_output(fitted):
-    """The mask token id is only the drafter's input filler: where the target itself emits that id,
-    it is output like any other token (the reference keeps it too)."""
+@pytest.fixture(scope="module")
+def ruled_run(fitted):
+    """One speculative run shared by the two tests below: the fitted drafter under every rule above
+    at once (all layers causal, a window of 3, scaled embeddings, multiplied and softcapped logits)
+    and, as its mask token, the token the target emits most often. -> (result, the target's own
+    greedy decoding, that token)."""
     import collections
     import dataclasses
 
@@ -242,8 +225,27 @@ def test_a_generated_token_equal_to_the_mask_token_is_output(fitted):
     prompts = prompts_mix()
     expect = [plain_greedy(target, p, 24) for p in prompts]
     common = collections.Counter(t for row in expect for t in row).most_common(1)[0][0]
-    masked = dataclasses.replace(drafter, config=dataclasses.replace(drafter.config, mask_token_id=common))
-    result = Generator(target, masked).generate(prompts, max_new_tokens=24, stop_token_ids=())
+    layers = ("sliding_attention",) * drafter.config.num_layers
+    cfg = dataclasses.replace(drafter.config, is_causal=True, layer_types=layers, sliding_window=3,
+                              input_embedding_scale=1.25, output_multiplier=0.8, final_logit_softcapping=4.0,
+                              mask_token_id=common)
+    ruled = dataclasses.replace(drafter, config=cfg)
+    result = Generator(target, ruled).generate(prompts, max_new_tokens=24, stop_token_ids=())
+    return result, expect, common
+
+
+def test_greedy_speculative_with_the_current_rules_equals_plain_decoding(ruled_run):
+    """The fitted drafter run under every rule above at once: its drafts change, the output stays
+    the target's own greedy decoding, and drafts are still accepted."""
+    result, expect, _ = ruled_run
+    assert result.tokens == expect
+    assert result.tau > 1.0
+
+
+def test_a_generated_token_equal_to_the_mask_token_is_output(ruled_run):
+    """The mask token id is only the drafter's input filler: where the target itself emits that id,
+    it is output like any other token (the reference keeps it too)."""
+    result, expect, common = ruled_run
     assert result.tokens == expect and any(common in row for row in result.tokens)
 
 

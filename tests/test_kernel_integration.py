@@ -54,32 +54,36 @@ def test_target_cached_forward_through_kernel():
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
 
-def test_drafter_inference_and_training_through_kernel():
+@pytest.fixture(scope="module")
+def drafter_runs():
+    """For the reference drafter and the kernel drafter (the same random params): the context
+    appended to the cache and a block drafted from it, the packed training entry's hidden states and
+    the gradients of a random scalar of them (the second row's last block padding), in one program
+    per drafter (the training entry's forward traced once for its output and its gradient)."""
     ref, ker, rng = drafters_and_rng(1)
     feats, block, packed = normal(rng, 2, 9, 64), normal(rng, 2, 4, 32), normal(rng, 2, 8, 32)
     anchors, valid = jnp.asarray([[3, 7], [5, 0]]), jnp.asarray([[True, True], [True, False]])
+    weights = normal(rng, 2, 8, 32)
     results = []
     for d in (ref, ker):
-        def run(params, cache, d=d):  # one program per drafter, not op by op
+        def run(params, cache, d=d):
             cache = d.append_context(params, cache, feats, num_new=jnp.asarray([9, 6]))
-            return d.draft_hidden(params, block, cache), d.train_hidden(params, feats, packed, anchors, valid)
+            trained, vjp = jax.vjp(lambda p: d.train_hidden(p, feats, packed, anchors, valid), params)
+            return (d.draft_hidden(params, block, cache), trained), vjp(weights)[0]
 
         results.append(jax.jit(run)(d.params, d.init_cache(2, 16)))
-    for a, b in zip(*results):
+    return results
+
+
+def test_drafter_inference_and_training_through_kernel(drafter_runs):
+    (ref, _), (ker, _) = drafter_runs
+    for a, b in zip(ref, ker):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
 
-def test_drafter_training_gradients_through_kernel():
-    ref, ker, rng = drafters_and_rng(2)
-    feats, packed, weights = normal(rng, 1, 9, 64), normal(rng, 1, 8, 32), normal(rng, 1, 8, 32)
-    anchors, valid = jnp.asarray([[2, 6]]), jnp.asarray([[True, True]])
-
-    def grads(d):
-        loss = lambda p: jnp.sum(weights * d.train_hidden(p, feats, packed, anchors, valid))
-        return jax.jit(jax.grad(loss))(d.params)  # one program, not op by op
-
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-                           grads(ref), grads(ker))
+def test_drafter_training_gradients_through_kernel(drafter_runs):
+    (_, ref_grads), (_, ker_grads) = drafter_runs
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), ref_grads, ker_grads)
 
 
 def test_cached_paths_lower_to_triton_inside_the_layer_scans():

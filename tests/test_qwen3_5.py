@@ -47,8 +47,9 @@ def test_delta_rule_forms_agree_with_transformers_reference():
 
     q, k, v, g, beta, state = _delta_inputs(np.random.default_rng(2), t=150)
     t = lambda x: torch.as_tensor(np.array(x))
+    rule = jax.jit(gd.delta_rule, static_argnames="form")  # compiled, as the model runs it
     for form in ("recurrent", "chunked"):
-        out, final = gd.delta_rule(q, k, v, g, beta, state, form=form)
+        out, final = rule(q, k, v, g, beta, state, form=form)
         fn = ref.torch_recurrent_gated_delta_rule if form == "recurrent" else ref.torch_chunk_gated_delta_rule
         want, want_final = fn(t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(state), output_final_state=True)
         np.testing.assert_allclose(np.asarray(out), want.numpy(), atol=2e-5, rtol=0)
@@ -57,28 +58,30 @@ def test_delta_rule_forms_agree_with_transformers_reference():
 
 def test_unit_lower_inverse_by_doubling():
     rng = np.random.default_rng(7)
+    inverse = jax.jit(gd.unit_lower_inverse)  # compiled, as the chunked form runs it
     for c in (1, 3, 16, 37, 64):
         m = np.tril(rng.uniform(-1, 1, size=(3, c, c)), -1) + np.eye(c)
         want = np.linalg.inv(m)
-        got = np.asarray(gd.unit_lower_inverse(jnp.asarray(m, jnp.float32)))
+        got = np.asarray(inverse(jnp.asarray(m, jnp.float32)))
         np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=0)
 
 
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
 def test_masked_positions_leave_the_state_exactly_unchanged(form):
     """valid[b] = n gives the state after the first n positions alone, for every n of a block."""
-    q, k, v, g, beta, state = _delta_inputs(np.random.default_rng(3), t=16)
+    # the inputs as numpy arrays: cut on the host, not by an eager slice compiled per shape
+    q, k, v, g, beta, state = map(np.asarray, _delta_inputs(np.random.default_rng(3), t=16))
     rule = jax.jit(lambda *args: gd.delta_rule(*args, form=form)[1])
     for n in range(17):
-        masked = rule(q, k, v, g, beta, state, jnp.asarray([n, 16 - n]))
+        masked = np.asarray(rule(q, k, v, g, beta, state, np.asarray([n, 16 - n])))
         for row, m in enumerate((n, 16 - n)):
             cut = lambda x: x[row:row + 1, :m]
             if m == 0:
-                np.testing.assert_array_equal(np.asarray(masked[row]), np.asarray(state[row]))
+                np.testing.assert_array_equal(masked[row], state[row])
                 continue
             alone = rule(*map(cut, (q, k, v, g, beta)), state[row:row + 1], None)
             tol = 0 if form == "recurrent" else 1e-6  # the chunk's inverse over 16 vs m positions
-            np.testing.assert_allclose(np.asarray(masked[row]), np.asarray(alone[0]), atol=tol, rtol=0)
+            np.testing.assert_allclose(masked[row], np.asarray(alone[0]), atol=tol, rtol=0)
 
 
 def tiny_hybrid(seed=0, vocab=48, scale=4.0, layer_types=("linear_attention",) * 3 + ("full_attention",)):

@@ -45,13 +45,15 @@ def test_a_certain_lookup_passes_the_gate(fitted):
     pass (every cycle is a single step), but on a row whose answer repeats itself the cycles
     whose slots the lookup filled still verify, and accept, drafts."""
     target, drafter = fitted
-    prompt = prompts_mix(5)[0]  # the fitted pattern: its answer cycles through the same tokens
-    drafter_only = generate(target, drafter, [prompt], max_new_tokens=30, stop_token_ids=(),
+    # the batch (and options) of test_greedy_with_gated_drafts_equals_plain_decoding, whose programs
+    # these calls reuse; the gate is batch-wide, and at 1.0 no row's drafter draft passes it
+    prompts = prompts_mix(5)  # the first: the fitted pattern, its answer cycles through the same tokens
+    drafter_only = generate(target, drafter, prompts, max_new_tokens=30, stop_token_ids=(),
                             min_draft_probability=1.0)
-    looked_up = generate(target, drafter, [prompt], max_new_tokens=30, stop_token_ids=(), lookup=3,
+    looked_up = generate(target, drafter, prompts, max_new_tokens=30, stop_token_ids=(), lookup=3,
                          min_draft_probability=1.0)
-    assert drafter_only.tokens == looked_up.tokens == [plain_greedy(target, prompt, 30)]
-    assert set(drafter_only.acceptance_lengths[0]) == {1}
+    assert drafter_only.tokens == looked_up.tokens == [plain_greedy(target, prompt, 30) for prompt in prompts]
+    assert all(set(lengths) == {1} for lengths in drafter_only.acceptance_lengths)
     assert max(looked_up.acceptance_lengths[0]) > 1
 
 

@@ -36,21 +36,29 @@ def prompts():
     return [rows[0], rows[1][:5], rows[2][:7]]  # ragged
 
 
+@pytest.fixture(scope="module")
+def reduced_runs(fitted, prompts):
+    """generate's results for the prompts with each reduced head (covering, half), computed once: the
+    tests below assert on the same runs (each run compiled and executed once, not once a test)."""
+    target, drafter = fitted
+    return {name: generate(target, reduced(drafter, target, ids), prompts, max_new_tokens=24, stop_token_ids=())
+            for name, ids in (("covering", PATTERN_IDS), ("half", HALF_IDS))}
+
+
 @pytest.mark.parametrize("ids", [PATTERN_IDS, HALF_IDS], ids=["covering", "half"])
-def test_greedy_equals_plain_decoding(fitted, prompts, ids):
+def test_greedy_equals_plain_decoding(fitted, prompts, reduced_runs, ids):
     target, drafter = fitted
     plain = generate(target, None, prompts, max_new_tokens=24, stop_token_ids=())
-    out = generate(target, reduced(drafter, target, ids), prompts, max_new_tokens=24, stop_token_ids=())
+    out = reduced_runs["covering" if len(ids) == len(PATTERN_IDS) else "half"]
     assert out.tokens == plain.tokens
     assert out.tau > (3.0 if len(ids) == len(PATTERN_IDS) else 1.0)
 
 
-def test_covering_vocabulary_keeps_the_full_drafter_tau(fitted, prompts):
+def test_covering_vocabulary_keeps_the_full_drafter_tau(fitted, prompts, reduced_runs):
     """Over the ids the pattern uses, the reduced head drafts what the full head drafts."""
     target, drafter = fitted
     full = generate(target, drafter, prompts, max_new_tokens=24, stop_token_ids=())
-    part = generate(target, reduced(drafter, target, PATTERN_IDS), prompts, max_new_tokens=24, stop_token_ids=())
-    half = generate(target, reduced(drafter, target, HALF_IDS), prompts, max_new_tokens=24, stop_token_ids=())
+    part, half = reduced_runs["covering"], reduced_runs["half"]
     assert part.acceptance_lengths == full.acceptance_lengths
     assert half.tau < part.tau
 

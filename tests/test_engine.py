@@ -8,7 +8,13 @@ from support import fitted_models
 from support.sampling import PROMPT, chi_square_pvalue, exact_joint, sampling_pair
 
 from dflash_jax import generate, generate_batch
-from dflash_jax._speculative import Generator
+from dflash_jax._speculative import Generator, generator_for
+
+# The engine tests on the fitted pair that do not count programs share one set of shapes (2 slots,
+# prompts of <= 16 tokens: one prefill chunk size, 16 new tokens, no stop ids) on `generate`'s own
+# Generator (`generator_for`), so that their engines, and `generate_batch`'s, reuse the programs one
+# of them compiled: what each asserts does not depend on the slot count or the prompts' lengths.
+SHARED = dict(slots=2, max_prompt_tokens=16, max_new_tokens=16, stop_token_ids=())
 
 
 def _prompts(count=40, seed=0, longest=300):
@@ -25,7 +31,11 @@ def _prompts(count=40, seed=0, longest=300):
     return out
 
 
-@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "plain"])
+# [plain] under `make test-all`; covered by default: [speculative] (the same engine, slots and prompts,
+# against generate) and test_benchmark_cli.py::test_concurrency_runs_the_engine_and_profile_verify_
+# writes_a_cost_table_it_reads (an engine without a drafter: its tokens equal a speculative engine's)
+@pytest.mark.parametrize("speculative", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["speculative", "plain"])
 def test_forty_prompts_through_eight_slots_equal_generate_alone(fitted, speculative):
     target, drafter = fitted
     drafter = drafter if speculative else None
@@ -52,9 +62,8 @@ def test_forty_prompts_through_eight_slots_equal_generate_alone(fitted, speculat
 
 def test_results_come_back_as_prompts_complete(fitted):
     target, drafter = fitted
-    prompts = [[1, 2, 3], [7, 9, 11, 13], [2, 4], list(range(1, 40)), [5, 6, 7]]
-    engine = Generator(target, drafter).engine(slots=2, max_prompt_tokens=64, max_new_tokens=16,
-                                               stop_token_ids=())
+    prompts = [[1, 2, 3], [7, 9, 11, 13], [2, 4], list(range(1, 17)), [5, 6, 7]]
+    engine = generator_for(target, drafter).engine(**SHARED)
     run = engine.run(prompts)
     first_index, first = next(run)
     assert engine.stats.prefill_chunks == 2  # yielded while three prompts still wait for a slot
@@ -86,8 +95,8 @@ def test_sampling_through_the_engine_is_the_target_distribution_in_any_order():
 
 def test_bad_input(fitted):
     target, drafter = fitted
-    generator = Generator(target, drafter)
-    engine = generator.engine(slots=2, max_prompt_tokens=20, max_new_tokens=8, stop_token_ids=())
+    generator = generator_for(target, drafter)
+    engine = generator.engine(**SHARED)
     with pytest.raises(ValueError, match="no prompts"):
         engine.generate([])
     with pytest.raises(ValueError, match="slots"):
@@ -99,31 +108,30 @@ def test_bad_input(fitted):
     results = engine.generate([[1, 2, 3], list(range(1, 30)), [4, 5]])
     assert [r.ok for r in results] == [True, False, True]
     assert "prompt too long: 29 tokens" in results[1].error and results[1].tokens == []
-    assert results[0].tokens == generate(target, drafter, [[1, 2, 3]], max_new_tokens=8, stop_token_ids=()).tokens[0]
-    assert generate_batch(target, drafter, [[1, 2, 3]], max_new_tokens=8, stop_token_ids=())[0].tokens == \
+    assert results[0].tokens == generate(target, drafter, [[1, 2, 3]], max_new_tokens=16, stop_token_ids=()).tokens[0]
+    assert generate_batch(target, drafter, [[1, 2, 3]], slots=2, max_new_tokens=16, stop_token_ids=())[0].tokens == \
         results[0].tokens
 
 
 def test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens(fitted):
     target, drafter = fitted
-    prompts = _prompts(10, seed=3, longest=60)
-    full = Generator(target, drafter).engine(slots=4, max_prompt_tokens=60, max_new_tokens=20, stop_token_ids=())
+    prompts = _prompts(10, seed=3, longest=16)
+    generator = generator_for(target, drafter)
+    full = generator.engine(**SHARED)
     want = full.generate(prompts)
     g = drafter.config.block_size
-    assert full.stats.verified_per_cycle == 4 * g
-    budget = Generator(target, drafter).engine(slots=4, max_prompt_tokens=60, max_new_tokens=20, stop_token_ids=(),
-                                               verify_budget=4 * 2 + 3)  # slots x width <= 11: width 2
+    assert full.stats.verified_per_cycle == 2 * g
+    budget = generator.engine(**SHARED, verify_budget=2 * 2 + 1)  # slots x width <= 5: width 2
     got = budget.generate(prompts)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert max(n for r in got for n in r.acceptance_lengths) == 2 < max(n for r in want for n in r.acceptance_lengths)
-    assert budget.stats.verified_per_cycle == 4 * 2
+    assert budget.stats.verified_per_cycle == 2 * 2
     # a cost table that makes wide verifies dear: narrower cycles, the same tokens
     costs = {1: 1.0, 2: 1.05, 4: 1.5, g: 8.0}
-    cheap = Generator(target, drafter).engine(slots=4, max_prompt_tokens=60, max_new_tokens=20, stop_token_ids=(),
-                                              verify_costs=costs)
+    cheap = generator.engine(**SHARED, verify_costs=costs)
     assert [r.tokens for r in cheap.generate(prompts)] == [r.tokens for r in want]
-    assert 1 < cheap.stats.verified_per_cycle / 4 <= 4  # widths 2 and 4 chosen, never the block
-    solo = generate(target, drafter, prompts[:3], max_new_tokens=20, stop_token_ids=(), verify_costs=costs,
+    assert 1 < cheap.stats.verified_per_cycle / 2 <= 4  # widths 2 and 4 chosen, never the block
+    solo = generate(target, drafter, prompts[:3], max_new_tokens=16, stop_token_ids=(), verify_costs=costs,
                     verify_budget=6)  # generate takes them too; the budget bounds the table's choice to width 2
     assert solo.tokens == [r.tokens for r in want[:3]]
     assert max(n for row in solo.acceptance_lengths for n in row) <= 2
@@ -146,9 +154,9 @@ def test_a_reused_slot_starts_clean_with_a_hybrid_target_and_a_ring_draft_cache(
     drafter = tiny_drafter(target, block_size=4)
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(0, target.config.vocab_size - 1, size=n)]
-               for n in (3, 30, 9, 17, 5, 12, 4)]
+               for n in (3, 16, 9, 14, 5, 12, 4)]  # <= 16: one prefill chunk size; most longer than the ring of 8
     options = dict(max_new_tokens=10, stop_token_ids=(), draft_context=8)
-    got = Generator(target, drafter).engine(slots=3, max_prompt_tokens=30, **options).generate(prompts)
+    got = Generator(target, drafter).engine(slots=3, max_prompt_tokens=16, **options).generate(prompts)
     assert [r.tokens for r in got] == generate(target, drafter, prompts, **options).tokens
 
 

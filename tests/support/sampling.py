@@ -32,31 +32,41 @@ def sampling_pair():
     return Target(TARGET, params), drafter
 
 _PROBS_FNS = {}
+_ROWS = 64  # rows of every enumeration batch: the (V + 1) ** (depth - 1) sequences of depth <= 3 fit one
 
 
 def _next_token_probs_fn(target, temperature, top_k, top_p):
-    """Jitted next-token probabilities (eager dispatch would dominate the enumeration)."""
+    """Jitted next-token probabilities at a position (eager dispatch would dominate the enumeration)."""
     from dflash_jax import _sampling as sampling
 
     key = (id(target), temperature, top_k, top_p)
     if key not in _PROBS_FNS:
-        def probs(params, batch):
+        def probs(params, batch, position):
             hidden, _, _ = target.forward(params, batch)
-            return sampling.filtered_probs(target.logits(params, hidden[:, -1]), temperature, top_k, top_p)
+            return sampling.filtered_probs(target.logits(params, hidden[:, position]), temperature, top_k, top_p)
         _PROBS_FNS[key] = jax.jit(probs)
     return _PROBS_FNS[key]
 
 
 def exact_joint(target, temperature=1.0, top_k=0, top_p=1.0, depth=3, prompt=PROMPT):
-    """p(x1..x_depth | prompt) by enumeration, with the same filters applied to every step."""
+    """p(x1..x_depth | prompt) by enumeration, with the same filters applied to every step.
+
+    Every step's batch has one shape, [_ROWS rows, len(prompt) + depth - 1 tokens] (the sequences
+    right-padded: a causal target's probabilities at a position do not read the tokens after it),
+    so one compiled program serves the whole enumeration."""
     seqs = [tuple()]
     probs = {tuple(): 1.0}
-    for _ in range(depth):
-        batch = jnp.asarray([prompt + list(s) for s in seqs], jnp.int32)
-        probs_fn = _next_token_probs_fn(target, temperature, top_k, top_p if top_p < 1 else None)
-        p = np.asarray(probs_fn(target.params, batch))
+    width = len(prompt) + depth - 1
+    probs_fn = _next_token_probs_fn(target, temperature, top_k, top_p if top_p < 1 else None)
+    for step in range(depth):
+        rows = []
+        for start in range(0, len(seqs), _ROWS):
+            batch = np.zeros((_ROWS, width), np.int32)
+            for i, s in enumerate(seqs[start:start + _ROWS]):
+                batch[i, : len(prompt) + step] = prompt + list(s)
+            rows.extend(np.asarray(probs_fn(target.params, jnp.asarray(batch), len(prompt) + step - 1)))
         nxt = {}
-        for s, row in zip(seqs, p):
+        for s, row in zip(seqs, rows):
             for tok in range(V + 1):
                 if row[tok] > 0:
                     nxt[s + (tok,)] = probs[s] * float(row[tok])

@@ -36,14 +36,16 @@ _ROWS = 64  # rows of every enumeration batch: the (V + 1) ** (depth - 1) sequen
 
 
 def _next_token_probs_fn(target, temperature, top_k, top_p):
-    """Jitted next-token probabilities at a position (eager dispatch would dominate the enumeration)."""
+    """Jitted next-token probabilities at a position (eager dispatch would dominate the enumeration), one
+    per target spec (hashable, static; the params are an argument) and filters."""
     from dflash_jax import _sampling as sampling
 
-    key = (id(target), temperature, top_k, top_p)
+    spec = target.spec
+    key = (spec, temperature, top_k, top_p)
     if key not in _PROBS_FNS:
         def probs(params, batch, position):
-            hidden, _, _ = target.forward(params, batch)
-            return sampling.filtered_probs(target.logits(params, hidden[:, position]), temperature, top_k, top_p)
+            hidden, _, _ = spec.forward(params, batch)
+            return sampling.filtered_probs(spec.logits(params, hidden[:, position]), temperature, top_k, top_p)
         _PROBS_FNS[key] = jax.jit(probs)
     return _PROBS_FNS[key]
 

@@ -63,10 +63,11 @@ demo: $(VENV)/.stamp-runtime
 	$(PY) -m infer.demo $${PROMPT:+--prompt "$$PROMPT"}
 
 # Test modules are spread over TEST_WORKERS processes (pytest-xdist; a module stays in one process so
-# its fixtures are built once; tests/conftest.py queues the longest first). TEST_WORKERS=0 runs
+# its fixtures are built once; tests/conftest.py queues the longest first, and --no-loadscope-reorder keeps
+# xdist from reordering them by test count). TEST_WORKERS=0 runs
 # everything in this process.
 TEST_WORKERS ?= 2
-TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 VERSIONS := -c "import sys, jax, flax; print(f'== python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}')"
 
 # `make test` runs both legs, the default one first: the suite on .venv (Python $(PYTHON), jax 0.10

@@ -122,12 +122,15 @@ def hf_model(tmp_path_factory, worker_id):
 
         # transformers' loader builds gguf's tensor-name map anew for every tensor it converts (a
         # third of the load): the same map (architecture, layer count) each time, kept here instead
-        name_map = gguf.get_tensor_name_map
+        name_map, reader = gguf.get_tensor_name_map, gguf.GGUFReader
         gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+        # it also parses the file's metadata (49k vocabulary entries, field by field) twice, for the config
+        # and for the weights: one parse, kept for both (it looks GGUFReader up in gguf at each call)
+        gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
         try:
             return load(str(gguf_path.parent), gguf_path.name)
         finally:
-            gguf.get_tensor_name_map = name_map
+            gguf.get_tensor_name_map, gguf.GGUFReader = name_map, reader
 
     def load(folder, name):
         import importlib.util

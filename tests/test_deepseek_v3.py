@@ -391,8 +391,13 @@ def sharded_run(out: str, meshes: str = "MESHES") -> None:
     from dflash_jax._speculative import Generator
     from support.speculative import tiny_drafter
 
+    import dataclasses
+
     target = families.tiny_target("deepseek_v3")
     drafter = tiny_drafter(target, block_size=4)
+    # their weights on the host (numpy): placed on each mesh by slicing there, no program compiled per shard
+    target = dataclasses.replace(target, params=jax.device_get(target.params))
+    drafter = dataclasses.replace(drafter, params=jax.device_get(drafter.params))
     prompts = [[3, 9, 4], [7, 1, 2, 5, 8, 6, 11], [12], [5, 5, 20, 31, 2]]
     found = {"reference": Generator(target, drafter, backend="xla").generate(
         prompts, max_new_tokens=12, stop_token_ids=()).tokens}

@@ -91,7 +91,7 @@ def _drawn(shapes, seed: int, scale: float = 0.3):
     rng = np.random.default_rng(seed)
     draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
                             else scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(lambda path, s: jax.numpy.asarray(draw(path, s)), shapes)
+    return jax.tree_util.tree_map_with_path(lambda path, s: draw(path, s), shapes)
 
 
 def _models(name: str):
@@ -310,8 +310,10 @@ def extra_run(out: str) -> None:
     Path(out).write_text(json.dumps(found))
 
 
-def sharded_run(out: str, workdir: str) -> None:
-    """The default multi-device checks; findings to `out` (JSON)."""
+def sharded_run(out: str, workdir: str, sampling_params: str | None = None) -> None:
+    """The default multi-device checks; findings to `out` (JSON). sampling_params: a pickle of
+    `support.sampling.sampling_pair()`'s params (target, drafter), made by the parent process, which
+    builds that pair anyway (its initialisers compiled there, not again here); None: built here."""
     import jax
 
     from dflash_jax import sharding
@@ -380,6 +382,7 @@ def sharded_run(out: str, workdir: str) -> None:
     narrow = dataclasses.replace(target.config, num_heads=12, num_kv_heads=6)
     import numpy as np
 
+    from dflash_jax._drafter import Drafter
     from dflash_jax._target import Target, target_param_shapes
 
     # zeros of the right shapes (refused before any is read; no init program to compile)
@@ -397,9 +400,17 @@ def sharded_run(out: str, workdir: str) -> None:
 
     # Lossless sampling on a mesh: test_sampling's sharpened pair, tensor=2 x data=4, its samples
     # checked against the exact distribution by the test below.
-    from support.sampling import PROMPT, SAMPLES, sampling_pair
+    from support.sampling import DRAFTER, PROMPT, SAMPLES, TARGET, sampling_pair
 
-    sampler = Generator(*sampling_pair(), mesh=sharding.make_mesh(tensor=2, data=4))
+    if sampling_params is None:
+        pair = sampling_pair()
+        target_params, drafter_params = jax.device_get((pair[0].params, pair[1].params))
+    else:
+        import pickle
+
+        target_params, drafter_params = pickle.loads(Path(sampling_params).read_bytes())
+    sampler = Generator(Target(TARGET, target_params), Drafter(DRAFTER, drafter_params),
+                        mesh=sharding.make_mesh(tensor=2, data=4))
     result = sampler.generate([PROMPT] * SAMPLES, max_new_tokens=3,
                               stop_token_ids=(), temperature=1.0, seed=11)
     found["sampling"] = {"tokens": result.tokens, "tau": result.tau,
@@ -410,8 +421,19 @@ def sharded_run(out: str, workdir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def findings():
-    return run_8_devices("sharded_run({out}, {tmp})", "test_sharded_generate")
+def findings(tmp_path_factory):
+    import pickle
+
+    import jax
+
+    from support.sampling import sampling_pair
+
+    # test_sampling's pair, built here (its initialisers compiled in this process, which
+    # test_sampling_on_a_mesh_matches_the_target_distribution needs them in anyway), handed over
+    target, drafter = sampling_pair()
+    path = tmp_path_factory.mktemp("sharded-generate") / "sampling-params.pkl"
+    path.write_bytes(pickle.dumps(jax.device_get((target.params, drafter.params))))
+    return run_8_devices(f"sharded_run({{out}}, {{tmp}}, {str(path)!r})", "test_sharded_generate")
 
 
 @pytest.fixture(scope="module")

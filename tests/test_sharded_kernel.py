@@ -35,13 +35,14 @@ def sharded_run(out: str) -> None:
     rng = np.random.default_rng(0)
     b, tq, hq, hkv, d, cap = 4, 5, 4, 2, 16, 32
 
-    def normal(*shape):
-        return jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    def normal(*shape):  # numpy: placed on the mesh by slicing on the host, no program compiled per shard
+        return rng.normal(size=shape).astype(np.float32)
 
     q, new_k, new_v = normal(b, tq, hq, d), normal(b, tq, hkv, d), normal(b, tq, hkv, d)
     cache_k, cache_v, sinks, w = normal(2, b, cap, hkv, d), normal(2, b, cap, hkv, d), normal(hq), normal(b, tq, hq, d)
-    lengths = jnp.asarray([20, 7, cap - tq, 0], jnp.int32)  # ragged; row 3's cache is empty
-    ranges = masks.causal(lengths[:, None] + jnp.arange(tq, dtype=jnp.int32)[None], window=9)
+    lengths = np.asarray([20, 7, cap - tq, 0], np.int32)  # ragged; row 3's cache is empty
+    ranges = jax.device_get(masks.causal(jnp.asarray(lengths[:, None] + np.arange(tq, dtype=np.int32)[None]),
+                                         window=9))
 
     def cached(q, cache_k, cache_v, new_k, new_v, sinks, lengths, start, end):
         r = masks.KeyRanges(start, end)
@@ -62,7 +63,8 @@ def sharded_run(out: str) -> None:
     cache = NamedSharding(mesh, P(None, "data", None, "tensor", None))
     rows, rows3 = NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data", None, None))
     head_vec = NamedSharding(mesh, P("tensor"))
-    local_ranges = masks.causal(jnp.arange(tq, dtype=jnp.int32)[None] + jnp.asarray([[0], [2], [1], [3]]))
+    local_ranges = jax.device_get(masks.causal(jnp.arange(tq, dtype=jnp.int32)[None]
+                                               + jnp.asarray([[0], [2], [1], [3]])))
     cases = {
         "cache_attention_sinks": (cached, (q, cache_k, cache_v, new_k, new_v, sinks, lengths, ranges.start, ranges.end),
                                   (heads, cache, cache, heads, heads, head_vec, rows, rows3, rows3)),
@@ -95,11 +97,13 @@ def _generator_run(mesh) -> dict:
     kernel on `mesh`, the reference attention on `mesh`."""
     import jax
 
+    import numpy as np
+
     from dflash_jax._config import ModelConfig
-    from dflash_jax._drafter import Drafter, init_drafter_params
+    from dflash_jax._drafter import Drafter, drafter_param_shapes
     from dflash_jax._drafter_config import DrafterConfig
     from dflash_jax._speculative import Generator
-    from dflash_jax._target import Target, init_target_params
+    from dflash_jax._target import Target, target_param_shapes
 
     vocab = 64
     config = ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -108,11 +112,18 @@ def _generator_run(mesh) -> dict:
                                    head_dim=8, vocab_size=vocab, num_target_layers=1, target_layer_ids=(0,),
                                    block_size=4, mask_token_id=vocab - 1, max_position_embeddings=128)
     prompts = [[3, 9, 4], [7, 1, 2, 5, 8], [12], [5, 5, 20, 31]]
+    # weights drawn with numpy (no initialiser to compile; placed on the mesh by slicing on the host): norms
+    # near 1, the rest N(0, 0.3)
+    rng = np.random.default_rng(0)
+    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
+                            else 0.3 * rng.standard_normal(s.shape)).astype(np.float32)
+    target_params = jax.tree_util.tree_map_with_path(draw, target_param_shapes(config))
+    drafter_params = jax.tree_util.tree_map_with_path(draw, drafter_param_shapes(drafter_config))
     found = {}
     for name, impl, on_mesh in (("kernel_one_device", "pallas_interpret", None),
                                 ("kernel_mesh", "pallas_interpret", mesh), ("reference_mesh", "reference", mesh)):
-        target = Target(config, init_target_params(config, jax.random.PRNGKey(0)), attn_impl=impl)
-        drafter = Drafter(drafter_config, init_drafter_params(drafter_config, jax.random.PRNGKey(1)), attn_impl=impl)
+        target = Target(config, target_params, attn_impl=impl)
+        drafter = Drafter(drafter_config, drafter_params, attn_impl=impl)
         generator = (Generator(target, drafter, backend="xla") if on_mesh is None
                      else Generator(target, drafter, mesh=mesh))
         tokens = generator.generate(prompts, max_new_tokens=6, stop_token_ids=()).tokens

@@ -130,7 +130,7 @@ def test_result_text_and_decode_speed():
 def test_stream_reports_compile_time_and_matches_generate(pair):
     target, drafter = pair
     stream = generate_stream(target, drafter, [[3, 4], [5]], max_new_tokens=7, stop_token_ids=(), seed=1)
-    assert stream.compile_seconds > 0.0  # a shape no test compiled before
+    assert stream.compile_seconds > 0.0  # its cycle program: no test compiled one before
     chunks = list(stream)
     full = generate(target, drafter, [[3, 4], [5]], max_new_tokens=7, stop_token_ids=(), seed=1)
     assert [sum((c[b] for c in chunks), []) for b in range(2)] == full.tokens

@@ -4,6 +4,7 @@ rows share the product; it is what the compiled program calls for float32; other
 DFLASH_CPU_KERNELS=0 keep plain kernels and XLA's product."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -37,11 +38,26 @@ def _product(n):
     return lambda x, w: rows_matmul(x, w, n)
 
 
+@functools.cache
+def _jitted_product(n):
+    """jax.jit(_product(n)), one per n for the module: a shape it multiplies is compiled once, and
+    its `lower(...).compile()` is that program (a new function would be traced and compiled anew).
+    The tests that change how rows_matmul traces (monkeypatched `available`, a cache reset) keep
+    new functions of their own."""
+    return jax.jit(_product(n))
+
+
+@functools.cache
+def _jitted_layer_product(n):
+    """rows_matmul of layer i of a stack, jitted once per n (as `_jitted_product`)."""
+    return jax.jit(lambda x, w, i: rows_matmul(x, w, n, i))
+
+
 def check_rows_products(panels, x, want, n: int, target_name: str, row_counts) -> np.ndarray:
     """The custom call `target_name` multiplies the first `rows` of x by `panels` as `want` does,
     to float rounding, for every count of row_counts, and each row's result is bit for bit its
     result alone (what makes a verify and a decode step agree). -> the rows' results alone."""
-    product = jax.jit(_product(n))
+    product = _jitted_product(n)
     alone = np.stack([np.asarray(product(x[m:m + 1], panels))[0] for m in range(len(x))])
     for rows in row_counts:
         got = np.asarray(product(x[:rows], panels))
@@ -56,8 +72,8 @@ def check_stacked_layers_are_their_own_products(stack, k: int, n: int) -> None:
     """Each layer of a stack of panels (K = k), read in place by index, multiplies as that layer alone."""
     ones = np.ones((2, k), np.float32)
     for layer in range(stack.shape[0]):
-        in_stack = jax.jit(lambda x, w, i: rows_matmul(x, w, n, i))(ones, stack, jnp.int32(layer))
-        np.testing.assert_array_equal(np.asarray(in_stack), np.asarray(jax.jit(_product(n))(ones, stack[layer])))
+        in_stack = _jitted_layer_product(n)(ones, stack, jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(in_stack), np.asarray(_jitted_product(n)(ones, stack[layer])))
 
 
 @needs_kernel
@@ -67,11 +83,11 @@ def test_rows_kernel_equals_numpy(lead, k, n):
     x, w = _inputs(lead, k, n)
     packed = pack_kernel(w)
     assert packed.shape == (-(-n // PANEL), k, PANEL)
-    got = np.asarray(jax.jit(_product(n))(x, packed))
+    got = np.asarray(_jitted_product(n)(x, packed))
     want = x.astype(np.float64) @ w.astype(np.float64)
     assert got.shape == (*lead, n)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(k))
-    assert _calls_kernel(_product(n), x, packed)
+    assert TARGET_NAME in _jitted_product(n).lower(x, packed).compile().as_text()  # the program that ran
 
 
 @needs_kernel
@@ -81,9 +97,9 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(rows):
     the same row among others give bit-identical results (a verify and a decode step agree)."""
     x, w = _inputs((rows,), 576, 600, seed=rows)
     packed = pack_kernel(w)
-    together = np.asarray(jax.jit(_product(600))(x, packed))
+    together = np.asarray(_jitted_product(600)(x, packed))
     for m in range(rows):
-        alone = np.asarray(jax.jit(_product(600))(x[m:m + 1], packed))
+        alone = np.asarray(_jitted_product(600)(x[m:m + 1], packed))
         np.testing.assert_array_equal(alone[0], together[m])
 
 
@@ -224,7 +240,7 @@ def test_quantized_panels_multiply_as_their_dequantised_floats(quant_type, n, k)
     x = np.random.default_rng(k).standard_normal((40, k)).astype(np.float32)
     want = x.astype(np.float64) @ weight.T.astype(np.float64)
     alone = check_rows_products(panels, x, want, n, NARROW_TARGET_NAME, (1, 2, 3, 4, 5, 6, 7, 16, 40))
-    xla = np.asarray(jax.jit(_product(n))(x, floats))  # the float32 panels: the same weights
+    xla = np.asarray(_jitted_product(n)(x, floats))  # the float32 panels: the same weights
     np.testing.assert_allclose(alone, xla, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     check_stacked_layers_are_their_own_products(
         pack_quantized(np.stack([blocks, _ggml_blocks(quant_type, n, k, seed=1)]), quant_type), k, n)
@@ -254,9 +270,9 @@ def test_bfloat16_weights_pack_narrow_and_multiply_bit_for_bit(k, n):
     np.testing.assert_array_equal(np.asarray(dequantize_panels(narrow)), floats)
     for rows in (1, 2, 3, 6, 7, 16):
         x = rng.standard_normal((rows, k)).astype(np.float32)
-        got = np.asarray(jax.jit(_product(n))(x, narrow))
-        np.testing.assert_array_equal(got, np.asarray(jax.jit(_product(n))(x, jnp.asarray(floats))))
-    assert NARROW_TARGET_NAME in jax.jit(_product(n)).lower(x, narrow).compile().as_text()
+        got = np.asarray(_jitted_product(n)(x, narrow))
+        np.testing.assert_array_equal(got, np.asarray(_jitted_product(n)(x, jnp.asarray(floats))))
+    assert NARROW_TARGET_NAME in _jitted_product(n).lower(x, narrow).compile().as_text()
     assert pack_kernel(w[:40]).shape == (-(-n // PANEL), 40, PANEL)  # K not a multiple of 32: float32
     w[-1, -1] += 1e-3  # one weight that bfloat16 cannot hold: float32 panels
     assert pack_kernel(w).shape == (-(-n // PANEL), k, PANEL)

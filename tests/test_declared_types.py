@@ -14,7 +14,7 @@ from dflash_jax import _moe as moe, backends
 from dflash_jax._config import LinearAttentionConfig, ModelConfig, MoEConfig
 from dflash_jax._drafter import Drafter, init_drafter_params
 from dflash_jax._drafter_config import DrafterConfig
-from dflash_jax._target import Target, init_target_params
+from dflash_jax._target import Target, target_param_shapes
 from dflash_jax.backends import base
 
 DENSE = ModelConfig(arch="qwen3", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -26,6 +26,15 @@ HYBRID = ModelConfig(arch="qwen3_5", vocab_size=48, hidden_size=32, intermediate
                      layer_types=("linear_attention",) * 3 + ("full_attention",),
                      linear=LinearAttentionConfig(conv_kernel_dim=4, num_key_heads=2, num_value_heads=4,
                                                   key_head_dim=8, value_head_dim=8))
+def _drawn_params(config, seed: int = 0, scale: float = 0.18):
+    """Target params of `config` drawn with numpy (no initialiser to compile, as
+    `support.families.tiny_target`): norms near 1, the rest N(0, scale)."""
+    rng = np.random.default_rng(seed)
+    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
+                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(lambda path, s: jnp.asarray(draw(path, s)), target_param_shapes(config))
+
+
 DRAFTER = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                         head_dim=8, vocab_size=48, num_target_layers=2, target_layer_ids=(0, 1), block_size=4,
                         mask_token_id=47)
@@ -45,7 +54,7 @@ def test_the_backend_says_which_targets_its_layout_holds():
     assert backends.decode_backend(MOE, "cpu") == "xla" and backends.decode_backend(HYBRID, "cpu") == "xla"
     with pytest.raises(ValueError, match="unknown backend"):
         backends.decode_backend(DENSE, "tpu-kernels")
-    moe_target = Target(MOE, init_target_params(MOE, jax.random.PRNGKey(0)))
+    moe_target = Target(MOE, _drawn_params(MOE))
     assert moe_target.spec.decode_params(moe_target.params, "cpu") is moe_target.params
     assert moe_target.module_for(moe_target.params).backend == "xla"
 
@@ -55,7 +64,7 @@ def test_packed_params_carry_their_tag_through_jit_and_tree_maps():
     reads the tag, never keys or ranks, and the tag survives jit, tree_map, device_put and pickling."""
     from dflash_jax.backends.cpu.layout import is_packed_layout, pack_layers
 
-    target = Target(DENSE, init_target_params(DENSE, jax.random.PRNGKey(0)))
+    target = Target(DENSE, _drawn_params(DENSE))
     packed = target.spec.decode_params(target.params, "cpu")
     assert isinstance(packed, backends.BackendLayout) and packed.backend == "cpu"
     assert backends.of_target_params(packed) == "cpu" and is_packed_layout(packed)
@@ -117,7 +126,7 @@ def test_a_moe_verify_on_a_cpu_gathers_its_experts(monkeypatch):
     sorted (`ragged_dot`) form has; both forms give the same hidden states."""
     if backends.platform() != "cpu":
         pytest.skip("the CPU's expert form")
-    target = Target(MOE, init_target_params(MOE, jax.random.PRNGKey(0)))
+    target = Target(MOE, _drawn_params(MOE))
     params = target.spec.decode_params(target.params)
     assert backends.of_target_params(params) == "xla"
     auto = _moe_verify_text(target, params)

@@ -6,14 +6,15 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dflash_jax import _speculative as speculative
 from dflash_jax._config import ModelConfig
-from dflash_jax._drafter import Drafter, init_drafter_params
+from dflash_jax._drafter import Drafter, drafter_param_shapes
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._speculative import GenerationResult, generate, generate_stream
-from dflash_jax._target import Target, TargetSpec, init_target_params
+from dflash_jax._target import Target, TargetSpec, target_param_shapes
 
 VOCAB = 16
 TARGET = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -23,10 +24,19 @@ DRAFTER = DrafterConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_
                         block_size=4, mask_token_id=VOCAB - 1)
 
 
+def _drawn(shapes, seed: int, scale: float = 0.3):
+    """Params of `shapes` drawn with numpy (no initialiser to compile, as `support.families.tiny_target`):
+    norms near 1, the rest N(0, scale)."""
+    rng = np.random.default_rng(seed)
+    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
+                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(lambda path, s: jnp.asarray(draw(path, s)), shapes)
+
+
 @pytest.fixture(scope="module")
 def pair():
-    target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
-    return target, Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)))
+    target = Target(TARGET, _drawn(target_param_shapes(TARGET), 0))
+    return target, Drafter(DRAFTER, _drawn(drafter_param_shapes(DRAFTER), 1))
 
 
 BAD_CALLS = [
@@ -69,13 +79,20 @@ def test_bad_argument_raises_at_the_call_and_names_it(pair, entry, kwargs, error
         assert word in str(caught.value), (word, str(caught.value))
 
 
+# Programs are compiled per batch size, prompt bucket and max_new_tokens room (a multiple of 64):
+# the tests below that generate use two rows in the first bucket and a room of 64 (TWO_ROWS) where
+# their assertions do not depend on the shape, so that they share the prefill and loop programs
+# (`generator_for`'s, and the run's persistent compilation cache across their own Generators).
+TWO_ROWS = [[1, 2, 3], [3]]
+
+
 def test_an_int_stop_id_is_one_stop_id(pair):
     target, drafter = pair
-    free = generate(target, drafter, [[1, 2, 3]], max_new_tokens=6, stop_token_ids=())
+    free = generate(target, drafter, TWO_ROWS, max_new_tokens=6, stop_token_ids=())
     stop = free.tokens[0][2]
     first = free.tokens[0].index(stop)
-    as_int = generate(target, drafter, [[1, 2, 3]], max_new_tokens=6, stop_token_ids=stop)
-    assert as_int.tokens == generate(target, drafter, [[1, 2, 3]], max_new_tokens=6,
+    as_int = generate(target, drafter, TWO_ROWS, max_new_tokens=6, stop_token_ids=stop)
+    assert as_int.tokens == generate(target, drafter, TWO_ROWS, max_new_tokens=6,
                                      stop_token_ids=[stop]).tokens
     assert as_int.tokens[0] == free.tokens[0][: first + 1]
 
@@ -113,7 +130,7 @@ def test_result_text_and_decode_speed():
 def test_stream_reports_compile_time_and_matches_generate(pair):
     target, drafter = pair
     stream = generate_stream(target, drafter, [[3, 4], [5]], max_new_tokens=7, stop_token_ids=(), seed=1)
-    assert stream.compile_seconds > 0.0  # a shape no test compiled before
+    assert stream.compile_seconds > 0.0  # its cycle program: no test compiled one before
     chunks = list(stream)
     full = generate(target, drafter, [[3, 4], [5]], max_new_tokens=7, stop_token_ids=(), seed=1)
     assert [sum((c[b] for c in chunks), []) for b in range(2)] == full.tokens
@@ -134,10 +151,10 @@ def test_compiled_executables_are_bounded(pair, monkeypatch, bound):
         monkeypatch.setattr(speculative, "MAX_COMPILED", 2)
     generator = speculative.Generator(target, None, max_compiled=2 if bound == "argument" else None)
     for new in (2, 70):  # max_new_tokens in two buckets of 64: a new program each (prefill + loop)
-        generator.generate([[1]], max_new_tokens=new, stop_token_ids=())
+        generator.generate(TWO_ROWS, max_new_tokens=new, stop_token_ids=())
         assert generator.compile_cache_size == 2
-    assert generator.generate([[1]], max_new_tokens=70, stop_token_ids=()).compile_seconds == 0.0
-    assert generator.generate([[1]], max_new_tokens=2, stop_token_ids=()).compile_seconds > 0.0
+    assert generator.generate(TWO_ROWS, max_new_tokens=70, stop_token_ids=()).compile_seconds == 0.0
+    assert generator.generate(TWO_ROWS, max_new_tokens=2, stop_token_ids=()).compile_seconds > 0.0
 
 
 @pytest.mark.parametrize("speculative_pair", [False, True], ids=["plain", "speculative"])
@@ -146,15 +163,15 @@ def test_max_new_tokens_in_one_bucket_share_a_program_and_each_call_stops_at_its
     asking for 1..64 new tokens run one prefill and one loop, and each stops at its own count."""
     target, drafter = pair
     generator = speculative.Generator(target, drafter if speculative_pair else None)
-    longest = generator.generate([[1, 2], [3]], max_new_tokens=64, stop_token_ids=())
+    longest = generator.generate(TWO_ROWS, max_new_tokens=64, stop_token_ids=())
     assert [len(row) for row in longest.tokens] == [64, 64]
     for new in (1, 5, 17, 63):
-        got = generator.generate([[1, 2], [3]], max_new_tokens=new, stop_token_ids=())
+        got = generator.generate(TWO_ROWS, max_new_tokens=new, stop_token_ids=())
         assert got.compile_seconds == 0.0 and generator.compile_cache_size == 2
         assert got.tokens == [row[:new] for row in longest.tokens]
         for accepted, whole in zip(got.acceptance_lengths, longest.acceptance_lengths):
             assert 1 + sum(accepted) >= new and accepted == whole[:len(accepted)]  # the prefill gives one
-    assert generator.generate([[1, 2], [3]], max_new_tokens=65, stop_token_ids=()).compile_seconds > 0.0
+    assert generator.generate(TWO_ROWS, max_new_tokens=65, stop_token_ids=()).compile_seconds > 0.0
 
 
 def test_models_with_one_spec_share_executables_and_weights_are_arguments(pair):
@@ -164,9 +181,9 @@ def test_models_with_one_spec_share_executables_and_weights_are_arguments(pair):
     assert target.spec == TargetSpec(TARGET, "float32")
     assert hash(target.spec) == hash(TargetSpec(TARGET, jnp.float32))
     assert target.spec != TargetSpec(TARGET, jnp.bfloat16)
-    prompts = [[1, 2, 3]]
+    prompts = TWO_ROWS  # the greedy check below reads the first row
     first = generate(target, None, prompts, max_new_tokens=6, stop_token_ids=())
-    other = dataclasses.replace(target, params=init_target_params(TARGET, jax.random.PRNGKey(9)))
+    other = dataclasses.replace(target, params=_drawn(target_param_shapes(TARGET), 9))
     again = generate(other, None, prompts, max_new_tokens=6, stop_token_ids=())
     assert again.compile_seconds == 0.0
     assert again.tokens != first.tokens  # different weights decode differently here
@@ -198,12 +215,17 @@ def test_sampling_options_hold_the_public_keywords_and_their_defaults():
 
 
 def test_a_warning_points_at_the_callers_line(pair):
+    """The warning is issued while the call checks its arguments, before anything is compiled; each
+    call then fails the prompt-length check (2 + 127 tokens > the target's 128 positions), so the
+    three entry points' warnings are checked without compiling a block_size 6 program for them."""
     target, drafter = pair
-    for call in (lambda: generate(target, drafter, [[1, 2]], max_new_tokens=2, block_size=6),
-                 lambda: speculative.Generator(target, drafter).generate([[1, 2]], max_new_tokens=2, block_size=6),
-                 lambda: generate_stream(target, drafter, [[1, 2]], max_new_tokens=2, block_size=6)):
+    too_long = dict(max_new_tokens=127, block_size=6)
+    for call in (lambda: generate(target, drafter, [[1, 2]], **too_long),
+                 lambda: speculative.Generator(target, drafter).generate([[1, 2]], **too_long),
+                 lambda: generate_stream(target, drafter, [[1, 2]], **too_long)):
         with pytest.warns(UserWarning, match="block_size 6") as caught:
-            call()
+            with pytest.raises(ValueError, match="prompt too long"):
+                call()
         assert caught[0].filename == __file__, caught[0].filename
 
 
@@ -211,10 +233,10 @@ def test_release_generators_drops_what_generate_keeps(pair):
     import dflash_jax
 
     target, _ = pair
-    generate(target, None, [[1, 2, 3]], max_new_tokens=3, stop_token_ids=())
+    generate(target, None, TWO_ROWS, max_new_tokens=3, stop_token_ids=())
     kept = speculative.generator_for(target)
     assert kept in speculative._GENERATORS.values()
     assert dflash_jax.release_generators() >= 1 and not speculative._GENERATORS
     assert dflash_jax.release_generators() == 0
-    again = generate(target, None, [[1, 2, 3]], max_new_tokens=3, stop_token_ids=())
+    again = generate(target, None, TWO_ROWS, max_new_tokens=3, stop_token_ids=())
     assert again.compile_seconds > 0.0 and speculative.generator_for(target) is not kept

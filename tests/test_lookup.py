@@ -3,14 +3,20 @@ lookup: greedy output bit-identical to plain greedy decoding while the looked-up
 what is drafted; argument checks; the CLI default."""
 import argparse
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dflash_jax.cli import common
-from dflash_jax._lookup import lookup_drafts, merge_lookup
+from dflash_jax import _lookup
 from dflash_jax._speculative import generate
 from support.speculative import plain_greedy, prompts_mix
+
+
+# jitted, as the decode loop runs them: one program per shape, not one per eager op
+lookup_drafts = jax.jit(_lookup.lookup_drafts, static_argnums=(2, 3))
+merge_lookup = jax.jit(_lookup.merge_lookup)
 
 
 def reference(seq, length, longest, count):

@@ -1,14 +1,22 @@
 """Mask builders against hand-written dense masks (small cases, written out by hand)."""
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import _masks as masks
 
+# jitted, as the models build them: one program per shape, not one compiled program per eager op
+_dense_mask = jax.jit(lambda ranges, num_keys: ranges.dense(num_keys), static_argnums=1)
+_drafter_training = functools.partial(jax.jit, static_argnums=(2, 3), static_argnames=("window", "causal"))(
+    masks.drafter_training)
+
 
 def _dense(ranges: masks.KeyRanges, num_keys: int) -> np.ndarray:
-    return np.asarray(ranges.dense(num_keys)).astype(int)
+    return np.asarray(_dense_mask(ranges, num_keys)).astype(int)
 
 
 def _rows(*rows: str) -> np.ndarray:
@@ -86,7 +94,7 @@ def test_drafter_training_hand_written():
     # Keys = [context 0..6 | block0 7..9 | block1 10..12 | block2 13..15].
     anchors = jnp.array([[2, 5, 0]])
     valid = jnp.array([[True, True, False]])
-    r = masks.drafter_training(anchors, valid, context_length=7, block_size=3)
+    r = _drafter_training(anchors, valid, 7, 3)
     assert r.start.shape == (1, 9, 2)
     d = _dense(r, 16)[0]
     want = _rows(
@@ -109,7 +117,7 @@ def test_drafter_training_hand_written():
 def test_drafter_training_window():
     anchors = jnp.array([[2, 6]])
     valid = jnp.array([[True, True]])
-    r = masks.drafter_training(anchors, valid, context_length=7, block_size=2, window=3)
+    r = _drafter_training(anchors, valid, 7, 2, window=3)
     d = _dense(r, 11)[0]
     want = _rows(
         "1100000 11 00",  # anchor 2, query at 2: context positions p < 2 with 2 - p < 3
@@ -127,8 +135,8 @@ def test_drafter_training_properties_random():
     for _ in range(5):
         anchors = np.sort(rng.choice(np.arange(1, ctx - 1), size=(2, n), replace=False), axis=1)
         valid = rng.random((2, n)) < 0.7
-        r = masks.drafter_training(jnp.array(anchors), jnp.array(valid), ctx, g)
-        d = np.asarray(r.dense(ctx + n * g))
+        r = _drafter_training(jnp.array(anchors), jnp.array(valid), ctx, g)
+        d = np.asarray(_dense_mask(r, ctx + n * g))
         for b in range(2):
             for j in range(n):
                 rows = d[b, j * g : (j + 1) * g]

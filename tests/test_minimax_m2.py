@@ -92,7 +92,7 @@ def test_q_and_k_are_normalised_over_all_heads():
     tokens = jnp.asarray([[4, 9, 17, 30, 2]], jnp.int32)
     _, _, cache = target.forward(p, tokens, target.init_cache(1, 8))
     x = np.asarray(p["embed_tokens"]["embedding"], np.float64)[np.asarray(tokens)[0]]
-    layer = jax.tree_util.tree_map(lambda a: np.asarray(a[0], np.float64), p["layers"])
+    layer = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64)[0], p["layers"])  # numpy's slice: no program
     h = _rms(x, layer["input_layernorm"]["scale"], cfg.rms_norm_eps)
     k = _rms(h @ layer["self_attn"]["k_proj"]["kernel"], layer["self_attn"]["k_norm"]["scale"], cfg.rms_norm_eps)
     k = k.reshape(5, cfg.num_kv_heads, cfg.head_dim)

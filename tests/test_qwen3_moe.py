@@ -21,13 +21,18 @@ def test_grouped_experts_equal_a_loop_over_experts(n, form):
     x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
     gate, up = (jnp.asarray(rng.normal(size=(e, d, i)), jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.normal(size=(e, i, d)), jnp.float32)
-    weights, experts = moe.route(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
+    # jitted, as a model runs them: one program each, not one per eager op
+    weights, experts = jax.jit(moe.route, static_argnums=(1, 2))(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k,
+                                                                 True)
     np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-6)
-    got = moe.grouped_experts(x, experts, weights, gate, up, down, form=form)
+    got = jax.jit(moe.grouped_experts, static_argnames="form")(x, experts, weights, gate, up, down, form=form)
+    # the loop in numpy, float32 (not one jax op per token and expert, each compiled)
+    xs, gs, us, ds, ws, es = (np.asarray(a) for a in (x, gate, up, down, weights, experts))
     want = np.zeros((n, d), np.float32)
     for t in range(n):
         for j in range(k):
-            ex = int(experts[t, j])
-            h = jax.nn.silu(x[t] @ gate[ex]) * (x[t] @ up[ex])
-            want[t] += float(weights[t, j]) * np.asarray(h @ down[ex])
+            ex = int(es[t, j])
+            a = xs[t] @ gs[ex]
+            h = a / (1 + np.exp(-a)) * (xs[t] @ us[ex])
+            want[t] += float(ws[t, j]) * (h @ ds[ex])
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)

@@ -75,10 +75,11 @@ def test_groups_limit_the_choice():
     logits[0, 2:4] = [3.0, 2.9]  # group 1: two good ones
     logits[0, 4:6] = [2.8, 2.7]  # group 2: two good ones
     bias = np.zeros(8, np.float32)
-    _, experts = moe.route_sigmoid_grouped(jnp.asarray(logits), jnp.asarray(bias), 2, n_group=4, topk_group=2)
+    route = jax.jit(moe.route_sigmoid_grouped, static_argnums=2, static_argnames=("n_group", "topk_group"))
+    _, experts = route(jnp.asarray(logits), jnp.asarray(bias), 2, n_group=4, topk_group=2)
     assert sorted(np.asarray(experts)[0].tolist()) == [2, 3]
     # without groups the strong expert wins
-    _, experts = moe.route_sigmoid_grouped(jnp.asarray(logits), jnp.asarray(bias), 2)
+    _, experts = route(jnp.asarray(logits), jnp.asarray(bias), 2)
     assert 0 in np.asarray(experts)[0].tolist()
 
 
@@ -100,14 +101,19 @@ def test_moe_block_with_the_sigmoid_router_and_an_ungated_shared_expert():
                     shared_expert_intermediate_size=12, router="sigmoid_grouped", n_group=2, topk_group=1,
                     routed_scaling_factor=2.0, norm_topk_eps=1e-20, shared_expert_gate=False)
     block = moe.moe_block(cfg)
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 16), jnp.float32)
-    params = block.init(jax.random.PRNGKey(0), x)["params"]
+    draw = np.random.default_rng(0)  # numpy's draws: no sampling program to compile
+    x = jnp.asarray(draw.normal(size=(2, 5, 16)), jnp.float32)
+    # the block's params by name and shape (its init traced, not run: eager or jitted, its truncated normals
+    # take seconds to compile), drawn here at its initializer's scale (lecun normal: std 1/sqrt(fan_in))
+    shapes = jax.eval_shape(block.init, jax.random.PRNGKey(0), x)["params"]
+    params = jax.tree_util.tree_map(
+        lambda s: jnp.asarray(draw.normal(0, s.shape[-2] ** -0.5 if len(s.shape) > 1 else 0, s.shape), s.dtype), shapes)
     assert sorted(params) == ["down_proj", "e_score_correction_bias", "gate_proj", "router", "shared_expert",
                               "up_proj"]
     assert sorted(params["router"]) == ["kernel"] and params["e_score_correction_bias"].shape == (8,)
-    bias = jax.random.normal(jax.random.PRNGKey(2), (8,)) * 0.3
+    bias = jnp.asarray(draw.normal(size=(8,)) * 0.3, jnp.float32)
     params = {**params, "e_score_correction_bias": bias}
-    got = np.asarray(block.apply({"params": params}, x))
+    got = np.asarray(jax.jit(block.apply)({"params": params}, x))  # one program, not one per eager op
     flat = np.asarray(x, np.float64).reshape(-1, 16)
     p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
     weights, experts = reference_route(flat @ p["router"]["kernel"], np.asarray(bias), 2, 2, 1, True, 2.0, 1e-20)

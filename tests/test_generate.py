@@ -53,9 +53,7 @@ def test_autoregressive_mode_is_the_same_loop(fitted):
 
 def test_every_acceptance_length_occurs(fitted):
     target, drafter = fitted
-    # six rows in a room of 64 new tokens: the programs the ragged-batch and stop tests run (twelve
-    # rows compiled a prefill and a loop of their own); these give every length (65 13 1 2 5 1 3 17)
-    prompts = prompts_mix(4)
+    prompts = prompts_mix(4) + prompts_mix(5)
     result = generate(target, drafter, prompts, max_new_tokens=48, stop_token_ids=())
     hist = result.histogram()
     g = drafter.config.block_size

@@ -86,9 +86,13 @@ class Family:
     # the cached ragged prefill: rows' lengths (the longest fills the batch), cache capacity, chunk
     prefill: dict = dataclasses.field(default_factory=lambda: dict(lengths=(40, 17, 3), capacity=64, chunk_size=16))
     router: str | None = None  # name suffix of routers whose top-k gap the prefill check asserts
-    max_new_tokens: int = 24  # of the greedy checks against transformers' generate
+    max_new_tokens: int = 24  # of the greedy checks against transformers' generate (and of the rejections')
     # our tiny target (`tiny_target`): config overrides for the decoding checks, weights' spread
     decode_overrides: dict = dataclasses.field(default_factory=dict)
+    # the rejections at every position on our tiny target (decode_overrides) even where transformers is
+    # installed: where those overrides are what they check (else, with torch, the loaded target against
+    # transformers' greedy continuations)
+    tiny_rejections: bool = False
     scale: float = 0.3
     sampling_scale: float = 0.2
     # what only `make test-all` runs: checks ("rejections"), a check of one variant
@@ -326,7 +330,7 @@ FAMILIES = {row.name: row for row in [
            slow_variants=frozenset({"ple-kv-shared", "separate-v", "moe", "conditional-generation"}),
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6),
            # our own target's decoding checks (rejections, sampling, decode HLO) on the richest layers
-           decode_overrides=_GEMMA4_PLE_KV_SHARED,
+           decode_overrides=_GEMMA4_PLE_KV_SHARED, tiny_rejections=True,
            slow=frozenset({"rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
 ]}
 
@@ -339,6 +343,16 @@ def hf_modules(family: str):
     if not hasattr(transformers, FAMILIES[family].hf_class):
         pytest.skip(f"this transformers has no {FAMILIES[family].hf_class}")
     return torch, transformers
+
+
+def has_hf(family: str) -> bool:
+    """Whether torch and a transformers with the row's class are installed (`hf_modules` would not skip)."""
+    try:
+        import torch  # noqa: F401
+        import transformers
+    except ImportError:
+        return False
+    return hasattr(transformers, FAMILIES[family].hf_class)
 
 
 def make_hf(family: str, out_dir=None, seed: int = 0, variant: str | None = None, **overrides):

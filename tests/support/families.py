@@ -214,9 +214,13 @@ FAMILIES = {row.name: row for row in [
                                              "rope_theta": 500000.0})}),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE, _moe_init, parity_tokens=40,
            variants={"norm-topk": dict(norm_topk_prob=True), "raw-topk": dict(norm_topk_prob=False)},
-           # the MoE hybrid's rejections, random drafter and decode loop stand for these by default
-           slow=frozenset({"prefill[raw-topk]", "greedy[raw-topk]", "speculative", "rejections", "sampling",
-                           "decode_loop_hlo"})),
+           # the MoE hybrid's rejections, random drafter and decode loop stand for these by default; its
+           # layers are Qwen3's attention and KV cache with PreNormLayer's MoE block (`_moe.moe_block`), so its
+           # cached ragged prefill and decode step's HLO are the qwen3 row's prefill and test_decode_hlo's Qwen3
+           # steps (that attention and cache) with the deepseek_v3 row's (the same MoE block in PreNormLayer,
+           # experts of the same shapes at the same prefill lengths: the same expert forms) by default
+           slow=frozenset({"prefill", "greedy[raw-topk]", "speculative", "rejections", "sampling",
+                           "decode_step_hlo", "decode_loop_hlo"})),
     Family("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", QWEN3_5, _hybrid_init,
            conditional=("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"), variants={
                # the default pattern (3 linear, 1 full) twice; GQA 2:1 in both kinds of layer
@@ -286,15 +290,15 @@ FAMILIES = {row.name: row for row in [
                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                      "partial_rotary_factor": 0.25})},
            # the rejections at every position stand for the speculative check by default; the cached ragged
-           # prefill and the decode step's HLO are the qwen3_moe row's (a KV cache, MoE layers) and the
-           # deepseek_v3 row's (a dense prefix before the MoE layers) by default
+           # prefill and the decode step's HLO are the qwen3 row's / test_decode_hlo's (a KV cache) and the
+           # deepseek_v3 row's (a dense prefix before MoE layers of the grouped sigmoid router) by default
            slow=frozenset({"prefill", "greedy[dense2-plain]", "speculative", "sampling", "decode_step_hlo",
                            "decode_loop_hlo"})),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config", MINIMAX_M2, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40,
            # the glm4_moe row's rejections, sampling, decode step and loop stand for these by default (the
-           # same layers), the qwen3_moe row's cached ragged prefill (a KV cache, MoE layers); its speculative
-           # check runs
+           # same layers), the qwen3 row's and the deepseek_v3 row's cached ragged prefill (a KV cache; MoE
+           # layers of the sigmoid router); its speculative check runs
            slow=frozenset({"prefill", "rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK_V3, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40, variants={

@@ -232,8 +232,12 @@ FAMILIES = {row.name: row for row in [
                "conditional-generation": dict(num_hidden_layers=4, multimodal=True)},
            slow_variants=frozenset({"interval2-tied"}),  # its checks repeat the others' on another pattern
            # the MoE hybrid's prefill, random drafter against transformers' generate, rejections, decode
-           # step and loop stand for these by default (the same hybrid cache and layers)
-           slow=frozenset({"prefill", "greedy", "speculative", "rejections", "decode_step_hlo", "decode_loop_hlo"}),
+           # step and loop stand for these by default (the same hybrid cache and layers); the multimodal
+           # checkpoint's logits: the qwen3_5_moe row's conditional-generation variant by default (its family
+           # subclasses this one: the same text_config reading and checkpoint prefixes), this row's default
+           # variant (its layers) and its own export check (its multimodal checkpoint's names and tensors)
+           slow=frozenset({"prefill", "greedy", "speculative", "rejections", "decode_step_hlo", "decode_loop_hlo",
+                           "parity[conditional-generation]"}),
            parity_tokens=77,  # two chunks of the chunked delta rule
            # the chi-square on one repeat of the pattern (3 linear, 1 full): every kind of layer, half the cost
            sampling_overrides=dict(num_hidden_layers=4),

@@ -9,10 +9,12 @@ Against transformers' class of the family (float32, tiny random models saved wit
 every variant of the row): logits and captured layers; right-padded rows through the cached,
 chunked prefill equal each row alone, and the next cached step continues them; greedy decoding,
 plain and speculative with a random drafter, equals transformers' greedy `generate`; the name
-table's export writes back the saved tensors. On our own tiny target of the row's config (no
-torch): greedy speculative decoding equals plain greedy decoding with rejections at every block
-position; speculative sampling keeps the target's distribution (chi-square); the compiled decode
-step and decode loop touch no whole cache buffer. The 8-device sharded equality is
+table's export writes back the saved tensors. Greedy speculative decoding equals plain greedy
+decoding with rejections at every block position: on the loaded target against transformers' greedy
+continuations (on our own tiny target against `plain_greedy_rows` without torch, or where the row
+says `tiny_rejections`). On our own tiny target of the row's config (no torch):
+speculative sampling keeps the target's distribution (chi-square); the compiled decode step and
+decode loop touch no whole cache buffer. The 8-device sharded equality is
 test_sharded_generate's. A family's own behaviour (MXFP4, the delta rule's forms, sinks, its
 config errors) stays in its own test file.
 """
@@ -93,7 +95,7 @@ def hf_pairs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_greedy(hf_pairs):
     """key -> transformers' greedy continuations of `PROMPTS` (`hf_generate`, the row's max_new_tokens),
-    computed once for the module: the plain and the speculative greedy checks compare with the same."""
+    computed once for the module: the plain and speculative greedy checks and the rejections compare with the same."""
     done = {}
 
     def get(key):
@@ -165,12 +167,13 @@ def test_logits_and_captured_layers_equal_transformers(hf_pairs, key):
         hidden, features, _ = spec.forward(params, tokens, capture=capture)
         return spec.logits(params, hidden), features
 
-    ours, features = forward(target.params, jnp.asarray(ids, jnp.int32))
+    ours, features = forward(target.params, np.asarray(ids, np.int32))
+    features = np.asarray(features)  # sliced on the host (no small program per slice)
     d = cfg.hidden_size
     assert features.shape == (*ids.shape, len(capture) * d)
     assert_model_close(np.asarray(ours), logits, cfg, tokens=ids.shape[1])
     for j, layer in enumerate(capture):
-        assert_model_close(np.asarray(features[..., j * d:(j + 1) * d]), hidden_states[layer + 1], cfg,
+        assert_model_close(features[..., j * d:(j + 1) * d], hidden_states[layer + 1], cfg,
                            tokens=ids.shape[1], err_msg=f"layer {layer}")
 
 
@@ -198,12 +201,12 @@ def test_cached_ragged_prefill_equals_each_row_alone(hf_pairs, key):
     def step(params, tokens, cache):
         return spec.logits(params, spec.forward(params, tokens, cache)[0])
 
-    ours, features, cache = prefill(target.params, jnp.asarray(ids[:, :max(lengths)], jnp.int32),
-                                    target.init_cache(3, row.prefill["capacity"]), jnp.asarray(lengths))
+    ours, features, cache = prefill(target.params, np.asarray(ids[:, :max(lengths)], np.int32),
+                                    target.init_cache(3, row.prefill["capacity"]), np.asarray(lengths, np.int32))
     assert list(np.asarray(cache.lengths)) == lengths
     nxt = ids[np.arange(3), lengths]
-    following = np.asarray(step(target.params, jnp.asarray(nxt[:, None], jnp.int32), cache))
-    ours = np.asarray(ours)
+    following = np.asarray(step(target.params, np.asarray(nxt[:, None], np.int32), cache))
+    ours, features = np.asarray(ours), np.asarray(features)  # sliced per row on the host
     d = cfg.hidden_size
     for r, n in enumerate(lengths):
         logits, hidden_states, gap = hf_outputs(model, np.concatenate([ids[r, :n], nxt[r:r + 1]])[None], row.router)
@@ -212,7 +215,7 @@ def test_cached_ragged_prefill_equals_each_row_alone(hf_pairs, key):
         assert_model_close(ours[r, :n], logits[0, :n], cfg, tokens=ids.shape[1], err_msg=f"row {r}")
         assert_model_close(following[r, 0], logits[0, n], cfg, tokens=ids.shape[1], err_msg=f"row {r}, next step")
         for j, layer in enumerate(capture):
-            assert_model_close(np.asarray(features[r, :n, j * d:(j + 1) * d]), hidden_states[layer + 1][0, :n], cfg,
+            assert_model_close(features[r, :n, j * d:(j + 1) * d], hidden_states[layer + 1][0, :n], cfg,
                                tokens=ids.shape[1], err_msg=f"row {r}, layer {layer}")
 
 
@@ -270,14 +273,29 @@ def test_export_writes_back_the_saved_tensors(hf_pairs, key, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Speculative decoding on our own tiny targets (no torch)
+# Speculative decoding (rejections: see its docstring; the rest on our own tiny targets, no torch)
 
 @_over_rows("rejections", "family", variants=False, keys=False)
-def test_speculative_greedy_with_rejections_at_every_position(family, monkeypatch):
+def test_speculative_greedy_with_rejections_at_every_position(family, monkeypatch, request):
     """Three ragged rows, drafts wrong at a moving position of an 8-token block
     (`check_rejections_at_every_position`): plain greedy decoding bit for bit, every acceptance
     length 1..8, so every cache (a KV cache, a recurrent state, a window) rolled back at every
-    position."""
+    position.
+
+    With transformers' class of the row (and no `tiny_rejections`): the module's target loaded from
+    transformers' save_pretrained (the first variant) on `PROMPTS`, and the plain greedy decoding is
+    transformers' own (`hf_greedy`, computed once for the greedy checks; the rows' wrong positions 3
+    apart, so that every acceptance length occurs within the row's 24 new tokens). Otherwise our
+    `tiny_target` (the row's `decode_overrides`; no torch) against `plain_greedy_rows` of three
+    ragged prompts, 40 new tokens."""
+    row = FAMILIES[family]
+    if not row.tiny_rejections and families.has_hf(family):
+        key = (family, row.default_variant)
+        _, _, target, _ = request.getfixturevalue("hf_pairs")(key)
+        expect = request.getfixturevalue("hf_greedy")(key)
+        check_rejections_at_every_position(target, tiny_drafter(target), PROMPTS, row.max_new_tokens, monkeypatch,
+                                           expect=expect, stride=3)
+        return
     target = families.tiny_target(family)
     rng = np.random.default_rng(5)
     prompts = [list(map(int, rng.integers(0, 40, size=n))) for n in (3, 9, 20)]

@@ -86,9 +86,13 @@ class Family:
     # the cached ragged prefill: rows' lengths (the longest fills the batch), cache capacity, chunk
     prefill: dict = dataclasses.field(default_factory=lambda: dict(lengths=(40, 17, 3), capacity=64, chunk_size=16))
     router: str | None = None  # name suffix of routers whose top-k gap the prefill check asserts
-    max_new_tokens: int = 24  # of the greedy checks against transformers' generate
+    max_new_tokens: int = 24  # of the greedy checks against transformers' generate (and of the rejections')
     # our tiny target (`tiny_target`): config overrides for the decoding checks, weights' spread
     decode_overrides: dict = dataclasses.field(default_factory=dict)
+    # the rejections at every position on our tiny target (decode_overrides) even where transformers is
+    # installed: where those overrides are what they check (else, with torch, the loaded target against
+    # transformers' greedy continuations)
+    tiny_rejections: bool = False
     scale: float = 0.3
     sampling_scale: float = 0.2
     # what only `make test-all` runs: checks ("rejections"), a check of one variant
@@ -210,9 +214,13 @@ FAMILIES = {row.name: row for row in [
                                              "rope_theta": 500000.0})}),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE, _moe_init, parity_tokens=40,
            variants={"norm-topk": dict(norm_topk_prob=True), "raw-topk": dict(norm_topk_prob=False)},
-           # the MoE hybrid's rejections, random drafter and decode loop stand for these by default
-           slow=frozenset({"prefill[raw-topk]", "greedy[raw-topk]", "speculative", "rejections", "sampling",
-                           "decode_loop_hlo"})),
+           # the MoE hybrid's rejections, random drafter and decode loop stand for these by default; its
+           # layers are Qwen3's attention and KV cache with PreNormLayer's MoE block (`_moe.moe_block`), so its
+           # cached ragged prefill and decode step's HLO are the qwen3 row's prefill and test_decode_hlo's Qwen3
+           # steps (that attention and cache) with the deepseek_v3 row's (the same MoE block in PreNormLayer,
+           # experts of the same shapes at the same prefill lengths: the same expert forms) by default
+           slow=frozenset({"prefill", "greedy[raw-topk]", "speculative", "rejections", "sampling",
+                           "decode_step_hlo", "decode_loop_hlo"})),
     Family("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", QWEN3_5, _hybrid_init,
            conditional=("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"), variants={
                # the default pattern (3 linear, 1 full) twice; GQA 2:1 in both kinds of layer
@@ -224,8 +232,12 @@ FAMILIES = {row.name: row for row in [
                "conditional-generation": dict(num_hidden_layers=4, multimodal=True)},
            slow_variants=frozenset({"interval2-tied"}),  # its checks repeat the others' on another pattern
            # the MoE hybrid's prefill, random drafter against transformers' generate, rejections, decode
-           # step and loop stand for these by default (the same hybrid cache and layers)
-           slow=frozenset({"prefill", "greedy", "speculative", "rejections", "decode_step_hlo", "decode_loop_hlo"}),
+           # step and loop stand for these by default (the same hybrid cache and layers); the multimodal
+           # checkpoint's logits: the qwen3_5_moe row's conditional-generation variant by default (its family
+           # subclasses this one: the same text_config reading and checkpoint prefixes), this row's default
+           # variant (its layers) and its own export check (its multimodal checkpoint's names and tensors)
+           slow=frozenset({"prefill", "greedy", "speculative", "rejections", "decode_step_hlo", "decode_loop_hlo",
+                           "parity[conditional-generation]"}),
            parity_tokens=77,  # two chunks of the chunked delta rule
            # the chi-square on one repeat of the pattern (3 linear, 1 full): every kind of layer, half the cost
            sampling_overrides=dict(num_hidden_layers=4),
@@ -282,15 +294,15 @@ FAMILIES = {row.name: row for row in [
                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                      "partial_rotary_factor": 0.25})},
            # the rejections at every position stand for the speculative check by default; the cached ragged
-           # prefill and the decode step's HLO are the qwen3_moe row's (a KV cache, MoE layers) and the
-           # deepseek_v3 row's (a dense prefix before the MoE layers) by default
+           # prefill and the decode step's HLO are the qwen3 row's / test_decode_hlo's (a KV cache) and the
+           # deepseek_v3 row's (a dense prefix before MoE layers of the grouped sigmoid router) by default
            slow=frozenset({"prefill", "greedy[dense2-plain]", "speculative", "sampling", "decode_step_hlo",
                            "decode_loop_hlo"})),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config", MINIMAX_M2, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40,
            # the glm4_moe row's rejections, sampling, decode step and loop stand for these by default (the
-           # same layers), the qwen3_moe row's cached ragged prefill (a KV cache, MoE layers); its speculative
-           # check runs
+           # same layers), the qwen3 row's and the deepseek_v3 row's cached ragged prefill (a KV cache; MoE
+           # layers of the sigmoid router); its speculative check runs
            slow=frozenset({"prefill", "rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK_V3, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40, variants={
@@ -326,7 +338,7 @@ FAMILIES = {row.name: row for row in [
            slow_variants=frozenset({"ple-kv-shared", "separate-v", "moe", "conditional-generation"}),
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6),
            # our own target's decoding checks (rejections, sampling, decode HLO) on the richest layers
-           decode_overrides=_GEMMA4_PLE_KV_SHARED,
+           decode_overrides=_GEMMA4_PLE_KV_SHARED, tiny_rejections=True,
            slow=frozenset({"rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
 ]}
 
@@ -339,6 +351,16 @@ def hf_modules(family: str):
     if not hasattr(transformers, FAMILIES[family].hf_class):
         pytest.skip(f"this transformers has no {FAMILIES[family].hf_class}")
     return torch, transformers
+
+
+def has_hf(family: str) -> bool:
+    """Whether torch and a transformers with the row's class are installed (`hf_modules` would not skip)."""
+    try:
+        import torch  # noqa: F401
+        import transformers
+    except ImportError:
+        return False
+    return hasattr(transformers, FAMILIES[family].hf_class)
 
 
 def make_hf(family: str, out_dir=None, seed: int = 0, variant: str | None = None, **overrides):

@@ -74,12 +74,12 @@ def tiny_drafter(target, block_size=8, seed=1):
     return Drafter(cfg, init_drafter_params(cfg, jax.random.PRNGKey(seed)))
 
 
-def check_rejections_at_every_position(target, drafter, prompts, max_new, monkeypatch, expect=None):
+def check_rejections_at_every_position(target, drafter, prompts, max_new, monkeypatch, expect=None, stride=1):
     """Generate with drafts that are the plain greedy continuation with one token wrong at a position
-    that moves every cycle (cycle c of row b: position (c + b) mod G, none wrong at G - 1), so every
-    cycle rejects at a known place and the cache rolls back there: the output must stay plain
+    that moves every cycle (cycle c of row b: position (c + stride * b) mod G, none wrong at G - 1), so
+    every cycle rejects at a known place and the cache rolls back there: the output must stay plain
     greedy decoding (`expect`, by default `plain_greedy_rows` of the prompts) bit for bit, and every
-    acceptance length 1..G must occur."""
+    acceptance length 1..G must occur (rows' positions `stride` apart: fewer new tokens cover them)."""
     from dflash_jax import _decode_loop as decode_loop
     from dflash_jax._speculative import Generator
 
@@ -94,7 +94,7 @@ def check_rejections_at_every_position(target, drafter, prompts, max_new, monkey
     def oracle(target_spec, drafter_spec, cfg, tp, dp, state, anchors, key, params):
         slots = jnp.arange(cfg.block_size - 1)
         want = jnp.take_along_axis(reference, jnp.minimum(state.lengths[:, None] + slots, reference.shape[1] - 1), 1)
-        wrong = (state.cycles + jnp.arange(state.lengths.shape[0])) % cfg.block_size
+        wrong = (state.cycles + stride * jnp.arange(state.lengths.shape[0])) % cfg.block_size
         return jnp.where(slots[None] == wrong[:, None], (want + 1) % vocab, want), None, None
 
     monkeypatch.setattr(decode_loop, "_draft", oracle)

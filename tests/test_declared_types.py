@@ -16,6 +16,7 @@ from dflash_jax._drafter import Drafter, init_drafter_params
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._target import Target, target_param_shapes
 from dflash_jax.backends import base
+from support.families import drawn_params
 
 DENSE = ModelConfig(arch="qwen3", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
@@ -26,13 +27,10 @@ HYBRID = ModelConfig(arch="qwen3_5", vocab_size=48, hidden_size=32, intermediate
                      layer_types=("linear_attention",) * 3 + ("full_attention",),
                      linear=LinearAttentionConfig(conv_kernel_dim=4, num_key_heads=2, num_value_heads=4,
                                                   key_head_dim=8, value_head_dim=8))
-def _drawn_params(config, seed: int = 0, scale: float = 0.18):
-    """Target params of `config` drawn with numpy (no initialiser to compile, as
-    `support.families.tiny_target`): norms near 1, the rest N(0, scale)."""
-    rng = np.random.default_rng(seed)
-    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
-                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(lambda path, s: jnp.asarray(draw(path, s)), target_param_shapes(config))
+def _drawn_params(config):
+    """Target params of `config` drawn with numpy (`support.families.drawn_params`; no initialiser to
+    compile) at the initialiser's spread for these widths."""
+    return drawn_params(target_param_shapes(config), scale=0.18)
 
 
 DRAFTER = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,

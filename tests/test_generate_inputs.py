@@ -4,9 +4,7 @@ the prefill's token, the answer text without its stop token), prompt buckets, th
 import dataclasses
 import warnings
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from dflash_jax import _speculative as speculative
@@ -15,6 +13,7 @@ from dflash_jax._drafter import Drafter, drafter_param_shapes
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._speculative import GenerationResult, generate, generate_stream
 from dflash_jax._target import Target, TargetSpec, target_param_shapes
+from support.families import drawn_params
 
 VOCAB = 16
 TARGET = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -24,19 +23,10 @@ DRAFTER = DrafterConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_
                         block_size=4, mask_token_id=VOCAB - 1)
 
 
-def _drawn(shapes, seed: int, scale: float = 0.3):
-    """Params of `shapes` drawn with numpy (no initialiser to compile, as `support.families.tiny_target`):
-    norms near 1, the rest N(0, scale)."""
-    rng = np.random.default_rng(seed)
-    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
-                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(lambda path, s: jnp.asarray(draw(path, s)), shapes)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    target = Target(TARGET, _drawn(target_param_shapes(TARGET), 0))
-    return target, Drafter(DRAFTER, _drawn(drafter_param_shapes(DRAFTER), 1))
+    target = Target(TARGET, drawn_params(target_param_shapes(TARGET), 0))
+    return target, Drafter(DRAFTER, drawn_params(drafter_param_shapes(DRAFTER), 1))
 
 
 BAD_CALLS = [
@@ -183,7 +173,7 @@ def test_models_with_one_spec_share_executables_and_weights_are_arguments(pair):
     assert target.spec != TargetSpec(TARGET, jnp.bfloat16)
     prompts = TWO_ROWS  # the greedy check below reads the first row
     first = generate(target, None, prompts, max_new_tokens=6, stop_token_ids=())
-    other = dataclasses.replace(target, params=_drawn(target_param_shapes(TARGET), 9))
+    other = dataclasses.replace(target, params=drawn_params(target_param_shapes(TARGET), 9))
     again = generate(other, None, prompts, max_new_tokens=6, stop_token_ids=())
     assert again.compile_seconds == 0.0
     assert again.tokens != first.tokens  # different weights decode differently here

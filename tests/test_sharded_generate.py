@@ -82,27 +82,17 @@ def _configs():
             "qwen3_5_kv1": dataclasses.replace(qwen3_5, num_kv_heads=1)}, drafter
 
 
-def _drawn(shapes, seed: int, scale: float = 0.3):
-    """Params of `shapes` drawn with numpy (no initialiser to compile, as `support.families.tiny_target`):
-    norms near 1, the rest N(0, scale)."""
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
-                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(lambda path, s: draw(path, s), shapes)
-
-
 def _models(name: str):
     from dflash_jax._drafter import Drafter, drafter_param_shapes
     from dflash_jax._target import Target, target_param_shapes
+    from support.families import drawn_params
 
     targets, drafter_config = _configs()
     config = targets[name]
     drafter_config = dataclasses.replace(drafter_config, num_kv_heads=config.num_kv_heads)
-    target = Target(config, _drawn(target_param_shapes(config), 0))
-    drafter = Drafter(drafter_config, _drawn(drafter_param_shapes(drafter_config), 1))
+    # on the host: placed on each mesh by slicing there, no program compiled per shard
+    target = Target(config, drawn_params(target_param_shapes(config), 0, host=True))
+    drafter = Drafter(drafter_config, drawn_params(drafter_param_shapes(drafter_config), 1, host=True))
     return target, drafter
 
 

@@ -95,7 +95,6 @@ def sharded_run(out: str) -> None:
 def _generator_run(mesh) -> dict:
     """Greedy tokens and all-gathers of the compiled programs: the kernel on one device, the
     kernel on `mesh`, the reference attention on `mesh`."""
-    import jax
 
     import numpy as np
 
@@ -104,6 +103,7 @@ def _generator_run(mesh) -> dict:
     from dflash_jax._drafter_config import DrafterConfig
     from dflash_jax._speculative import Generator
     from dflash_jax._target import Target, target_param_shapes
+    from support.families import drawn_params
 
     vocab = 64
     config = ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -115,10 +115,8 @@ def _generator_run(mesh) -> dict:
     # weights drawn with numpy (no initialiser to compile; placed on the mesh by slicing on the host): norms
     # near 1, the rest N(0, 0.3)
     rng = np.random.default_rng(0)
-    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
-                            else 0.3 * rng.standard_normal(s.shape)).astype(np.float32)
-    target_params = jax.tree_util.tree_map_with_path(draw, target_param_shapes(config))
-    drafter_params = jax.tree_util.tree_map_with_path(draw, drafter_param_shapes(drafter_config))
+    target_params = drawn_params(target_param_shapes(config), rng, host=True)
+    drafter_params = drawn_params(drafter_param_shapes(drafter_config), rng, host=True)
     found = {}
     for name, impl, on_mesh in (("kernel_one_device", "pallas_interpret", None),
                                 ("kernel_mesh", "pallas_interpret", mesh), ("reference_mesh", "reference", mesh)):

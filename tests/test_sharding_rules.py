@@ -22,6 +22,7 @@ from dflash_jax._config import LinearAttentionConfig, ModelConfig, MoEConfig
 from dflash_jax._drafter import drafter_param_shapes
 from dflash_jax._drafter_config import DrafterConfig
 from dflash_jax._target import TargetSpec, target_param_shapes
+from support.families import drawn_params
 from support.tolerance import float32_atol, model_depth, model_summation_length
 
 QWEN3 = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -165,15 +166,6 @@ def test_grouped_channels_give_each_shard_its_own_heads():
     np.testing.assert_array_equal(sharding.linear_channel_order(QWEN3_5, 1), np.arange(64))
 
 
-def _drawn_params(config, seed: int = 0, scale: float = 0.18):
-    """Params of `config` drawn with numpy (no initialiser to compile, as `support.families.tiny_target`):
-    norms near 1, the rest N(0, scale) (0.18: the initialiser's spread for these widths)."""
-    rng = np.random.default_rng(seed)
-    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"  # noqa: E731
-                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(lambda path, s: jnp.asarray(draw(path, s)), target_param_shapes(config))
-
-
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(spec, params, tokens):
     """Prefill `tokens` through a cache, then one more token: (logits of both, the cache)."""
@@ -197,7 +189,7 @@ def test_a_mesh_layout_computes_what_one_device_computes(family):
     Gated DeltaNet params regrouped for 2 shards: the logits of one device's layout, and a cache of
     the kv heads' copies, on one device."""
     config = FAMILIES[family]
-    params = _drawn_params(config)
+    params = drawn_params(target_param_shapes(config), scale=0.18)  # the initialiser's spread at these widths
     tokens = jnp.asarray([[3, 9, 4, 7, 1, 2], [5, 5, 20, 31, 2, 8]], jnp.int32)
     want, cache = _forward(TargetSpec(config), params, tokens)
     groups = 2 if config.is_hybrid_arch else 1

@@ -398,22 +398,33 @@ def target_config(family: str, **overrides):
                                        **overrides})
 
 
+def drawn_params(shapes, seed=0, scale: float = 0.3, host: bool = False):
+    """Params of `shapes` (a tree of ShapeDtypeStructs, e.g. `target_param_shapes(config)`) drawn with
+    numpy, so that no initialiser is compiled: norms ("scale" leaves) near 1, the rest N(0, scale),
+    float32. seed: an int or a numpy Generator (to draw several trees from one stream). On the device,
+    or as numpy arrays with host=True (a mesh placement slices those on the host, no program per shard)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+    def draw(path, s):
+        value = (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"
+                 else scale * rng.standard_normal(s.shape)).astype(np.float32)
+        return value if host else jnp.asarray(value)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
 def tiny_target(family: str, seed: int = 0, scale: float | None = None, **overrides):
     """Our target of the row's config (`decode_overrides`, then `overrides`) with every weight drawn
     with numpy (no initialiser to compile): norms near 1, the rest N(0, scale) (the row's `scale`
     by default), large enough for peaked distributions."""
-    import jax
-    import jax.numpy as jnp
-
     from dflash_jax._target import Target, target_param_shapes
 
     config = target_config(family, **overrides)
     scale = FAMILIES[family].scale if scale is None else scale
-    rng = np.random.default_rng(seed)
-    draw = lambda path, s: (1 + 0.1 * rng.standard_normal(s.shape) if path[-1].key == "scale"
-                            else scale * rng.standard_normal(s.shape)).astype(np.float32)
-    return Target(config, jax.tree_util.tree_map_with_path(lambda p, s: jnp.asarray(draw(p, s)),
-                                                           target_param_shapes(config)))
+    return Target(config, drawn_params(target_param_shapes(config), seed, scale))
 
 
 def save_target_dir(target, directory) -> None:

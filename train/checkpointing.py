@@ -56,6 +56,6 @@ def restore(manager: ocp.CheckpointManager, abstract_state: TrainState, iterator
 
 def restore_params(run_dir: str | Path, step: int | None = None) -> tuple[int, dict]:
     """(step, trainable params as host numpy) from a run directory, for export."""
-    manager = ocp.CheckpointManager(checkpoint_dir(run_dir))
-    step, restored = _restore(manager, step, state=ocp.args.StandardRestore())
-    return step, jax.device_get(restored["state"]["params"])
+    with ocp.CheckpointManager(checkpoint_dir(run_dir)) as manager:  # closed: its threads end here
+        step, restored = _restore(manager, step, state=ocp.args.StandardRestore())
+        return step, jax.device_get(restored["state"]["params"])

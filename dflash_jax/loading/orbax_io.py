@@ -26,9 +26,9 @@ def save_orbax_drafter(drafter: Drafter, out_dir: str | Path) -> Path:
     # every table is in the params: a drafter loaded in the speculators layout is written as DeepSpec's
     base = None if is_speculators_dspark(drafter.hf_config or {}) else drafter.hf_config
     hf = drafter.config.to_hf_config(base, dtype_name(drafter.dtype))
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out_dir / "params", drafter.params)
-    checkpointer.wait_until_finished()
+    with ocp.StandardCheckpointer() as checkpointer:  # closed: its threads and pending work end here
+        checkpointer.save(out_dir / "params", drafter.params)
+        checkpointer.wait_until_finished()
     write_config_json(out_dir, hf)
     return out_dir
 
@@ -55,7 +55,8 @@ def load_orbax_drafter(path: str | Path, dtype=None, attn_impl: str = "auto") ->
     stored = PARAM_DTYPES_BY_NAME[stored_dtype_name(hf)]
     abstract = drafter_param_shapes(config, stored)
     try:
-        params = ocp.StandardCheckpointer().restore(path / "params", abstract)
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore(path / "params", abstract)
     except Exception as e:  # Orbax/TensorStore raise plain Exception, ValueError, OSError, JSON errors
         raise CheckpointError(f"damaged Orbax checkpoint {path / 'params'}: {_storage_problem(e)}") from e
     if dtype is not None:

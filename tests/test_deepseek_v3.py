@@ -3,6 +3,8 @@ attention read from a latent cache step by step against transformers' materialis
 the cache's size, the softmax scale, the config fields it refuses, the multi-token prediction layers a
 checkpoint carries, its sharding declarations. The conformance suite (tests/support/families.py's
 deepseek_v3 row) covers the parity, prefill, greedy and speculative checks."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -391,8 +393,6 @@ def sharded_run(out: str, meshes: str = "MESHES") -> None:
     from dflash_jax._speculative import Generator
     from support.speculative import tiny_drafter
 
-    import dataclasses
-
     target = families.tiny_target("deepseek_v3")
     drafter = tiny_drafter(target, block_size=4)
     # their weights on the host (numpy): placed on each mesh by slicing there, no program compiled per shard
@@ -469,8 +469,6 @@ def test_training_features_through_the_latent_cache_equal_one_pass():
 def test_a_float16_latent_cache_decodes_speculatively_as_plainly():
     """`kv_cache_dtype="float16"` under a float32 model: the latent cache holds float16 (half the bytes),
     and speculative greedy decoding with a random drafter equals plain decoding through the same cache."""
-    import dataclasses
-
     from dflash_jax._speculative import generate
     from support.speculative import tiny_drafter
 

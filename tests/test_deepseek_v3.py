@@ -21,7 +21,9 @@ from support.tolerance import assert_model_close
 ARCH = {"architectures": ["DeepseekV3ForCausalLM"]}
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 16], ids=["plain-q", "q-lora"])
+# [plain-q] under make test-all: covered by default by [q-lora] (the same latent cache, decoded step by step) and
+# the conformance row's logits of its plain-q variant (the query projection, one pass)
+@pytest.mark.parametrize("q_lora_rank", [pytest.param(None, marks=pytest.mark.slow), 16], ids=["plain-q", "q-lora"])
 def test_latent_cache_decode_equals_transformers_step_by_step(q_lora_rank, tmp_path):
     """A prompt through the cache, then one token at a time: each step's logits equal transformers'
     cached decoding, whose cache expands the latent into every head's keys and values."""

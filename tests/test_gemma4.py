@@ -1,6 +1,6 @@
 """Gemma 4 targets, what is theirs alone: the config as released and as transformers 5 saves it (per-layer
 shapes), the proportional RoPE, the layer scalars, the softcapped logits as the distribution that sampling
-draws from, the weights' sharding declarations and the config's refusals, kv heads copied per layer kind on a
+draws from (slow), the weights' sharding declarations and the config's refusals, kv heads copied per layer kind on a
 tensor axis (and, slow, greedy generation on tensor axes of 8 and 2 equal to one device's), and (slow) drafter
 training with a Gemma 4 target: the features it reads and a short run's falling loss.
 Parity with transformers (sliding and full layers of their own shapes, k=v, per-layer inputs, kv sharing,
@@ -185,6 +185,8 @@ def _two_token_joints(targets, prompt, vocab):
     return joints
 
 
+@pytest.mark.slow  # make test-all; by default the conformance row's logits against transformers (the softcap is
+# Target.logits') and test_sampling's chi-squares (the loop samples Target.logits' distribution, on a Qwen3 target)
 def test_sampled_tokens_follow_the_softcapped_distribution():
     """Speculative sampling from a target whose softcap bends its logits far from the raw ones: the first
     two tokens follow the softcapped distribution (chi-square, the exact joint by enumeration through

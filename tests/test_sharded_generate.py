@@ -1,21 +1,21 @@
 """Generation on a device mesh (`dflash_jax.sharding`): greedy speculative output on 8 simulated CPU
-devices equals the 1-device output token for token in float32: a tiny Qwen3 target (q/k norms,
-untied head) on tensor x data = 2 x 4 (a tiny Llama one, no q/k norms, tied embeddings, runs on 4 x 2
-with one kv head by default, below; both on all of 2 x 4, 4 x 2 and 8 x 1 with their kv heads under
-`make test-all`), a Qwen3-MoE target with its experts over an `expert` axis (expert x tensor = 4 x 2;
-all 8 on expert under `make test-all`) and a Qwen3.5-MoE hybrid (Gated DeltaNet layers, routed and
-shared experts) on expert x tensor x data = 2 x 2 x 2, with ragged prompts. The compiled programs'
-parameter shardings are the rules' and no weight the rules split is replicated (the decode state's,
-the state rules'); the sharded decode loop copies no cache (`make test-all`); models loaded with a mesh
-are placed by the rules as they are read, shard by shard; kv heads fewer than the tensor axis are
-replicated over the shards that need them, the KV caches too (a 2-kv-head Qwen3 on tensor x data =
-4 x 2, a 1-kv-head Llama on 4 x 2 (and 2 x 4 under `make test-all`), speculative (plain under `make
-test-all`), a 1-kv-head Qwen3.5 hybrid on 2 x 4 whose Gated DeltaNet weights, conv tails and states the
-compiled programs split over `tensor`: speculative and plain, one device's tokens); a kv-head count
-the tensor axis neither divides nor is a multiple of is refused with an error naming the weight;
-speculative sampling on a mesh keeps the target's exact distribution (tests/test_sampling.py's
-chi-square); and two processes joined by jax.distributed, the prompts given to one, generate as one
-device does.
+devices equals the 1-device output token for token in float32: a tiny Qwen3 target (q/k norms, untied
+head) on tensor x data = 2 x 4 (a tiny Llama one, no q/k norms, tied embeddings, runs on 4 x 2 with one
+kv head by default, below; both on all of 2 x 4, 4 x 2 and 8 x 1 with their kv heads under `make
+test-all`), a Qwen3.5-MoE hybrid (Gated DeltaNet layers, routed experts over an `expert` axis, shared
+ones) on expert x tensor x data = 2 x 2 x 2 (and under `make test-all` a Qwen3-MoE target on expert x
+tensor = 4 x 2 and on all 8 devices of `expert`), with ragged prompts. The compiled programs' parameter
+shardings are the rules' and no weight the rules split is replicated (the decode state's, the state
+rules'); the sharded decode loop copies no cache (`make test-all`); models loaded with a mesh are placed
+by the rules as they are read, shard by shard (a Qwen3-MoE's experts under `make test-all`); kv heads
+fewer than the tensor axis are replicated over the shards that need them, the KV caches too (a 2-kv-head
+Qwen3 on tensor x data = 4 x 2, a 1-kv-head Llama on 4 x 2 (and 2 x 4 under `make test-all`),
+speculative (plain under `make test-all`), a 1-kv-head Qwen3.5 hybrid on 2 x 4 whose Gated DeltaNet
+weights, conv tails and states the compiled programs split over `tensor`: speculative and plain, one
+device's tokens); a kv-head count the tensor axis neither divides nor is a multiple of is refused with
+an error naming the weight; speculative sampling on a mesh keeps the target's exact distribution
+(tests/test_sampling.py's chi-square); and two processes joined by jax.distributed, the prompts given to
+one, generate as one device does.
 
 The multi-device checks run in a subprocess (`sharded_run`; `extra_run` for the slow ones; 8
 devices: conftest pins this process to 1), which writes its findings as JSON for the tests below.
@@ -158,12 +158,14 @@ def save_target_dir(target, directory: Path) -> None:
 # The default suite runs these (model, mesh) pairs; `make test-all` adds EXTRA_CASES in a second
 # subprocess (`extra_run`): the rest of the tensor x data shapes for Qwen3 and Llama (whose Llama on
 # tensor=4 x data=2 the 1-kv-head Llama of LAYOUT_CASES stands for by default: the same mesh and layers,
-# its kv heads replicated), all 8 devices on `expert`, and the whole-buffer check of the sharded decode
-# loops.
-DEFAULT_MESHES = {"qwen3": ["tensor2_data4"], "qwen3_moe": ["expert4_tensor2"],
-                  "qwen3_5_moe": ["expert2_tensor2_data2"]}
+# its kv heads replicated), the Qwen3-MoE target (experts over `expert` and, within each, `tensor`; the
+# MoE hybrid's stand for them by default: routed experts over `expert`, the rest over `tensor`) on
+# expert x tensor = 4 x 2 and all 8 devices on `expert`, and the whole-buffer check of the sharded
+# decode loops.
+DEFAULT_MESHES = {"qwen3": ["tensor2_data4"], "qwen3_5_moe": ["expert2_tensor2_data2"]}
 EXTRA_MESHES = {"qwen3": ["tensor4_data2", "tensor8_data1"],
-                "llama": ["tensor4_data2", "tensor2_data4", "tensor8_data1"], "qwen3_moe": ["expert8"]}
+                "llama": ["tensor4_data2", "tensor2_data4", "tensor8_data1"],
+                "qwen3_moe": ["expert4_tensor2", "expert8"]}
 
 
 def _mesh_cases(meshes, mesh_names_of, found, generators):
@@ -283,8 +285,44 @@ def _whole_buffer_ops(generator) -> list[str]:
     return whole_buffer_ops(loop.as_text(), capacity)
 
 
-def extra_run(out: str) -> None:
-    """The slow multi-device checks (EXTRA_MESHES, the MoE loop's whole-buffer check) -> `out`."""
+def _moe_loaded(meshes, generators, workdir: str) -> dict:
+    """A Qwen3-MoE target loaded onto expert=4 x tensor=2: every weight by the rules, each device's
+    block read from only the tensors it overlaps (each expert's tensors read once per tensor shard
+    holding a slice of it, not once per device), and generating from it agrees."""
+    import jax
+
+    from dflash_jax import sharding
+    from dflash_jax.loading import checkpoint_files
+    from dflash_jax.loading.target_loader import load_target
+
+    moe_target, moe_drafter = _models("qwen3_moe")
+    moe_mesh = meshes["expert4_tensor2"]
+    save_target_dir(moe_target, Path(workdir) / "moe")
+    reads: dict = {}
+    read_tensor = checkpoint_files.SafetensorsFile.__getitem__
+
+    def counted(self, name):
+        reads[name] = reads.get(name, 0) + 1
+        return read_tensor(self, name)
+
+    checkpoint_files.SafetensorsFile.__getitem__ = counted
+    try:
+        moe_loaded = load_target(Path(workdir) / "moe", tokenizer=False, mesh=moe_mesh)
+    finally:
+        checkpoint_files.SafetensorsFile.__getitem__ = read_tensor
+    rules = sharding.param_shardings(moe_mesh, moe_loaded.params, moe_loaded.config)
+    moe_placement = [jax.tree_util.keystr(path) for (path, x), want in zip(
+        jax.tree_util.tree_leaves_with_path(moe_loaded.params), jax.tree_util.tree_leaves(rules))
+        if not x.sharding.is_equivalent_to(want, x.ndim)]
+    expert_reads = sorted({n for name, n in reads.items() if ".experts." in name})
+    tokens = generators["qwen3_moe", "expert4_tensor2"].bind(moe_loaded, moe_drafter).generate(
+        PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens
+    return {"placement": moe_placement, "expert_reads": expert_reads, "tokens": tokens}
+
+
+def extra_run(out: str, workdir: str) -> None:
+    """The slow multi-device checks (EXTRA_MESHES, the Qwen3-MoE target loaded with a mesh, the MoE
+    loop's whole-buffer check) -> `out`."""
     import jax
 
     from dflash_jax import sharding
@@ -295,6 +333,7 @@ def extra_run(out: str) -> None:
     meshes = {name: sharding.make_mesh(**sizes) for name, sizes in MESHES.items()}
     _mesh_cases(meshes, EXTRA_MESHES, found, generators)
     _layout_cases(meshes, EXTRA_LAYOUT_CASES, found.setdefault("layouts", {}))
+    found["moe_loaded"] = _moe_loaded(meshes, generators, workdir)
     found["whole_buffer_ops"] = {"qwen3": _whole_buffer_ops(generators["qwen3", "tensor4_data2"]),
                                  "qwen3_moe": _whole_buffer_ops(generators["qwen3_moe", "expert8"])}
     Path(out).write_text(json.dumps(found))
@@ -335,35 +374,6 @@ def sharded_run(out: str, workdir: str, sampling_params: str | None = None) -> N
     generator = generators["qwen3", "tensor2_data4"].bind(loaded, loaded_drafter)
     found["loaded"] = {"mesh_kept": loaded.mesh is mesh and loaded_drafter.mesh is mesh, "placement": placement,
                        "tokens": generator.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens}
-
-    # A Qwen3-MoE target loaded onto expert=4 x tensor=2: every weight by the rules, each device's
-    # block read from only the tensors it overlaps (each expert's tensors read once per tensor shard
-    # holding a slice of it, not once per device), and generating from it agrees.
-    from dflash_jax.loading import checkpoint_files
-
-    moe_target, moe_drafter = _models("qwen3_moe")
-    moe_mesh = meshes["expert4_tensor2"]
-    save_target_dir(moe_target, Path(workdir) / "moe")
-    reads: dict = {}
-    read_tensor = checkpoint_files.SafetensorsFile.__getitem__
-
-    def counted(self, name):
-        reads[name] = reads.get(name, 0) + 1
-        return read_tensor(self, name)
-
-    checkpoint_files.SafetensorsFile.__getitem__ = counted
-    try:
-        moe_loaded = load_target(Path(workdir) / "moe", tokenizer=False, mesh=moe_mesh)
-    finally:
-        checkpoint_files.SafetensorsFile.__getitem__ = read_tensor
-    rules = sharding.param_shardings(moe_mesh, moe_loaded.params, moe_loaded.config)
-    moe_placement = [jax.tree_util.keystr(path) for (path, x), want in zip(
-        jax.tree_util.tree_leaves_with_path(moe_loaded.params), jax.tree_util.tree_leaves(rules))
-        if not x.sharding.is_equivalent_to(want, x.ndim)]
-    expert_reads = sorted({n for name, n in reads.items() if ".experts." in name})
-    found["moe_loaded"] = {"placement": moe_placement, "expert_reads": expert_reads,
-                           "tokens": generators["qwen3_moe", "expert4_tensor2"].bind(moe_loaded, moe_drafter).generate(
-                               PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).tokens}
 
     # A kv-head count (6) the tensor axis (4) neither divides nor is a multiple of (12 query heads,
     # which it divides): refused, naming the weight. (2 kv heads on 4 are replicated: LAYOUT_CASES.)
@@ -428,7 +438,7 @@ def findings(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def extra_findings():
-    return run_8_devices("extra_run({out})", "test_sharded_generate")
+    return run_8_devices("extra_run({out}, {tmp})", "test_sharded_generate")
 
 
 CASES = [(model, mesh) for model, meshes in DEFAULT_MESHES.items() for mesh in meshes]
@@ -475,13 +485,15 @@ def test_load_with_a_mesh_places_every_weight_by_the_rules(findings):
     assert loaded["tokens"] == findings["qwen3"]["reference"]["even"]
 
 
-def test_an_moe_target_loads_shard_by_shard(findings):
+@pytest.mark.slow  # make test-all; by default test_load_with_a_mesh_places_every_weight_by_the_rules (Qwen3 read
+# shard by shard onto tensor x data) and the MoE hybrid's experts over `expert` (test_sharded_greedy_equals_one_device)
+def test_an_moe_target_loads_shard_by_shard(extra_findings):
     """Loaded onto expert=4 x tensor=2: placed by the rules; each expert tensor read twice (once per
     tensor shard of its expert's block), never once per device (8); it generates as one device."""
-    loaded = findings["moe_loaded"]
+    loaded = extra_findings["moe_loaded"]
     assert loaded["placement"] == []
     assert loaded["expert_reads"] == [2]
-    assert loaded["tokens"] == findings["qwen3_moe"]["reference"]["even"]
+    assert loaded["tokens"] == extra_findings["qwen3_moe"]["reference"]["even"]
 
 
 @pytest.mark.parametrize("what", ["generator", "load_target"])

@@ -204,10 +204,10 @@ FAMILIES = {row.name: row for row in [
                                           "sliding_attention"], sliding_window=5, use_sliding_window=True,
                              rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 64, "rope_theta": 10000.0})}),
-    # its cached ragged prefill: the qwen3 row's stands for the KV cache by default (llama's layers: its
-    # logits and greedy checks against transformers)
+    # its cached ragged prefill and greedy decoding: the qwen3 row's stand for the KV cache and the decode
+    # loop by default (llama's layers: its logits checks against transformers, both variants)
     Family("llama", "LlamaForCausalLM", "LlamaConfig", LLAMA, _dense_init, slow=_DENSE_SLOW | {
-        "prefill", "greedy[llama3-rope]"}, variants={
+        "prefill", "greedy"}, variants={
         DEFAULT: {},  # GQA 4:1, tied head
         "llama3-rope": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
@@ -235,11 +235,15 @@ FAMILIES = {row.name: row for row in [
            # step and loop stand for these by default (the same hybrid cache and layers); the multimodal
            # checkpoint's logits: the qwen3_5_moe row's conditional-generation variant by default (its family
            # subclasses this one: the same text_config reading and checkpoint prefixes), this row's default
-           # variant (its layers) and its own export check (its multimodal checkpoint's names and tensors)
-           slow=frozenset({"prefill", "greedy", "speculative", "rejections", "decode_step_hlo", "decode_loop_hlo",
-                           "parity[conditional-generation]"}),
+           # variant (its layers) and its own export check (its multimodal checkpoint's names and tensors).
+           # Its sampling chi-square: test_sampling's (the acceptance rules on a KV cache) with the MoE
+           # hybrid's rejections at every position (the recurrent states rolled back to any acceptance
+           # length, by the same lengths a sampled cycle accepts) by default
+           slow=frozenset({"prefill", "greedy", "speculative", "rejections", "sampling", "decode_step_hlo",
+                           "decode_loop_hlo", "parity[conditional-generation]"}),
            parity_tokens=77,  # two chunks of the chunked delta rule
-           # the chi-square on one repeat of the pattern (3 linear, 1 full): every kind of layer, half the cost
+           # the chi-square (make test-all) on one repeat of the pattern (3 linear, 1 full): every kind of
+           # layer, half the cost
            sampling_overrides=dict(num_hidden_layers=4),
            # 300 tokens: a 256-token prefill chunk and a remainder, each row's recurrent state stopping
            # at its own length
@@ -256,11 +260,14 @@ FAMILIES = {row.name: row for row in [
            # 100 tokens: two chunks of the delta rule, the experts as `ragged_dot`; the next step's
            # one token per row: the gathered-experts form
            prefill=dict(lengths=(100, 41, 5), capacity=128, chunk_size=None), router="mlp.gate",
-           # the rejections at every position stand for the speculative check against transformers'
-           # generate (its greedy check runs); the hybrid's sampling is the qwen3_5 row's; its decode
-           # step's HLO runs by default, the decode loop's (test_decode_hlo's for Qwen3) under make test-all
-           slow=frozenset({"prefill[conditional-generation]", "greedy[conditional-generation]", "speculative",
-                           "sampling", "decode_loop_hlo"}),
+           # the rejections at every position (speculative decoding against transformers' greedy generate)
+           # stand for the speculative and the plain greedy checks against it by default, with the cached
+           # prefill's next step (one token per row through the hybrid cache) and test_bench_families'
+           # plain greedy decoding of linear layers; the hybrid's sampling is the qwen3_5 row's (make
+           # test-all); its decode step's HLO runs by default, the decode loop's (test_decode_hlo's for Qwen3)
+           # under make test-all
+           slow=frozenset({"prefill[conditional-generation]", "greedy", "speculative", "sampling",
+                           "decode_loop_hlo"}),
            # two attention layers in the decoding checks' target: with only one, the hybrid's compiled
            # decode step copies that layer's whole KV cache (seen 2026-12-06, jax 0.10.2; released
            # Qwen3.5 models have many attention layers)
@@ -268,7 +275,9 @@ FAMILIES = {row.name: row for row in [
     Family("gpt_oss", "GptOssForCausalLM", "GptOssConfig", GPT_OSS, _gpt_oss_init, parity_tokens=12,
            # 6 tokens per chunk: windows across chunks
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6), max_new_tokens=40,
-           slow=frozenset({"speculative", "sampling", "decode_loop_hlo"})),
+           # the rejections at every position (speculative decoding against transformers' greedy generate,
+           # windows rolled back) and the cached prefill's next step stand for the plain greedy check by default
+           slow=frozenset({"greedy", "speculative", "sampling", "decode_loop_hlo"})),
     Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig", QWEN3_NEXT,
            lambda name, p, torch: _hybrid_init(name, p, torch, router_scale=5.0), variants={
                DEFAULT: {},  # the default pattern (3 linear, 1 full), every MLP an MoE block, top k renormalised
@@ -278,11 +287,11 @@ FAMILIES = {row.name: row for row in [
                                       norm_topk_prob=False, num_experts_per_tok=3, tie_word_embeddings=True)},
            parity_tokens=77,  # two chunks of the delta rule
            prefill=dict(lengths=(100, 41, 5), capacity=128, chunk_size=None), router="mlp.gate",
-           # the hybrid's cached ragged prefill, rejections, sampling and decode HLO are the qwen3_5 /
-           # qwen3_5_moe rows' (the same layers and cache); test_qwen3_next checks the rollback of this row's
-           # recurrent state (make test-all)
-           slow=frozenset({"prefill", "greedy[dense-raw-topk]", "speculative", "rejections",
-                           "sampling", "decode_step_hlo", "decode_loop_hlo"}),
+           # the hybrid's cached ragged prefill, greedy decoding, rejections, sampling and decode HLO are the
+           # qwen3_5 / qwen3_5_moe rows' (the same layers and cache); test_qwen3_next checks the rollback of
+           # this row's recurrent state (make test-all)
+           slow=frozenset({"prefill", "greedy", "speculative", "rejections", "sampling", "decode_step_hlo",
+                           "decode_loop_hlo"}),
            decode_overrides=dict(full_attention_interval=2)),
     Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig", GLM4_MOE, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40, variants={
@@ -300,10 +309,12 @@ FAMILIES = {row.name: row for row in [
                            "decode_loop_hlo"})),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config", MINIMAX_M2, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40,
-           # the glm4_moe row's rejections, sampling, decode step and loop stand for these by default (the
-           # same layers), the qwen3 row's and the deepseek_v3 row's cached ragged prefill (a KV cache; MoE
-           # layers of the sigmoid router); its speculative check runs
-           slow=frozenset({"prefill", "rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
+           # the glm4_moe row's rejections (speculative decoding against transformers' greedy generate),
+           # sampling, decode step and loop stand for these and its speculative check by default (the same
+           # layers), the qwen3 row's and the deepseek_v3 row's cached ragged prefill (a KV cache; MoE layers
+           # of the sigmoid router); its greedy check runs
+           slow=frozenset({"prefill", "speculative", "rejections", "sampling", "decode_step_hlo",
+                           "decode_loop_hlo"})),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK_V3, _sigmoid_moe_init,
            init_buffers=_correction_bias_init, parity_tokens=40, variants={
                DEFAULT: {},  # q low-rank path, interleaved rope, groups, a dense prefix of 1
@@ -318,9 +329,12 @@ FAMILIES = {row.name: row for row in [
                                                          "original_max_position_embeddings": 64}),
                # every layer dense (no routed or shared experts)
                "dense": dict(first_k_dense_replace=3, n_routed_experts=0, n_shared_experts=0)},
-           # the default variant's cached ragged prefill stands for the others' (the same latent cache)
-           slow=frozenset({"prefill[dense]", "prefill[plain-q-yarn-dense2]", "greedy[dense]",
-                           "greedy[plain-q-yarn-dense2]", "speculative", "sampling", "decode_loop_hlo"})),
+           # the default variant's cached ragged prefill stands for the others' (the same latent cache); its
+           # rejections at every position (speculative decoding against transformers' greedy generate), the
+           # prefill's next step and test_deepseek_v3's latent cache decoding step by step against transformers
+           # stand for the plain greedy check by default
+           slow=frozenset({"prefill[dense]", "prefill[plain-q-yarn-dense2]", "greedy", "speculative", "sampling",
+                           "decode_loop_hlo"})),
     Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig", GEMMA4, _gemma4_init, parity_tokens=12,
            conditional=("Gemma4Config", "Gemma4ForConditionalGeneration"),
            variants={
@@ -337,9 +351,11 @@ FAMILIES = {row.name: row for row in [
                "conditional-generation": dict(multimodal=True)},
            slow_variants=frozenset({"ple-kv-shared", "separate-v", "moe", "conditional-generation"}),
            prefill=dict(lengths=(12, 7, 3), capacity=32, chunk_size=6),
-           # our own target's decoding checks (rejections, sampling, decode HLO) on the richest layers
+           # our own target's decoding checks (rejections, sampling, decode HLO) on the richest layers; by
+           # default the speculative check with a random drafter (drafts rejected at every kind of place)
+           # and the cached prefill's next step stand for the plain greedy check against transformers
            decode_overrides=_GEMMA4_PLE_KV_SHARED, tiny_rejections=True,
-           slow=frozenset({"rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
+           slow=frozenset({"greedy", "rejections", "sampling", "decode_step_hlo", "decode_loop_hlo"})),
 ]}
 
 

@@ -10,10 +10,11 @@ import pytest
 
 from dflash_jax._cache import UNROLLED_ROWS, write_rows
 from dflash_jax._config import ModelConfig
-from dflash_jax._drafter import Drafter, init_drafter_params
+from dflash_jax._drafter import Drafter, drafter_param_shapes
 from dflash_jax._drafter_config import DrafterConfig
-from dflash_jax._target import Target, init_target_params
+from dflash_jax._target import Target, target_param_shapes
 from dflash_jax.backends.cpu.layout import pack_layers
+from support.families import drawn_params
 from support.hlo import CAPACITY, compiled_text, whole_buffer_ops
 
 TARGET = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -26,12 +27,12 @@ DRAFTER = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_
 
 @pytest.fixture(scope="module")
 def target():
-    return Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))
+    return Target(TARGET, drawn_params(target_param_shapes(TARGET), 0, scale=0.2))
 
 
 @pytest.fixture(scope="module")
 def drafter():
-    return Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)))
+    return Drafter(DRAFTER, drawn_params(drafter_param_shapes(DRAFTER), 1, scale=0.2))
 
 
 # make test-all: the packed float32 steps alone; by default the loops of test_generate_loop_touches_only_new_rows

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from dflash_jax._config import ModelConfig
-from dflash_jax._drafter import Drafter, init_drafter_params
+from dflash_jax._drafter import Drafter, drafter_param_shapes
 from dflash_jax._drafter_config import DrafterConfig
-from dflash_jax._target import Target, init_target_params
+from dflash_jax._target import Target, target_param_shapes
+from support.families import drawn_params
 
 KERNEL_IMPL = "pallas" if os.environ.get("DFLASH_PALLAS_BACKEND") == "compiled" else "pallas_interpret"
 
@@ -31,7 +32,7 @@ def both(model):
 
 def drafters_and_rng(seed):
     """(reference drafter, kernel drafter) with the same random params, and a numpy generator."""
-    drafter = Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(seed)))
+    drafter = Drafter(DRAFTER, drawn_params(drafter_param_shapes(DRAFTER), seed, scale=0.2))
     return *both(drafter), np.random.default_rng(seed)
 
 
@@ -40,7 +41,7 @@ def normal(rng, *shape):
 
 
 def test_target_cached_forward_through_kernel():
-    ref, ker = both(Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0))))
+    ref, ker = both(Target(TARGET, drawn_params(target_param_shapes(TARGET), 0, scale=0.2)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 49, size=(2, 7)))
     outs = []
     for t in (ref, ker):
@@ -94,8 +95,8 @@ def test_cached_paths_lower_to_triton_inside_the_layer_scans():
     the scans skip that check (`check_constancy_invariants=False`), so the kernel traces there."""
     from support.pallas import abstract_gpu
 
-    target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)), attn_impl="pallas")
-    drafter = Drafter(DRAFTER, init_drafter_params(DRAFTER, jax.random.PRNGKey(1)), attn_impl="pallas")
+    target = Target(TARGET, drawn_params(target_param_shapes(TARGET), 0, scale=0.2), attn_impl="pallas")
+    drafter = Drafter(DRAFTER, drawn_params(drafter_param_shapes(DRAFTER), 1, scale=0.2), attn_impl="pallas")
     cases = {
         "target": (lambda p, t, c: target.forward(p, t, c, capture=(0,)),
                    (target.params, jnp.zeros((2, 7), jnp.int32), target.init_cache(2, 64))),
@@ -178,7 +179,7 @@ def test_auto_reads_caches_with_the_kernel_on_a_gpu_and_the_reference_elsewhere(
     monkeypatch.setattr(_attention, "_platform", lambda: platform)
     monkeypatch.setattr(_attention, "block_attention_with_lse", kernel)
     monkeypatch.setattr(_attention, "chunked_cache_attention_with_lse", reference)
-    target = Target(TARGET, init_target_params(TARGET, jax.random.PRNGKey(0)))  # attn_impl "auto"
+    target = Target(TARGET, drawn_params(target_param_shapes(TARGET), 0, scale=0.2))  # attn_impl "auto"
     assert target.attn_impl == "auto" and target.module_for(target.params).backend == "xla"
     cache = target.init_cache(2, 20)
     # the spec's forward, traced on each call (`Target.forward` would reuse the program it compiled

@@ -189,10 +189,10 @@ def fitted(fitted_target, tmp_path_factory, worker_id):
 # Under pytest-xdist (`make test`: -n 2 --dist loadfile --no-loadscope-reorder) each test module runs whole in
 # one process, the modules in the order they are collected (xdist's own reorder, by test count, is off): the
 # longest (FIRST, measured) are put first so that none of them starts last and runs alone at the end.
-FIRST = ("test_sharded_generate", "test_engine", "test_conformance_dense", "test_target_cache", "test_sampling",
-         "test_train_generations", "test_gemma4", "test_train_step", "test_conformance_qwen3_5_moe",
-         "test_block_attention", "test_conformance_qwen3_5", "test_drafter_reference", "test_deepseek_v3",
-         "test_gguf_reader", "test_conformance_moe", "test_dflash2", "test_kv_cache_dtype", "test_train_run")
+FIRST = ("test_engine", "test_sharded_generate", "test_sampling", "test_target_cache", "test_train_step",
+         "test_train_generations", "test_conformance_dense", "test_block_attention", "test_dflash2",
+         "test_conformance_qwen3_5_moe", "test_kv_cache_dtype", "test_gguf_reader", "test_train_run",
+         "test_shipped_drafter", "test_decode_hlo", "test_sharded_kernel", "test_drafter_reference", "test_dspark")
 
 
 def pytest_collection_modifyitems(config, items):

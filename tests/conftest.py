@@ -5,6 +5,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# No Python source frames in the programs' locations (jax keeps up to 100 per operation): the same compiled
+# code, lowered and compiled a few percent faster (docs/results/measurements.md); inherited by the subprocesses
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

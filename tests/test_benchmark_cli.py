@@ -257,6 +257,9 @@ def test_a_bad_mesh_is_refused_before_any_model_is_built(capsys):
     assert "does not divide the 1 devices" in capsys.readouterr().err
 
 
+# newer-jax leg only (`one_leg`); both legs run the benchmark CLI (above) and the engine with a verify
+# budget and cost table (test_engine.py::test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens)
+@pytest.mark.one_leg
 def test_concurrency_runs_the_engine_and_profile_verify_writes_a_cost_table_it_reads(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(benchmark.RANDOM_TARGETS, "tiny", TINY)
     common = ["--random-target", "tiny", "--layers", "2", "--num-prompts", "3", "--prompt-tokens", "9",

@@ -422,13 +422,17 @@ def _check_sharded(meshes: str) -> None:
         assert found[f"{name}_cache"] == [[None, "data", None, None, None], ["data"]]
 
 
+# newer-jax leg only (`one_leg`); both legs run the latent cache's speculative decoding
+# (test_conformance_deepseek_v3.py) and the mesh rules on 8 devices (test_sharded_generate.py)
+@pytest.mark.one_leg
 def test_sharded_greedy_equals_one_device():
     """On 8 devices, experts split over `expert` and heads (q_b_proj, kv_b_proj, o_proj) over `tensor`, the
     latent cache split by rows and replicated over `tensor`: the tokens of one device."""
     _check_sharded("MESHES")
 
 
-@pytest.mark.slow  # make test-all; test_sharded_greedy_equals_one_device runs the same rules on expert x tensor x data
+# make test-all; test_sharded_greedy_equals_one_device (newer-jax leg) runs the same rules on expert x tensor x data
+@pytest.mark.slow
 def test_sharded_greedy_on_a_wider_tensor_axis_equals_one_device():
     """Heads over a tensor axis of 4 (one per device), the experts not over `expert`: the tokens of one device."""
     _check_sharded("MORE_MESHES")
@@ -447,6 +451,9 @@ def test_benchmark_reports_the_latent_caches_bytes_per_token():
     assert cache_bytes_per_token(TargetSpec(qwen3)) == 4 * 2 * 2 * 16 * 4
 
 
+# newer-jax leg only (`one_leg`); both legs run the latent cache's prefill (test_conformance_deepseek_v3.py)
+# and the feature cache against a forward (test_train_data.py::test_feature_cache_round_trip)
+@pytest.mark.one_leg
 def test_training_features_through_the_latent_cache_equal_one_pass():
     """`train.cache_features` runs the target as prefill does (through its cache, here the latent one):
     the captured features are one uncached pass's (training's online path, `train.step`)."""

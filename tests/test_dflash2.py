@@ -270,6 +270,9 @@ def plain_softmax_select(drafter, cfg, drafter_params, hidden, logits, anchors, 
     return drafts, decode_loop._target_probs(cfg, params, logits)
 
 
+# newer-jax leg only (`one_leg`), with its power check below; both legs run the block and walk against
+# float64 and greedy decoding (above) and the sampling rule's chi-squares (test_sampling.py)
+@pytest.mark.one_leg
 def test_speculative_sampling_with_a_dflash2_drafter_matches_the_target_distribution():
     """6,000 rows at temperature 1 with a sharp selector (3 candidates of 7 ids): the chi-square
     against the target's exact joint distribution of its first 3 tokens passes."""
@@ -282,6 +285,7 @@ def test_speculative_sampling_with_a_dflash2_drafter_matches_the_target_distribu
     assert result.tau > 1.05
 
 
+@pytest.mark.one_leg  # with the chi-square above
 def test_the_chi_square_sees_a_plain_softmax_q(monkeypatch):
     """Power: the same run with the selector's drafts verified against the plain softmax instead of
     the selector's own q is detected (a Generator of its own: `generate`'s would reuse the loop the

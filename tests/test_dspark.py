@@ -318,6 +318,9 @@ def sampling_setup():
     return target, Drafter(cfg, params)
 
 
+# newer-jax leg only (`one_leg`), with its power check below; both legs run the chain against float64 and
+# its greedy decoding (above) and the sampling rule's chi-squares (test_sampling.py)
+@pytest.mark.one_leg
 def test_speculative_sampling_with_a_dspark_drafter_matches_the_target_distribution():
     """6,000 rows at temperature 1 (the Markov chain's q over the vocabulary in the exact rule), with
     the threshold off and at 0.5 (one compiled loop): the chi-square against the target's exact
@@ -352,6 +355,7 @@ def test_speculative_sampling_with_a_dspark_drafter_under_a_verify_cost_table_ma
     assert 1.0 < result.tau
 
 
+@pytest.mark.one_leg  # with the chi-square above
 def test_the_chi_square_sees_a_q_without_the_markov_bias(monkeypatch):
     """Power: the same run with the chain's drafts verified against the base logits' distribution
     (the Markov bias left out of q) is detected."""

@@ -33,7 +33,7 @@ def _prompts(count=40, seed=0, longest=300):
 
 # [plain] under `make test-all`; covered by default: [speculative] (the same engine, slots and prompts,
 # against generate) and test_benchmark_cli.py::test_concurrency_runs_the_engine_and_profile_verify_
-# writes_a_cost_table_it_reads (an engine without a drafter: its tokens equal a speculative engine's)
+# writes_a_cost_table_it_reads (newer-jax leg: an engine without a drafter, its tokens equal a speculative engine's)
 @pytest.mark.parametrize("speculative", [True, pytest.param(False, marks=pytest.mark.slow)],
                          ids=["speculative", "plain"])
 def test_forty_prompts_through_eight_slots_equal_generate_alone(fitted, speculative):
@@ -72,6 +72,9 @@ def test_results_come_back_as_prompts_complete(fitted):
     assert len(first.tokens) == 16 and all(len(r.tokens) == 16 for r in rest.values())
 
 
+# newer-jax leg only (`one_leg`); both legs run the engine (above) and the exact sampling rule's
+# chi-squares (test_sampling.py)
+@pytest.mark.one_leg
 def test_sampling_through_the_engine_is_the_target_distribution_in_any_order():
     target, drafter = sampling_pair()
     depth, count = 2, 1500
@@ -143,6 +146,10 @@ def test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens(f
         generate(target, drafter, prompts[:1], verify_budget=8, min_draft_probability=0.5)
 
 
+# newer-jax leg only (`one_leg`); both legs run its parts: slots refilled (the forty prompts above), the
+# hybrid's states rolled back (test_conformance_qwen3_5_moe.py's rejections) and the ring draft cache
+# (test_drafter_reference.py::test_greedy_with_a_bounded_draft_context_equals_plain_decoding)
+@pytest.mark.one_leg
 def test_a_reused_slot_starts_clean_with_a_hybrid_target_and_a_ring_draft_cache():
     """A Qwen3.5 hybrid (its slots carry recurrent states that a new prompt must not inherit) with a
     drafter that sees only its last 8 positions (a ring context cache): seven prompts through three

@@ -303,7 +303,8 @@ def sharded_findings(out: str) -> None:
         json.dump(found, f)
 
 
-@pytest.mark.slow  # ~150 s on 2 CPU cores; test_kv_heads_copied_per_layer_kind_compute_what_one_device_computes
+# ~150 s on 2 CPU cores; test_kv_heads_copied_per_layer_kind_compute_what_one_device_computes (newer-jax leg)
+@pytest.mark.slow
 def test_sharded_generation_on_a_tensor_axis_equals_one_device():
     """kv heads copied per layer kind (`sharding.spec_for_mesh`): the full layers' one kv head 2 and 8 times, the
     sliding layers' 8 split; greedy tokens, plain and speculative, equal one device's."""
@@ -318,6 +319,9 @@ def test_sharded_generation_on_a_tensor_axis_equals_one_device():
         assert tokens == reference, key
 
 
+# newer-jax leg only (`one_leg`); both legs run Gemma 4's layers (test_conformance_dense.py) and kv heads
+# copied over a tensor axis (test_sharded_generate.py's layout cases)
+@pytest.mark.one_leg
 def test_kv_heads_copied_per_layer_kind_compute_what_one_device_computes():
     """On one device, each layer kind's kv heads copied as a tensor axis of 8 needs (the sliding layers' 8 not,
     the full layers' one 8 times; `sharding.group_kv_replicas`): the same logits and captured layers through the

@@ -115,6 +115,9 @@ def test_smollm2_with_int8_activations_verifies_a_block_as_its_steps(targets):
     np.testing.assert_array_equal(np.asarray(block), np.stack(steps, axis=1))
 
 
+# newer-jax leg only (`one_leg`); both legs: a block verified as its steps, bit for bit (above), which
+# makes speculative decoding lossless, and the speculative loop's own checks (test_generate.py)
+@pytest.mark.one_leg
 def test_greedy_speculative_decoding_of_the_int8_model_equals_its_plain_decoding(targets):
     from dflash_jax.cli.common import encode_prompt, shipped_drafter_dir
     from dflash_jax.loading.drafter_io import load_drafter

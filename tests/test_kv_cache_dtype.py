@@ -82,7 +82,9 @@ def test_a_block_through_the_cache_equals_its_tokens_one_step_at_a_time(kv_cache
     np.testing.assert_array_equal(np.asarray(block), np.stack(steps, axis=1))
 
 
-@pytest.mark.parametrize("attn_impl", ["auto", "reference"])
+# [reference] on the newer-jax leg only (`one_leg`): both legs run [auto] (the same loop over a float16
+# cache) and the reference attention's own checks (test_block_attention.py)
+@pytest.mark.parametrize("attn_impl", ["auto", pytest.param("reference", marks=pytest.mark.one_leg)])
 def test_greedy_with_a_float16_cache_equals_plain_decoding_with_it(fitted, attn_impl):
     """"auto" is the CPU kernel here (float16 K/V read as float32), "reference" the jnp path."""
     target, drafter = fitted

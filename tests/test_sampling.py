@@ -38,6 +38,8 @@ def test_speculative_sampling_matches_target_distribution(pair, kw):
     assert result.tau > 1.05
 
 
+# newer-jax leg only (`one_leg`); both legs: lookup's greedy checks (test_lookup.py)
+@pytest.mark.one_leg
 def test_sampling_with_looked_up_drafts_matches_target_distribution(pair):
     """A prompt that repeats itself: its last two tokens occurred before, so the first cycle's
     slots hold looked-up tokens (point-mass drafts) and later cycles often do too."""
@@ -52,6 +54,8 @@ def test_sampling_with_looked_up_drafts_matches_target_distribution(pair):
     assert [a[0] for a in plain.acceptance_lengths] != [a[0] for a in result.acceptance_lengths]
 
 
+# newer-jax leg only (`one_leg`); both legs: the gate's greedy check (test_draft_gate.py)
+@pytest.mark.one_leg
 def test_sampling_with_gated_drafts_matches_target_distribution(pair):
     """min_draft_probability: a cycle whose first draft the drafter gave less than the threshold
     runs the anchor alone. Which cycles verify depends only on the drafter, never on the target, so
@@ -151,6 +155,9 @@ def test_chunked_sample_follows_the_distribution():
     assert stats.chisquare(counts[:11][support], probs[support] * n).pvalue > 1e-3
 
 
+# newer-jax leg only (`one_leg`); both legs run the rule's chi-squares (above) and the engine's verify budget
+# and cost table (test_engine.py::test_a_verify_budget_or_cost_table_changes_what_is_verified_not_the_tokens)
+@pytest.mark.one_leg
 def test_sampling_under_a_verify_cost_table_matches_target_distribution(pair):
     """Each cycle verifies the prefix of the block a cost table chooses from the drafter's confidence
     (its top probabilities): the exact rule on each prefix keeps the target's distribution."""

@@ -264,6 +264,10 @@ def settings(data, out_dir, generation, **run):
                     "checkpoint_every": STEPS, "async_checkpointing": False, **run}}
 
 
+# on the newer-jax leg of `make test` only (`one_leg`): its parts run on both, a training run's export and
+# resume (test_train_run.py), each generation's batch loss against float64 (above) and its greedy decoding
+# (test_dflash2.py, test_dspark.py)
+@pytest.mark.one_leg
 @pytest.mark.parametrize("generation", ["dflash2", "dspark"])
 def test_a_run_lowers_the_loss_and_its_export_reloads_with_the_same_greedy_traces(data, fitted_target, tmp_path,
                                                                                 generation):

@@ -37,8 +37,9 @@ def _kernel_manager(spec_root: Path) -> KernelManager:
     return KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm)
 
 
-# newer-jax leg only (`one_leg`): each call the notebook makes is checked on both legs (test_generate.py,
-# test_shipped_drafter.py)
+# newer-jax leg only (`one_leg`): both legs check the calls it makes, on the same target and drafter loaded
+# by name (test_shipped_drafter.py, test_runtime_without_torch.py), greedy and sampled (test_generate.py,
+# test_sampling.py)
 @pytest.mark.one_leg
 def test_quickstart_notebook_runs(tmp_path):
     assert NOTEBOOK.is_file(), f"{NOTEBOOK} is missing"

@@ -1,6 +1,7 @@
 """The test suite's own layout: shared helpers live in the `support` package, and no test module
 imports another (a test module's names are its own; a helper two modules need moves to support/).
-Imports are read with `ast`, so a function-local import counts as much as a top-level one."""
+Imports are read with `ast`, so a function-local import counts as much as a top-level one. And the
+guard that fails a skipped `one_leg` check on the leg that runs those checks (tests/conftest.py)."""
 import ast
 from pathlib import Path
 
@@ -43,3 +44,35 @@ def test_the_check_reads_function_local_imports(tmp_path):
     path = tmp_path / "test_example.py"
     path.write_text("import os\n\ndef test_x():\n    from test_other import helper\n    import support.hlo\n")
     assert imported_modules(path) == {"os", "test_other", "support"}
+
+
+def test_a_skipped_one_leg_check_fails_on_the_leg_that_runs_it(tmp_path):
+    """`make test` runs `one_leg` checks on its newer-jax leg only (DFLASH_TEST_LEG=newer-jax): there,
+    tests/conftest.py fails such a check that skips, and a module holding one that is skipped whole;
+    elsewhere they skip as any test does."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_skips_inside.py").write_text(
+        "import pytest\n\n@pytest.mark.one_leg\ndef test_skips():\n    pytest.skip('no torch')\n\n"
+        "@pytest.mark.one_leg\ndef test_runs():\n    pass\n\ndef test_unmarked_skips():\n    pytest.skip('fine')\n")
+    (tmp_path / "test_skipped_whole.py").write_text(
+        "import pytest\n\npytest.importorskip('no_such_module_here')\n\n"
+        "@pytest.mark.one_leg\ndef test_x():\n    pass\n")
+
+    def outcomes(leg: str) -> str:
+        env = {**os.environ, "DFLASH_TEST_LEG": leg, "DFLASH_TEST_COMPILATION_CACHE": "0",
+               "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+        env.pop("PYTEST_XDIST_WORKER", None)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "conftest", "-p", "no:cacheprovider",
+                               "-W", "ignore::pytest.PytestUnknownMarkWarning", "--continue-on-collection-errors",
+                               str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return proc.stdout
+
+    newer = outcomes("newer-jax")
+    assert "FAILED test_skips_inside.py::test_skips" in newer and "PASSED test_skips_inside.py::test_runs" in newer
+    assert "SKIPPED" in newer and "ERROR test_skipped_whole.py" in newer, newer
+    assert "1 failed, 1 passed, 1 skipped, 1 error" in newer, newer
+    default = outcomes("")
+    assert "1 passed, 3 skipped" in default, default

@@ -2,9 +2,21 @@ import hashlib
 import os
 from pathlib import Path
 
+import pytest
+
+# the shared checks in support/ (the conformance suite's tests among them) fail with pytest's assertion
+# messages, as a test module's own asserts do (registered before the first import from support, below)
+pytest.register_assert_rewrite("support")
+
+from support.devices import xla_flags  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# DFLASH_TEST_XLA_FLAGS: XLA flags of this leg of `make test`, for this process and every subprocess the tests
+# start (support.devices.xla_flags). The default leg compiles at LLVM optimisation level 0
+# (`--xla_backend_optimization_level=0`, Makefile: test-default): about a third less time, its compiles being
+# most of it; the newer-jax leg compiles at XLA's default level, as users do (docs/results/measurements.md).
+os.environ.setdefault("XLA_FLAGS", xla_flags(1))
 # No Python source frames in the programs' locations (jax keeps up to 100 per operation): the same compiled
 # code, lowered and compiled a few percent faster (docs/results/measurements.md); inherited by the subprocesses
 os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
@@ -13,12 +25,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-import pytest  # noqa: E402
-
-# the shared checks in support/ (the conformance suite's tests among them) fail with pytest's assertion
-# messages, as a test module's own asserts do
-pytest.register_assert_rewrite("support")
 
 
 @pytest.fixture(scope="session")

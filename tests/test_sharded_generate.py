@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from support.devices import run_8_devices
+from support.devices import run_8_devices, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = {"tensor2_data4": dict(tensor=2, data=4), "tensor4_data2": dict(tensor=4, data=2),
@@ -667,7 +667,7 @@ def test_two_processes_joined_by_jax_distributed_generate_as_one(findings, tmp_p
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     procs = [subprocess.Popen([sys.executable, "-c", "import jax; jax.config.update('jax_default_matmul_precision', "
                                f"'highest'); import test_sharded_generate as t; t.distributed_run("

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from support import fitted_models
+from support.devices import xla_flags
 from dflash_jax._target import Target, init_target_params
 from dflash_jax import sharding
 from train import drafter_init, step as step_lib
@@ -58,7 +59,7 @@ def one_step(out: str, data: int = -1, fsdp: int = 1, shard_target: bool = False
 
 
 def _spawn(code: str, devices: int = 1) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     return subprocess.Popen([sys.executable, "-c", "import test_train_distributed as t; " + code], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

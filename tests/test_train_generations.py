@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from support import fitted_models
+from support.devices import xla_flags
 from dflash_jax import generate
 from dflash_jax import _dflash2 as dflash2, _dspark as dspark, _objective as objective
 from dflash_jax._drafter import Drafter, DrafterSpec
@@ -399,7 +400,7 @@ def test_a_sharded_step_equals_one_device_and_keeps_the_frozen_tables(tmp_path):
     root = Path(__file__).resolve().parents[1]
     runs = {}
     for devices, data, fsdp in ((1, 1, 1), (8, 4, 2)):
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        env = {**os.environ, "XLA_FLAGS": xla_flags(devices),
                "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
         out = tmp_path / f"{devices}.pkl"
         code = f"import test_train_generations as t; t.sharded_steps({str(out)!r}, {data}, {fsdp})"

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from support import fitted_models
+from support.devices import xla_flags
 from dflash_jax import generate
 from dflash_jax._config import write_config_json
 from dflash_jax._drafter import Drafter, init_drafter_params
@@ -194,7 +195,7 @@ def test_a_run_learns_the_targets_distribution_from_a_top_k_cache(tiny, tmp_path
 
 
 def _launch(config_file: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen([sys.executable, "-m", "train.train", "--config", str(config_file), *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

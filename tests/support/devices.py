@@ -11,12 +11,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS of a test subprocess with `devices` CPU devices: with this leg's codegen flags
+    (DFLASH_TEST_XLA_FLAGS, tests/conftest.py)."""
+    return f"--xla_force_host_platform_device_count={devices} {os.environ.get('DFLASH_TEST_XLA_FLAGS', '')}".strip()
+
+
 def run_8_devices(call: str, module: str) -> dict:
     """Run `<module>.<call>` (its "{out}" a JSON file it writes its findings to, "{tmp}" a scratch
     directory) in a subprocess with 8 CPU devices -> the findings."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "findings.json"
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+        env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu",
                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
         code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
                 f"import {module} as t; t.{call.format(out=repr(str(out)), tmp=repr(tmp))}")

@@ -2,11 +2,14 @@
 
     python -m infer.hlo_fingerprint                 # the prefill and the decode loop, both layouts
     python -m infer.hlo_fingerprint --dump DIR      # also write each program's HLO text there
+    python -m infer.hlo_fingerprint --families      # also each target family's tiny target (from a checkout)
 
 A refactor that should not change what runs is checked by running this before and after it (from each
 checkout: PYTHONPATH=<checkout> python -m infer.hlo_fingerprint): the fingerprint hashes the optimised
 HLO's instructions with their source locations removed, so equal fingerprints mean the same program.
 Layouts: "auto" (on a CPU the packed layout the CPU backend decodes) and "stacked" (the XLA backend's).
+`--families` builds each family's tiny target of the conformance table (tests/support/families.py, so it
+runs from a checkout) with a random one-layer drafter, and fingerprints its generate programs too.
 """
 from __future__ import annotations
 
@@ -31,24 +34,53 @@ def main(argv=None) -> None:
                         help="drafter directory (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dump", type=Path, help="write each program's HLO text into this directory")
+    parser.add_argument("--families", action="store_true",
+                        help="also each target family's tiny target with a random drafter (needs tests/ beside infer/)")
     args = parser.parse_args(argv)
     from dflash_jax import _speculative as speculative, load_drafter, load_target
 
-    drafter = load_drafter(args.drafter)
-    for layout, backend in (("auto", "auto"), ("stacked", "xla")):
-        target = load_target("smollm2", tokenizer=False, layout=layout)
-        generator = speculative.Generator(target, drafter, backend=backend)
-        cfg, call, _ = generator._prepare([[1, 2, 3]], max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0,
+    def report(label, generator, temperature=0.0):
+        cfg, call, _ = generator._prepare([[1, 2, 3]], max_new_tokens=args.max_new_tokens, temperature=temperature,
+                                          top_k=0,
                                           top_p=1.0, stop_token_ids=(), block_size=None, seed=0, acceptance="exact",
                                           lookup=0, min_draft_probability=0.0)
         prefill, loop, _ = generator._executables(cfg, call, "decode")
         for name, executable in (("prefill", prefill), ("loop", loop)):
             text = executable.as_text()
             digest, count = fingerprint(text)
-            print(f"{layout:8} {name:8} {digest}  ({count} instructions)")
+            print(f"{label:12} {name:8} {digest}  ({count} instructions)", flush=True)
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
-                (args.dump / f"{layout}_{name}.hlo.txt").write_text(text)
+                (args.dump / f"{label}_{name}.hlo.txt").write_text(text)
+
+    drafter = load_drafter(args.drafter)
+    for layout, backend in (("auto", "auto"), ("stacked", "xla")):
+        target = load_target("smollm2", tokenizer=False, layout=layout)
+        report(layout, speculative.Generator(target, drafter, backend=backend))
+    if args.families:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from support.families import FAMILIES, tiny_target
+        from support.speculative import tiny_drafter
+
+        for family in FAMILIES:
+            target = tiny_target(family)
+            report(family, speculative.Generator(target, tiny_drafter(target)))
+        # the drafter generations on the tiny Qwen3 target, greedy and sampled
+        import jax
+
+        from dflash_jax._drafter import Drafter, init_drafter_params
+        from dflash_jax.cli.bench_random import DRAFTER_GENERATIONS
+        from infer.profile_cycle import generation_config
+
+        target = tiny_target("qwen3")
+        base = tiny_drafter(target).config
+        for generation in DRAFTER_GENERATIONS:
+            config = generation_config(base, generation)
+            drafter = Drafter(config, init_drafter_params(config, jax.random.PRNGKey(1)))
+            for temperature in (0.0, 0.7):
+                report(f"{generation}@{temperature:g}", speculative.Generator(target, drafter), temperature)
 
 
 if __name__ == "__main__":

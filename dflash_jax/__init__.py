@@ -30,22 +30,22 @@ from typing import TYPE_CHECKING
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "ModelConfig": "dflash_jax._config",
-    "DrafterConfig": "dflash_jax._drafter_config",
-    "Target": "dflash_jax._target",
-    "Drafter": "dflash_jax._drafter",
-    "TargetSpec": "dflash_jax._target",
-    "DrafterSpec": "dflash_jax._drafter",
-    "init_target_params": "dflash_jax._target",
-    "init_drafter_params": "dflash_jax._drafter",
-    "GenerationResult": "dflash_jax._speculative",
-    "Generator": "dflash_jax._speculative",
-    "generate": "dflash_jax._speculative",
-    "generate_stream": "dflash_jax._speculative",
-    "release_generators": "dflash_jax._speculative",
-    "generate_batch": "dflash_jax._speculative",
-    "BatchEngine": "dflash_jax._engine",
-    "PromptResult": "dflash_jax._engine",
+    "ModelConfig": "dflash_jax.models.config",
+    "DrafterConfig": "dflash_jax.drafters.config",
+    "Target": "dflash_jax.models.target",
+    "Drafter": "dflash_jax.drafters.drafter",
+    "TargetSpec": "dflash_jax.models.target",
+    "DrafterSpec": "dflash_jax.drafters.drafter",
+    "init_target_params": "dflash_jax.models.target",
+    "init_drafter_params": "dflash_jax.drafters.drafter",
+    "GenerationResult": "dflash_jax.engine.generator",
+    "Generator": "dflash_jax.engine.generator",
+    "generate": "dflash_jax.engine.generator",
+    "generate_stream": "dflash_jax.engine.generator",
+    "release_generators": "dflash_jax.engine.generator",
+    "generate_batch": "dflash_jax.engine.generator",
+    "BatchEngine": "dflash_jax.engine.batch",
+    "PromptResult": "dflash_jax.engine.batch",
     "ConfigError": "dflash_jax._errors",
     "CheckpointError": "dflash_jax._errors",
     "TorchRequiredError": "dflash_jax._errors",
@@ -79,14 +79,14 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from dflash_jax._config import ModelConfig
-    from dflash_jax._engine import BatchEngine, PromptResult
-    from dflash_jax._drafter import Drafter, DrafterSpec, init_drafter_params
-    from dflash_jax._drafter_config import DrafterConfig
+    from dflash_jax.models.config import ModelConfig
+    from dflash_jax.engine.batch import BatchEngine, PromptResult
+    from dflash_jax.drafters.drafter import Drafter, DrafterSpec, init_drafter_params
+    from dflash_jax.drafters.config import DrafterConfig
     from dflash_jax._errors import CheckpointError, ConfigError, DrafterMismatchError, TorchRequiredError
     from dflash_jax.loading.drafter_io import load_drafter, save_drafter
     from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
     from dflash_jax.loading.target_loader import load_target
-    from dflash_jax._speculative import (GenerationResult, Generator, generate, generate_batch, generate_stream,
+    from dflash_jax.engine.generator import (GenerationResult, Generator, generate, generate_batch, generate_stream,
                                          release_generators)
-    from dflash_jax._target import Target, TargetSpec, init_target_params
+    from dflash_jax.models.target import Target, TargetSpec, init_target_params

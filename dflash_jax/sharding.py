@@ -241,7 +241,7 @@ declare_param_axes({
 
 
 def _stacked(names) -> bool:
-    """A param of the stacked layers: under "layers", or a segment's "layers_{s}" (`dflash_jax._stack`)."""
+    """A param of the stacked layers: under "layers", or a segment's "layers_{s}" (`dflash_jax.models.stack`)."""
     return any(name == "layers" or name.startswith("layers_") for name in names)
 
 
@@ -287,7 +287,7 @@ def group_kv_replicas(config, tensor: int) -> int | tuple[int, ...]:
     """The copies of each kv head a target (or drafter) needs on a tensor axis of size `tensor`: `kv_replicas`
     of its kv heads. For a target whose attention layers keep keys of different kv-head counts
     (`ModelConfig.kv_groups`: Gemma 4's sliding and full layers) each group's own, a tuple in the groups'
-    order where they differ (the layers and `_cache.GroupedKVCache` read their group's)."""
+    order where they differ (the layers and `models.cache.GroupedKVCache` read their group's)."""
     groups = getattr(config, "kv_groups", ())
     if not groups:
         return kv_replicas(config.num_heads, config.num_kv_heads, tensor)
@@ -470,7 +470,7 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
 
 
 def cache_shardings(mesh: Mesh, cache):
-    """A decode cache (`dflash_jax._cache.Cache`: a `KVCache` or `HybridCache`, of arrays or
+    """A decode cache (`dflash_jax.models.cache.Cache`: a `KVCache` or `HybridCache`, of arrays or
     ShapeDtypeStructs) of NamedShardings: the cache's own `shardings` (module docstring). ValueError
     when the tensor axis does not divide a KV cache's heads."""
     return cache.shardings(mesh)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import _masks as masks
+from dflash_jax.kernels import masks
 from dflash_jax.kernels import BlockSizes, block_attention, reference_attention
 
 

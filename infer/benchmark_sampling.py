@@ -18,7 +18,7 @@ from typing import Sequence
 
 def load_sampling(path: str | None):
     if path is None:
-        from dflash_jax import _sampling as sampling
+        from dflash_jax.decode import sampling
 
         return sampling
     spec = importlib.util.spec_from_file_location("sampling_under_test", path)

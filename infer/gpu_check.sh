@@ -22,7 +22,7 @@
 # device image has; nothing is fetched. What it prints answers, in order:
 # 1. kernels: do the compiled kernels pass the interpret-mode tests, the models' cache reads through
 #    the kernel inside their layer scans included? (attention.cache_attention's "auto" takes the
-#    kernel on a GPU; it lowers for CUDA on a CPU with jax 0.10-0.12, tests/test_kernel_integration.py,
+#    kernel on a GPU; it lowers for CUDA on a CPU with jax 0.10-0.12, tests/kernels/test_kernel_integration.py,
 #    and first compiles on a real GPU here.)
 # 2. attention: kernel against XLA for training, drafting, verifying and decoding shapes.
 # 3. cycle-reference / cycle-pallas: a Qwen3-8B-shaped step, verify, drafter block and cycle, with
@@ -80,7 +80,7 @@ step() {
   if [[ -n "${GPU_CHECK_ONLY:-}" && " $GPU_CHECK_ONLY " != *" $name "* ]]; then
     return
   fi
-  if [[ "${GPU_CHECK_DRY:-0}" == 1 ]]; then  # print the command, run nothing (tests/test_gpu_check.py)
+  if [[ "${GPU_CHECK_DRY:-0}" == 1 ]]; then  # print the command, run nothing (tests/cli/test_gpu_check.py)
     printf '%q ' "$@"
     echo
     return
@@ -93,7 +93,7 @@ step() {
 
 step versions 20 "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 step kernels 130 env "${KERNEL_ENV[@]}" "$PY" -m pytest -q -rxX -p no:cacheprovider "${KERNEL_TESTS[@]}" \
-  tests/test_block_attention.py tests/test_kernel_integration.py
+  tests/kernels/test_block_attention.py tests/kernels/test_kernel_integration.py
 step attention 70 "$PY" -m infer.benchmark_attention "${ATTENTION[@]}"
 step cycle-reference 95 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn reference
 step cycle-pallas 95 "$PY" -m infer.profile_cycle "${CYCLE[@]}" --attn pallas

@@ -37,7 +37,8 @@ def main(argv=None) -> None:
     parser.add_argument("--families", action="store_true",
                         help="also each target family's tiny target with a random drafter (needs tests/ beside infer/)")
     args = parser.parse_args(argv)
-    from dflash_jax import _speculative as speculative, load_drafter, load_target
+    from dflash_jax import load_drafter, load_target
+    from dflash_jax.engine import generator as speculative
 
     def report(label, generator, temperature=0.0):
         cfg, call, _ = generator._prepare([[1, 2, 3]], max_new_tokens=args.max_new_tokens, temperature=temperature,
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
         # the drafter generations on the tiny Qwen3 target, greedy and sampled
         import jax
 
-        from dflash_jax._drafter import Drafter, init_drafter_params
+        from dflash_jax.drafters.drafter import Drafter, init_drafter_params
         from dflash_jax.cli.bench_random import DRAFTER_GENERATIONS
         from infer.profile_cycle import generation_config
 

@@ -8,7 +8,7 @@ Nothing is allocated: every byte count comes from the shapes of what generation 
 (`jax.eval_shape`): the target's decode cache (`TargetSpec.init_cache`), the drafter's context
 cache (`DrafterSpec.init_cache`, the same capacity), the weights of the target and of its random
 DFlash drafter of the official shape (`dflash_jax.cli.bench_random`), and the capacity rule of the
-decode loop (`_decode_loop.prefill`: prompt + max_new_tokens + block, rounded up to the attention
+decode loop (`decode.loop.prefill`: prompt + max_new_tokens + block, rounded up to the attention
 kernel's key tile). A slot of our layout holds that capacity whatever its row's actual length.
 
 The paged comparison holds each in-flight sequence's actual length rounded up to pages of
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax._drafter import DrafterSpec, drafter_param_shapes
-from dflash_jax._target import TargetSpec, target_param_shapes
+from dflash_jax.drafters.drafter import DrafterSpec, drafter_param_shapes
+from dflash_jax.models.target import TargetSpec, target_param_shapes
 from dflash_jax.cli.bench_random import RANDOM_TARGETS, random_configs
 from dflash_jax.kernels import KEY_TILE, round_up
 

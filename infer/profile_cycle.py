@@ -55,12 +55,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import _dspark as dspark
-from dflash_jax._config import ModelConfig
-from dflash_jax._drafter import DrafterSpec, init_drafter_params
-from dflash_jax._drafter_config import DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids
+from dflash_jax.drafters import dspark
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.drafters.drafter import DrafterSpec, init_drafter_params
+from dflash_jax.drafters.config import DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids
 from dflash_jax.backends import ACTIVATIONS
-from dflash_jax._target import TargetSpec, init_target_params
+from dflash_jax.models.target import TargetSpec, init_target_params
 from dflash_jax.cli.bench_random import (
     DFLASH2_SETTINGS,
     DRAFTER_GENERATIONS,
@@ -207,7 +207,7 @@ def _label(args, generation: str, piece: str) -> str:
 
 def proposer(target, drafter, g: int):
     """propose(target params, drafter params, anchors [B], drafter cache) -> greedy drafts [B, G-1]
-    as the decode loop drafts them for `drafter`'s generation (`_decode_loop._propose`, greedy)."""
+    as the decode loop drafts them for `drafter`'s generation (`decode.loop._propose`, greedy)."""
     dc = drafter.config
 
     def propose(p, q, anchors, cache):
@@ -400,7 +400,7 @@ def main(argv=None):
     print(f"# {name}, {args.dtype}, attn={args.attn}, backend={jax.default_backend()}, fill={args.fill}, "
           f"median of {args.repeats} (ms)")
     cfg = target.config
-    if cfg.num_experts:  # what the grouped expert matmul reads (dflash_jax._moe.grouped_experts)
+    if cfg.num_experts:  # what the grouped expert matmul reads (dflash_jax.layers.moe.grouped_experts)
         per_expert, moe_layers = expert_bytes(cfg, args.dtype)
         total = moe_layers * cfg.num_experts * per_expert
         print(f"# experts: {cfg.num_experts} x {per_expert / 2**20:.1f} MiB per MoE layer, {moe_layers} of the "

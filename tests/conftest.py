@@ -204,7 +204,7 @@ def fitted_target(tmp_path_factory, worker_id):
     """The tiny target fitted to the pattern (`fitted_models.fit_target`), fitted once per test run."""
     from support import fitted_models
 
-    from dflash_jax._target import Target
+    from dflash_jax.models.target import Target
 
     params = _fitted_once(_shared_dir(tmp_path_factory, worker_id), "target",
                           lambda: fitted_models.fit_target().params)
@@ -216,7 +216,7 @@ def fitted(fitted_target, tmp_path_factory, worker_id):
     """(target, drafter) fitted to a pattern so that speculative decoding accepts long runs."""
     from support import fitted_models
 
-    from dflash_jax._drafter import Drafter
+    from dflash_jax.drafters.drafter import Drafter
 
     params = _fitted_once(_shared_dir(tmp_path_factory, worker_id), "drafter",
                           lambda: fitted_models.fit_drafter(fitted_target).params)

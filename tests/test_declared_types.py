@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import _moe as moe, backends
-from dflash_jax._config import LinearAttentionConfig, ModelConfig, MoEConfig
-from dflash_jax._drafter import Drafter, init_drafter_params
-from dflash_jax._drafter_config import DrafterConfig
-from dflash_jax._target import Target, target_param_shapes
+from dflash_jax import backends
+from dflash_jax.layers import moe
+from dflash_jax.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
+from dflash_jax.drafters.drafter import Drafter, init_drafter_params
+from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.models.target import Target, target_param_shapes
 from dflash_jax.backends import base
 from support.families import drawn_params
 
@@ -96,7 +97,7 @@ def test_packed_params_carry_their_tag_through_jit_and_tree_maps():
 
 
 def test_the_expert_form_is_the_backends_static_choice(monkeypatch):
-    """`_moe.FORMS` are the forms a backend names; fewer pairs than experts gather everywhere;
+    """`layers.moe.FORMS` are the forms a backend names; fewer pairs than experts gather everywhere;
     more: XLA gathers on a CPU while the gathered weights fit `CPU_GATHER_BYTES`, sorts
     (`ragged_dot`) beyond that and on other platforms; the CPU backend always as on a CPU."""
     assert tuple(moe.FORMS) == backends.EXPERT_FORMS
@@ -153,7 +154,7 @@ def test_one_definition_of_each_error_class():
 
 def test_key_ranges_come_with_the_kernels_package():
     import dflash_jax.kernels as kernels
-    from dflash_jax import _masks
+    from dflash_jax.kernels import masks as _masks
 
     assert kernels.KeyRanges is _masks.KeyRanges and "KeyRanges" in kernels.__all__
     q = jnp.ones((1, 2, 2, 8), jnp.float32)

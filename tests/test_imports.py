@@ -1,4 +1,5 @@
-"""Imports point down: the `dflash_jax` modules import each other without a cycle, no library
+"""Imports point down: each package of `dflash_jax` imports only the layers below it (`LAYERS`, the
+one table of what may import what), the modules import each other without a cycle, no library
 module imports a CLI or training entry point (the `infer` and `train` packages), nothing outside the
 CPU backend imports it, no module but the backends and the CLI asks which platform runs it
 (`jax.default_backend`, `jax.lax.platform_dependent`), and `import dflash_jax` loads no heavy package
@@ -6,7 +7,10 @@ before a name is used.
 
 Every `import` / `from ... import` statement counts, at module level or inside a function (a lazy
 import hides a cycle from Python, not from this test). ``from package import name`` is an edge to
-``package.name`` when that is a module, else to ``package`` (its ``__init__``).
+``package.name`` when that is a module, else to ``package`` (its ``__init__``). A module loaded by
+name (``importlib.import_module("dflash_jax....")``, or an f-string with a constant prefix) is a load:
+the one upward dependency the table allows is the family registry loading the family modules
+(`PLUGIN_LOADS`), at the first lookup rather than at import.
 """
 from __future__ import annotations
 
@@ -23,6 +27,36 @@ import dflash_jax
 
 ROOT = "dflash_jax"
 ENTRY_POINTS = ("infer", "train")  # CLI / training packages beside the library
+
+# The layers of the package, bottom up: a module may import its own package's modules (the cycle
+# check keeps those acyclic) and the packages of the layers below its own, nothing above or beside.
+# A unit is a package (`dflash_jax.models` and everything in it) or a flat module of the top.
+LAYERS = (
+    ("_errors", "_resources", "_host_arrays", "sharding"),  # leaves
+    ("_compilation_cache",),
+    ("kernels",),  # the mask language, the Pallas kernels and their references, per platform
+    ("backends",),  # the operations a backend may replace (the CPU backend)
+    ("layers",),  # attention seam, norms, rotary, MLPs, MoE
+    ("models",),  # configs, the family registry, caches, the stack, the target
+    ("formats",),  # name tables and checkpoint formats
+    ("families",),  # one module (or package) per target family
+    ("decode",),  # sampling, lookup, the decode loop
+    ("drafters",),  # the drafter, its generations, vocabulary, objective
+    ("loading",),  # target, drafter and Orbax loaders
+    ("engine",),  # the host side: options, Generator, the batch engine
+    ("cli", "convert"),  # the command-line programs
+    ("",),  # dflash_jax/__init__.py: the public names
+)
+# Upward loads by name that the table allows: (loader module, loaded package).
+PLUGIN_LOADS = {("dflash_jax.models.registry", "dflash_jax.families")}
+
+
+def unit(module: str) -> str:
+    """The LAYERS unit of a module: the top-level package or flat module it sits in ("" for the root)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
 def _modules() -> dict[str, Path]:
@@ -45,6 +79,45 @@ def _imports(module: str, is_package: bool, source: str) -> list[tuple[str, tupl
                 base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
             found.append((base, tuple(alias.name for alias in node.names), node.lineno))
     return found
+
+
+def _loads(source: str) -> list[tuple[str, int]]:
+    """(module, line) of every `importlib.import_module(...)` of a constant name, or of an f-string
+    whose constant prefix names a package (`f"dflash_jax.families.{name}"` -> dflash_jax.families)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+                and node.args):
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.append((arg.value, node.lineno))
+            elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+                found.append((arg.values[0].value.rstrip("."), node.lineno))
+    return found
+
+
+def load_edges(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """{module: {module it loads by name: line}} over the package."""
+    return {module: {target: line for target, line in _loads(path.read_text()) if target in modules}
+            for module, path in modules.items()}
+
+
+def layer_violations(edges, loads=None) -> list[str]:
+    """Each import (and load by name outside `PLUGIN_LOADS`) that points to a unit not below the
+    importer's in `LAYERS`."""
+    bad = []
+    for kind, graph in (("imports", edges), ("loads", loads or {})):
+        for module, targets in sorted(graph.items()):
+            for target, line in sorted(targets.items()):
+                a, b = unit(module), unit(target)
+                if a == b or (kind == "loads" and (module, target) in PLUGIN_LOADS):
+                    continue
+                if a not in RANK or b not in RANK:
+                    bad.append(f"  {module}:{line} {kind} {target}: a unit missing from LAYERS ({a or b!r})")
+                elif RANK[b] >= RANK[a]:
+                    below = f"{b or 'dflash_jax'} is not below {a or 'dflash_jax'}"
+                    bad.append(f"  {module}:{line} {kind} {target}: {below}")
+    return bad
 
 
 def _graph(modules: dict[str, Path]):
@@ -111,11 +184,38 @@ def test_imports_resolve_submodules_relative_and_lazy():
 
 def test_package_imports_have_no_cycle():
     modules = _modules()
-    assert "dflash_jax._attention" in modules and "dflash_jax.kernels.block_attention" in modules
+    assert "dflash_jax.layers.attention" in modules and "dflash_jax.kernels.block_attention" in modules
     edges, _ = _graph(modules)
-    assert "dflash_jax._masks" in edges["dflash_jax._attention"]  # the parse sees the imports
+    assert "dflash_jax.kernels.masks" in edges["dflash_jax.layers.attention"]  # the parse sees the imports
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle:\n" + _describe(cycle, edges, modules)
+
+
+def test_every_import_points_down_the_layers():
+    modules = _modules()
+    assert {unit(m) for m in modules} <= set(RANK), sorted({unit(m) for m in modules} - set(RANK))
+    edges, _ = _graph(modules)
+    loads = load_edges(modules)
+    assert "dflash_jax.families" in loads["dflash_jax.models.registry"]  # the parse sees the registry's loads
+    bad = layer_violations(edges, loads)
+    assert not bad, "imports against the layers (tests/test_imports.py LAYERS):\n" + "\n".join(bad)
+
+
+def test_a_planted_wrong_way_import_is_caught():
+    """A lazy import of the engine from inside a kernel module, and a load by name of a model module
+    from a layer module, are each reported; the real graph with them added fails the check."""
+    source = "def f():\n    from dflash_jax.engine import generator\n"
+    assert _imports("dflash_jax.kernels.masks", False, source) == [("dflash_jax.engine", ("generator",), 2)]
+    assert _loads("import importlib\nimportlib.import_module('dflash_jax.models.target')\n") == [
+        ("dflash_jax.models.target", 2)]
+    modules = _modules()
+    edges, _ = _graph(modules)
+    planted = {**edges, "dflash_jax.kernels.masks": {**edges["dflash_jax.kernels.masks"],
+                                                     "dflash_jax.engine.generator": 2}}
+    bad = layer_violations(planted, {"dflash_jax.layers.moe": {"dflash_jax.models.target": 7}})
+    bad = [line for line in bad if line not in layer_violations(edges, load_edges(modules))]
+    assert bad == ["  dflash_jax.kernels.masks:2 imports dflash_jax.engine.generator: engine is not below kernels",
+                   "  dflash_jax.layers.moe:7 loads dflash_jax.models.target: models is not below layers"], bad
 
 
 def test_library_imports_no_entry_point():
@@ -183,9 +283,10 @@ def test_the_check_covers_every_model_module():
     package, when there is one), the attention seam and kernels, the decode loop, the loaders."""
     modules = _modules()
     covered = model_modules(modules)
-    for name in ("dflash_jax._target", "dflash_jax.families.qwen3_5", "dflash_jax._moe", "dflash_jax._drafter",
-                 "dflash_jax._layers", "dflash_jax._attention", "dflash_jax._decode_loop", "dflash_jax._speculative",
-                 "dflash_jax._cache", "dflash_jax._gated_delta", "dflash_jax.kernels.block_attention",
+    for name in ("dflash_jax.models.target", "dflash_jax.families.qwen3_5", "dflash_jax.layers.moe",
+                 "dflash_jax.drafters.drafter", "dflash_jax.layers.common", "dflash_jax.layers.attention",
+                 "dflash_jax.decode.loop", "dflash_jax.engine.generator", "dflash_jax.models.cache",
+                 "dflash_jax.families.qwen3_5.gated_delta", "dflash_jax.kernels.block_attention",
                  "dflash_jax.loading.target_loader", "dflash_jax.sharding"):
         assert name in covered, name
     assert not [m for m in covered if _in_package(m, "dflash_jax.backends") or _in_package(m, "dflash_jax.cli")]
@@ -209,7 +310,7 @@ def test_import_loads_no_heavy_package_until_a_name_is_used():
     sees), and a name, once used, is the module's own object."""
     heavy = ("jax", "flax", "orbax", "grain", "transformers", "torch")
     code = ("import sys, dflash_jax; print(sorted(m for m in %r if m in sys.modules)); "
-            "from dflash_jax._speculative import generate; print(dflash_jax.generate is generate)") % (heavy,)
+            "from dflash_jax.engine.generator import generate; print(dflash_jax.generate is generate)") % (heavy,)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout

@@ -1,11 +1,16 @@
-"""The test suite's own layout: shared helpers live in the `support` package, and no test module
-imports another (a test module's names are its own; a helper two modules need moves to support/).
+"""The test suite's own layout: test modules sit in folders named after the packages they check
+(tests/models/ for dflash_jax/models/, tests/train/ for train/, ...; checks of the project as a whole at
+the top), their names unique over the folders (pytest imports each by its name), shared helpers live
+in the `support` package, and no test module imports another (a test module's names are its own; a
+helper two modules need moves to support/).
 Imports are read with `ast`, so a function-local import counts as much as a top-level one. And the
 guard that fails a skipped `one_leg` check on the leg that runs those checks (tests/conftest.py)."""
 import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+HELPERS = ("support",)  # folders of tests/ that hold no test modules
 
 # Imports of a test module inside files another change owns, to be moved to `support` there; an
 # entry that no longer occurs fails, so the list only shrinks.
@@ -23,16 +28,31 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
+def _test_files() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if p.relative_to(TESTS).parts[0] not in HELPERS)
+
+
 def test_modules_are_tests_conftest_or_support():
-    """Every Python file directly in tests/ is a test module or conftest.py; helpers are in support/."""
-    stray = sorted(p.name for p in TESTS.glob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py")
+    """Every Python file of tests/ outside support/ is a test module or the top conftest.py."""
+    stray = sorted(str(p.relative_to(TESTS)) for p in _test_files()
+                   if not p.name.startswith("test_") and p != TESTS / "conftest.py")
     assert stray == [], f"helper modules belong in tests/support/: {stray}"
 
 
+def test_folders_mirror_the_packages_and_names_are_unique():
+    """Each folder of tests/ (but support/) is named after the package it checks: a package of
+    dflash_jax, or the `train` entry points; no two test modules share a name."""
+    packages = {p.parent.name for p in (ROOT / "dflash_jax").glob("*/__init__.py")} | {"train"}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name not in HELPERS and p.name != "__pycache__"}
+    assert folders and folders <= packages, f"test folders named after no package: {sorted(folders - packages)}"
+    names = [p.stem for p in _test_files() if p.name.startswith("test_")]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+
+
 def test_no_test_module_imports_another():
-    test_modules = {p.stem for p in TESTS.glob("test_*.py")}
+    test_modules = {p.stem for p in _test_files() if p.name.startswith("test_")}
     found = set()
-    for path in sorted([*TESTS.glob("*.py"), *(TESTS / "support").glob("*.py")]):
+    for path in [*_test_files(), *sorted((TESTS / "support").glob("*.py"))]:
         for name in imported_modules(path) & test_modules:
             found.add((path.stem, name))
     assert found - PENDING == set(), "import these from tests/support/ instead: " + ", ".join(

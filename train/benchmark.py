@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax._config import ModelConfig
-from dflash_jax._objective import default_decay
-from dflash_jax._target import Target, init_target_params
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.drafters.objective import default_decay
+from dflash_jax.models.target import Target, init_target_params
 from train import drafter_init, step as step_lib
 
 QWEN3_8B = ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,

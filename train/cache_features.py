@@ -35,7 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dflash_jax.kernels import KEY_TILE, round_up
-from dflash_jax._objective import greedy_and_top_tokens, greedy_tokens
+from dflash_jax.drafters.objective import greedy_and_top_tokens, greedy_tokens
 from train.data import META, TokenRecords, bucket_of, load_token_records
 from train.regenerate import write_atomic
 
@@ -177,11 +177,11 @@ def resolve_layer_ids(num_target_layers: int, layers: str | None, num_draft_laye
     if layers:
         return tuple(int(x) for x in layers.split(","))
     if drafter:
-        from dflash_jax._config import read_config_json
-        from dflash_jax._drafter_config import DrafterConfig
+        from dflash_jax.models.config import read_config_json
+        from dflash_jax.drafters.config import DrafterConfig
 
         return DrafterConfig.from_hf_config(read_config_json(Path(drafter))).target_layer_ids
-    from dflash_jax._drafter_config import default_target_layer_ids
+    from dflash_jax.drafters.config import default_target_layer_ids
 
     return default_target_layer_ids(num_target_layers, num_draft_layers)
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax._drafter import init_drafter_params
-from dflash_jax._drafter_config import (DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids,
+from dflash_jax.drafters.drafter import init_drafter_params
+from dflash_jax.drafters.config import (DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids,
                                         resolve_mask_token_id)
 from dflash_jax.loading.drafter_io import validate_pair
 from dflash_jax import backends

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from dflash_jax._speculative import generator_for
+from dflash_jax.engine.generator import generator_for
 from train.sources import read_records, sharegpt_package_file
 
 MANIFEST = "manifest.json"

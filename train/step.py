@@ -20,7 +20,7 @@ The drafter's generation (its config) picks the objective:
 * DFlash: the decayed block cross-entropy above.
 * DFlash2: the same backbone loss (its convolutions run per block, as in inference) plus
   `selector_alpha` times the candidate selector's teacher-forced K-way cross-entropy
-  (`_dflash2.selector_cross_entropy`), weighed slot by slot as the backbone's.
+  (`drafters.dflash2.selector_cross_entropy`), weighed slot by slot as the backbone's.
 * DSpark (DeepSpec's loss): proposal s of a block predicts the token at anchor + s + 1 (the
   anchor slot too, `sample_from_anchor`), its logits biased by the Markov head of the gold
   previous token; `ce_alpha` x cross-entropy + `l1_alpha` x |p_d - p_t|_1 (the target's
@@ -39,9 +39,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dflash_jax import _dflash2 as dflash2, _dspark as dspark, _objective as objective
-from dflash_jax._drafter import DrafterSpec
-from dflash_jax._drafter_config import DrafterConfig
+from dflash_jax.drafters import dflash2
+from dflash_jax.drafters import dspark
+from dflash_jax.drafters import objective
+from dflash_jax.drafters.drafter import DrafterSpec
+from dflash_jax.drafters.config import DrafterConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -1,8 +1,8 @@
 """The backend seam: the operations a backend may replace, each with its default.
 
-The models (`dflash_jax._target`, `dflash_jax._drafter`, `dflash_jax._layers`, `dflash_jax._moe`) are
-written once against `Backend`. A module names its backend by a string (a static, hashable module
-attribute) and asks `dflash_jax.backends.get(name)` for:
+The models (`dflash_jax.models.target`, `dflash_jax.drafters.drafter`, `dflash_jax.layers.common`,
+`dflash_jax.layers.moe`) are written once against `Backend`. A module names its backend by a string
+(a static, hashable module attribute) and asks `dflash_jax.backends.get(name)` for:
 
 - `dense`: the module of one weight product (a projection of a layer, the drafter's `fc`);
 - `fuses`: whether the target's decode layout holds several products side by side as one
@@ -11,9 +11,9 @@ attribute) and asks `dflash_jax.backends.get(name)` for:
 - `embed` / `logits`: the target's token embedding and LM head;
 - `matmul`: a product with a kernel kept outside a module (a reduced draft vocabulary's head);
 - `expert_form`: how a mixture-of-experts layer multiplies its (token, expert) pairs, a static
-  choice made at trace time from the shapes (`dflash_jax._moe.FORMS`);
+  choice made at trace time from the shapes (`dflash_jax.layers.moe.FORMS`);
 - `cache_attention`: the read of one KV-cache layer plus the new keys, or None to let the attention
-  seam (`dflash_jax._attention`) choose between its Pallas kernel and the jnp reference;
+  seam (`dflash_jax.layers.attention`) choose between its Pallas kernel and the jnp reference;
 - `supports`: whether the backend's own decode layout holds a target of this config;
 - `target_params` / `drafter_params`: the parameter layout a decode reads, derived from the
   stacked params every loader, trainer and converter uses; a backend's own layout is a
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 ACTIVATIONS = ("float32", "int8")  # how a decode's products may round activations (`Backend.activations`)
-EXPERT_FORMS = ("gathered", "sorted")  # `Backend.expert_form`'s answers (`dflash_jax._moe.FORMS`)
+EXPERT_FORMS = ("gathered", "sorted")  # `Backend.expert_form`'s answers (`dflash_jax.layers.moe.FORMS`)
 CPU_GATHER_BYTES = 4 << 30  # on a CPU, the most expert weights a mixture-of-experts layer gathers at once
 
 

@@ -22,7 +22,7 @@ def load_transformers_model(target_path: Path, dtype: str):
     if target_path.suffix != ".gguf":
         return transformers.AutoModelForCausalLM.from_pretrained(
             target_path, dtype=torch_dtype, local_files_only=True).eval()
-    from dflash_jax.loading.gguf_reader import read_gguf
+    from dflash_jax.formats.gguf_reader import read_gguf
 
     checkpoint = read_gguf(target_path)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**checkpoint.hf_config))

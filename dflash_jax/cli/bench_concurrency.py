@@ -1,4 +1,4 @@
-"""`infer.benchmark --concurrency 1,4,16,32`: the batch engine (`dflash_jax._engine`) at each
+"""`infer.benchmark --concurrency 1,4,16,32`: the batch engine (`dflash_jax.engine.batch`) at each
 concurrency (slots decoded together, refilled from the prompt queue), speculative and autoregressive
 in the same run: tokens/s of each, the speedup, tau, and the tokens the target verified per cycle.
 `--profile-verify costs.json` measures the seconds of a cycle at each verify width for each
@@ -96,14 +96,14 @@ def _costs_for(table: dict, level: int) -> dict:
 
 def run_concurrency(target, drafter, prompts: list[dict], args, stops) -> dict:
     """Speculative and autoregressive through the batch engine at each of args.concurrency's levels."""
-    from dflash_jax._speculative import Generator
+    from dflash_jax.engine.generator import Generator
 
     levels = parse_levels(args.concurrency)
     ar_generator = Generator(target, None)
     spec_generator = Generator(target, drafter) if drafter is not None else None
     costs = None
     if args.verify_costs and drafter is not None:
-        from dflash_jax._speculative import _block_size
+        from dflash_jax.engine.generator import _block_size
 
         costs = load_costs(args.verify_costs, _block_size(drafter, args.block_size))
     ar_options = _options(args, stops, None)
@@ -140,7 +140,7 @@ def profile_verify(target, drafter, prompts: list[dict], args, stops, path: Path
     decode seconds of a run that always verifies that width, over its cycles. Written to `path`."""
     import jax
 
-    from dflash_jax._speculative import Generator, _block_size, verify_widths_for
+    from dflash_jax.engine.generator import Generator, _block_size, verify_widths_for
 
     if drafter is None:
         raise CLIError("--profile-verify times the verify of a drafter's blocks: it needs a drafter")

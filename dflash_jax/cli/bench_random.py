@@ -243,8 +243,8 @@ def random_configs(name: str, layers: int | None, block_size: int | None, genera
 
     import numpy as np
 
-    from dflash_jax._config import ModelConfig
-    from dflash_jax._drafter_config import DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids
+    from dflash_jax.models.config import ModelConfig
+    from dflash_jax.drafters.config import DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids
 
     if generation not in DRAFTER_GENERATIONS:
         raise ValueError(f"unknown drafter generation {generation!r} (known: {', '.join(DRAFTER_GENERATIONS)})")
@@ -278,8 +278,8 @@ def random_configs(name: str, layers: int | None, block_size: int | None, genera
 def random_models(name: str, layers: int | None, block_size: int | None, dtype: str, seed: int,
                   kv_cache_dtype: str = "auto", generation: str = "dflash"):
     """(target, drafter) of `random_configs`, random weights drawn on the device, no tokenizer."""
-    from dflash_jax._target import Target, target_param_shapes
-    from dflash_jax.loading.dtypes import resolve_dtype
+    from dflash_jax.models.target import Target, target_param_shapes
+    from dflash_jax.formats.dtypes import resolve_dtype
 
     config, _ = random_configs(name, layers, block_size, generation)
     jdtype = resolve_dtype(dtype)
@@ -291,8 +291,8 @@ def random_models(name: str, layers: int | None, block_size: int | None, dtype: 
 def random_drafter(name: str, layers: int | None, block_size: int | None, dtype: str, seed: int,
                    generation: str = "dflash"):
     """The drafter of `random_configs` for `generation`, random weights (seed + 1) drawn on the device."""
-    from dflash_jax._drafter import Drafter, drafter_param_shapes
-    from dflash_jax.loading.dtypes import resolve_dtype
+    from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
+    from dflash_jax.formats.dtypes import resolve_dtype
 
     _, drafter_config = random_configs(name, layers, block_size, generation)
     jdtype = resolve_dtype(dtype)

@@ -31,7 +31,7 @@ class Runner:
         self.first_result_seconds: float | None = None  # process start -> end of the first call
 
     def __call__(self, drafter, rows: list[list[int]], mode: str):
-        from dflash_jax._speculative import generate
+        from dflash_jax.engine.generator import generate
 
         a = self.args
         kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,

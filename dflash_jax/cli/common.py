@@ -15,8 +15,8 @@ from typing import NoReturn, Sequence
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here ever reaches a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from dflash_jax._cache import KV_CACHE_DTYPE_NAMES  # noqa: E402  (the package is imported already)
-from dflash_jax._drafter import DECODE_WEIGHTS  # noqa: E402
+from dflash_jax.models.cache import KV_CACHE_DTYPE_NAMES  # noqa: E402  (the package is imported already)
+from dflash_jax.drafters.drafter import DECODE_WEIGHTS  # noqa: E402
 from dflash_jax.backends import ACTIVATIONS  # noqa: E402
 
 EXIT_ERROR = 2
@@ -316,7 +316,7 @@ def stop_reason(tokens: Sequence[int], stops: Sequence[int]) -> str:
 
 def default_stop_ids(target) -> list[int]:
     """The stop tokens generate() uses by default (target EOS ids plus the tokenizer's EOS)."""
-    from dflash_jax._config import default_stop_token_ids
+    from dflash_jax.models.config import default_stop_token_ids
 
     return default_stop_token_ids(target.config, target.tokenizer)
 
@@ -340,7 +340,7 @@ def describe(label: str, result, stops: Sequence[int]) -> list[str]:
 def generate_measured(target, drafter, ids: list[int], warmup: bool, **kwargs):
     """generate() for one prompt; with warmup, run it once unmeasured first (the compile time of
     that run is reported). A ValueError (prompt too long, bad block size, ...) becomes a CLIError."""
-    from dflash_jax._speculative import generate
+    from dflash_jax.engine.generator import generate
 
     try:
         compile_seconds = generate(target, drafter, [ids], **kwargs).compile_seconds if warmup else None
@@ -364,7 +364,7 @@ class StreamedAnswer:
 def stream_answer(target, drafter, ids: list[int], **kwargs) -> StreamedAnswer:
     """Print one prompt's answer as generate_stream commits it (incremental detokenizing).
     A ValueError (prompt too long, bad block size, ...) becomes a CLIError."""
-    from dflash_jax._speculative import generate_stream
+    from dflash_jax.engine.generator import generate_stream
 
     detok = IncrementalDetokenizer(target.tokenizer)
     per_cycle, stamps = [], []

@@ -5,10 +5,10 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from dflash_jax._config import LINEAR, REQUIRED, ConfigFields, ModelConfig, decoder_fields
+from dflash_jax.models.config import LINEAR, REQUIRED, ConfigFields, ModelConfig, decoder_fields
 from dflash_jax._errors import CheckpointError
-from dflash_jax._stack import is_direct, segment_path, stack_segments
-from dflash_jax.loading.names import Rule, _linear_rules, moe_layer_rules, unfuse_experts
+from dflash_jax.models.stack import is_direct, segment_path, stack_segments
+from dflash_jax.formats.names import Rule, _linear_rules, moe_layer_rules, unfuse_experts
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -100,21 +100,21 @@ class Family:
         """The Flax module class of a layer whose token mixer is `mixer` ("attention" or "linear_attention",
         `ModelConfig.layer_kinds`), built
         as cls(config, dtype, attn_impl, backend, mlp=<"dense" | "moe">, name=...), called as
-        `dflash_jax._target.TargetLayer` is (or, for a linear mixer, as `families.qwen3_5.HybridLayer`)."""
-        from dflash_jax._target import TargetLayer
+        `dflash_jax.models.target.TargetLayer` is (or, for a linear mixer, as `families.qwen3_5.HybridLayer`)."""
+        from dflash_jax.models.target import TargetLayer
 
         return TargetLayer
 
     def init_cache(self, config: ModelConfig, batch: int, capacity: int, dtype, *, kv_replicas: int = 1,
                    groups: int = 1):
-        """An empty decode cache (`dflash_jax._cache.Cache`) of a family whose layers keep something other
+        """An empty decode cache (`dflash_jax.models.cache.Cache`) of a family whose layers keep something other
         than the stack's default (a `KVCache`, or a hybrid's `HybridCache`); None: the default."""
         return None
 
     norm_scale_in_float32: bool = False  # RMSNorm scaled in float32 before the cast (gpt-oss)
 
     def final_norm(self, config: ModelConfig, dtype):
-        from dflash_jax._layers import RMSNorm
+        from dflash_jax.layers.common import RMSNorm
 
         return RMSNorm(config.rms_norm_eps, dtype, self.norm_scale_in_float32)
 
@@ -123,7 +123,7 @@ class Family:
     def target_rules(self, config: ModelConfig, prefix: str = "model.") -> list[Rule]:
         """Hugging Face name <-> param path of every weight (`loading.names.hf_to_params` /
         `params_to_hf`): the embedding, each layer by its kind at its place in the stack's segments
-        (`dflash_jax._stack`), the final norm, an untied head."""
+        (`dflash_jax.models.stack`), the final norm, an untied head."""
         rules = [Rule(f"{prefix}embed_tokens.weight", ("embed_tokens", "embedding")),
                  Rule(f"{prefix}norm.weight", ("norm", "scale"))]
         segments, direct = stack_segments(config.layer_kinds), is_direct(config)

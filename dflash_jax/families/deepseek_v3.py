@@ -2,7 +2,7 @@
 latent attention (MLA) in every layer, a dense SwiGLU MLP in the first `first_k_dense_replace` layers
 and the MoE block after them (`DeepseekV3MoE`: sigmoid scores, `e_score_correction_bias` for the
 choice only, group-limited top k, renormalised where `norm_topk_prob`, times `routed_scaling_factor`;
-`n_shared_experts` ungated shared experts: `dflash_jax._moe`'s "sigmoid_grouped" routing).
+`n_shared_experts` ungated shared experts: `dflash_jax.layers.moe`'s "sigmoid_grouped" routing).
 
 MLA (`DeepseekV3Attention`). Queries: `q_proj`, or the low-rank path `q_b_proj(q_a_layernorm(q_a_proj(x)))`
 where `q_lora_rank` is set, each head `qk_nope_head_dim` plain dims then `qk_rope_head_dim` rotary
@@ -17,7 +17,7 @@ softmax scale is qk_head_dim^-0.5 times YaRN's mscale(factor, mscale_all_dim) sq
 Here the expansion is never materialised: with W_k, W_v the key and value halves of kv_b_proj,
 q_nope . (W_k^T c) = (W_k q_nope) . c, so each head's query becomes [W_k q_nope | q_rope] against
 the keys [c | k_rope] of one kv head, whose first kv_lora_rank dims are also the values; the value
-half W_v is applied to each head's attended latent. The cache (`dflash_jax._cache.LatentCache`)
+half W_v is applied to each head's attended latent. The cache (`LatentCache`, below)
 holds [c | k_rope] per token and layer: kv_lora_rank + qk_rope_head_dim values (576 for the
 released shapes) instead of heads x (qk_head_dim + v_head_dim) (128 x 320). Prefill, decode and
 verify all read it this way; rolling back is setting lengths.
@@ -30,19 +30,23 @@ import math
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dflash_jax import _masks as masks
-from dflash_jax._attention import attention, cache_attention
-from dflash_jax._cache import LatentCache
-from dflash_jax._config import ConfigFields, MLAConfig, ModelConfig, MoEConfig
-from dflash_jax._decoder_layer import PreNormLayer
-from dflash_jax._layers import RMSNorm, apply_rotary, make_dense
+from dflash_jax.kernels import masks
+from dflash_jax.layers.attention import attention, cache_attention
+from dflash_jax.models.cache import rows_axis, write_rows
+from dflash_jax.models.config import ConfigFields, MLAConfig, ModelConfig, MoEConfig
+from dflash_jax.models.decoder_layer import PreNormLayer
+from dflash_jax.layers.common import RMSNorm, apply_rotary, make_dense
 from dflash_jax._errors import CheckpointError
 from dflash_jax.families import register
 from dflash_jax.families.base import MLP_PROJECTIONS, Family
-from dflash_jax.loading import fp8_block, int4_pack
-from dflash_jax.loading.names import Rule, _linear_rules, moe_layer_rules
+from dflash_jax.formats import fp8_block
+from dflash_jax.formats import int4_pack
+from dflash_jax.formats.names import Rule, _linear_rules, moe_layer_rules
 from dflash_jax.sharding import declare_param_axes
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,53 @@ def deinterleave(x):
     """[..., D] stored in pairs (x0, x1), (x2, x3), ... -> [evens | odds], the layout the half-by-half
     rotation reads (transformers' `apply_rotary_pos_emb_interleave`)."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+
+@struct.dataclass
+class LatentCache:
+    """A multi-head latent attention target's cache (DeepSeek-V3, `ModelConfig.mla`): per layer and
+    token, the normed kv latent and the rotated shared key side by side, `kv` [L, B, S, 1, R + Dr]
+    (kv_lora_rank + qk_rope_head_dim values, one "head" that every query head reads), lengths [B].
+    The attention reads it as the keys of one kv head and its first R entries as the values, with
+    the key half of kv_b_proj absorbed into the queries and the value half applied after
+    (`dflash_jax.families.deepseek_v3`): nothing per head is stored. Rolling back is setting lengths."""
+
+    kv: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def for_model(cls, config, batch: int, capacity: int, dtype=jnp.float32) -> "LatentCache":
+        """An empty cache for a model config with `mla` (fields num_layers, mla.latent_dim)."""
+        shape = (config.num_layers, batch, capacity, 1, config.mla.latent_dim)
+        return cls(kv=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[2]
+
+    attention_cache = property(lambda self: self)  # the `Cache` protocol's named parts
+    layer_states = property(lambda self: {})
+
+    def with_lengths(self, lengths) -> "LatentCache":
+        return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+    def cleared(self) -> "LatentCache":
+        return self.with_lengths(jnp.zeros_like(self.lengths))
+
+    def commit(self, pending, num_new) -> "LatentCache":
+        """Write a forward's pending (kv_new [L, B, T, 1, R + Dr], None) at each row's length; lengths +=
+        num_new ([B] or a scalar; slots past a row's num_new are garbage, overwritten later)."""
+        kv_new, _ = pending
+        return LatentCache(kv=write_rows(self.kv, kv_new, self.lengths, axis=1),
+                           lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
+
+    def shardings(self, mesh) -> "LatentCache":
+        """kv [L, B, S, 1, R + Dr] over `data` on B (where it divides), replicated over `tensor` (every
+        device's query heads read the whole latent); lengths over `data`."""
+        rows = rows_axis(mesh, self.kv.shape[1])
+        return self.replace(kv=NamedSharding(mesh, P(None, rows, None, None, None)),
+                            lengths=NamedSharding(mesh, P(rows)))
 
 
 class Kernel(nn.Module):

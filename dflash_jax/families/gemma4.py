@@ -13,7 +13,7 @@ the embedding's dtype) and the logits softcapped (`final_logit_softcapping`), in
 that greedy decoding, sampling and acceptance all see the softcapped distribution.
 
 The sliding and full layers are distinct layer kinds ("sliding_attention", "full_attention"), so the
-stack (`dflash_jax._stack`) scans them in separate positions of its pattern, and their keys and values
+stack (`dflash_jax.models.stack`) scans them in separate positions of its pattern, and their keys and values
 sit in a `GroupedKVCache` (one `KVCache` per shape) where the shapes differ. On a tensor axis larger than a
 kind's kv heads, that kind's heads are copied (`sharding.group_kv_replicas`: gemma-4-31B on tensor=8 splits the
 sliding layers' 16 kv heads and copies each of the full layers' 4 twice), in its layers and its cache group.
@@ -29,15 +29,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax._attention import causal_attention
-from dflash_jax._cache import GroupedKVCache
-from dflash_jax._config import ConfigFields, ModelConfig, MoEConfig, _freeze
-from dflash_jax._layers import RMSNorm, apply_rotary, capture_into, make_dense, rms_normalize, rope_frequencies, \
+from dflash_jax.layers.attention import causal_attention
+from dflash_jax.models.cache import GroupedKVCache
+from dflash_jax.models.config import ConfigFields, ModelConfig, MoEConfig, _freeze
+from dflash_jax.layers.common import RMSNorm, apply_rotary, capture_into, make_dense, rms_normalize, rope_frequencies, \
     rotary_cos_sin
-from dflash_jax._moe import grouped_experts
+from dflash_jax.layers.moe import grouped_experts
 from dflash_jax.families import register
 from dflash_jax.families.base import Family
-from dflash_jax.loading.names import Rule, _linear_rules
+from dflash_jax.formats.names import Rule, _linear_rules
 from dflash_jax.sharding import declare_param_axes, replicas_of_group
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class Gemma4Router(nn.Module):
 class Gemma4Experts(nn.Module):
     """Gemma 4's experts (`Gemma4TextExperts`): gate_up_proj [E, D, 2I] (each expert's gate columns, then its
     up columns: the checkpoint's [E, 2I, D] with its last two axes swapped) and down_proj [E, I, D]; GeGLU
-    experts, run as `dflash_jax._moe.grouped_experts` (x [N, D], weights and expert ids [N, k] -> [N, D])."""
+    experts, run as `dflash_jax.layers.moe.grouped_experts` (x [N, D], weights and expert ids [N, k] -> [N, D])."""
 
     num_experts: int
     intermediate_size: int
@@ -241,7 +241,7 @@ class Gemma4Attention(nn.Module):
 
 class Gemma4Layer(nn.Module):
     """One Gemma 4 decoder layer (transformers' `Gemma4TextDecoderLayer`), called as every layer of the stack
-    is (`dflash_jax._target.TargetLayer`): carry (hidden, features | None), xs (KV-cache layer index in its
+    is (`dflash_jax.models.target.TargetLayer`): carry (hidden, features | None), xs (KV-cache layer index in its
     group, window, capture slot, and with per-layer inputs its own [B, T, P]), broadcast positions, cos, sin
     (unused: the layer's kind has its own RoPE) and its group's KV cache | None (a kv-shared layer's:
     `Gemma4Attention`). ys: the new (k, v), None without a cache.

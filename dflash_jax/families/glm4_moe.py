@@ -4,12 +4,12 @@ What differs from Qwen3-MoE, as transformers' `glm4_moe` computes it:
 - attention: q/k/v biases where `attention_bias` (o_proj never has one), an RMSNorm of each head's
   query and key only where `use_qk_norm`, RoPE on the first `partial_rotary_factor` of each head
   (0.5 where the config is silent) in the half-split layout (`rotate_half`, as Llama);
-- the MoE block: the sigmoid router with its correction bias (`_moe.route_sigmoid_grouped`: `n_group`,
+- the MoE block: the sigmoid router with its correction bias (`layers.moe.route_sigmoid_grouped`: `n_group`,
   `topk_group`, `norm_topk_prob` with DeepSeek's 1e-20 in the denominator, `routed_scaling_factor`) and
   `n_shared_experts` shared experts, one SwiGLU of width moe_intermediate_size x n_shared_experts added
   ungated;
 - the first `first_k_dense_replace` layers have the dense MLP of `intermediate_size` (the stack gives
-  them a segment of their own, `dflash_jax._stack`).
+  them a segment of their own, `dflash_jax.models.stack`).
 The released checkpoints name the router `mlp.gate` (its correction bias `mlp.gate.e_score_correction_bias`)
 and the experts one by one (`mlp.experts.{e}.gate_proj.weight`, ...); their multi-token-prediction layers
 (`model.layers.{L}...`, past the decoder) are not read. FP8 releases load dequantised: GLM-4.5(-Air)-FP8's
@@ -28,16 +28,17 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from dflash_jax._attention import causal_attention
-from dflash_jax._cache import KVCache
-from dflash_jax._config import ConfigFields, ModelConfig, MoEConfig
-from dflash_jax._decoder_layer import PreNormLayer
+from dflash_jax.layers.attention import causal_attention
+from dflash_jax.models.cache import KVCache
+from dflash_jax.models.config import ConfigFields, ModelConfig, MoEConfig
+from dflash_jax.models.decoder_layer import PreNormLayer
 from dflash_jax._errors import CheckpointError
-from dflash_jax._layers import RMSNorm, apply_rotary, make_dense
+from dflash_jax.layers.common import RMSNorm, apply_rotary, make_dense
 from dflash_jax.families import register
 from dflash_jax.families.base import MLP_PROJECTIONS, Family
-from dflash_jax.loading import fp8_block, fp8_channel
-from dflash_jax.loading.names import Rule, _linear_rules, moe_layer_rules
+from dflash_jax.formats import fp8_block
+from dflash_jax.formats import fp8_channel
+from dflash_jax.formats.names import Rule, _linear_rules, moe_layer_rules
 
 log = logging.getLogger(__name__)
 

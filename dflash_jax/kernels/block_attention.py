@@ -63,7 +63,7 @@ from dflash_jax.kernels.tile_plan import (
     row_bounds,
     row_tile_plan,
 )
-from dflash_jax._masks import KeyRanges
+from dflash_jax.kernels.masks import KeyRanges
 
 # A finite stand-in for -inf: masked scores and the running max of a row that has seen nothing.
 # exp2(NEG - m) == 0 for any real m, and NEG - NEG == 0 never produces NaN.

@@ -11,11 +11,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax._config import check_gqa
-from dflash_jax._masks import KeyRanges
+from dflash_jax.kernels.masks import KeyRanges
 
 CACHE_CHUNK = 256  # keys per step of `chunked_cache_attention_with_lse`'s loop over a cache
 
+
+
+def check_gqa(num_heads: int, num_kv_heads: int) -> int:
+    """The query heads per kv head; ValueError unless num_heads is a multiple of num_kv_heads."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    return num_heads // num_kv_heads
 
 def _grouped(q, num_kv_heads: int):
     """q [B, Tq, Hq, D] -> [B, Tq, Hkv, Hq / Hkv, D]."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax._masks import KeyRanges
+from dflash_jax.kernels.masks import KeyRanges
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -13,16 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import _host_arrays as host_arrays, backends, sharding
-from dflash_jax._config import read_config_json, write_config_json
-from dflash_jax._draft_vocab import DraftVocab
-from dflash_jax._drafter import DECODE_WEIGHTS, Drafter, drafter_param_shapes
-from dflash_jax._drafter_config import (SHARED_TABLES, DrafterConfig, is_speculators_dspark, resolve_mask_token_id,
+from dflash_jax.models.config import read_config_json, write_config_json
+from dflash_jax.drafters.draft_vocab import DraftVocab
+from dflash_jax.drafters.drafter import DECODE_WEIGHTS, Drafter, drafter_param_shapes
+from dflash_jax.drafters.config import (SHARED_TABLES, DrafterConfig, is_speculators_dspark, resolve_mask_token_id,
                                         validate_pair)
 from dflash_jax._errors import CheckpointError, DrafterMismatchError
-from dflash_jax.loading.checkpoint_files import checkpoint_file, open_checkpoint
-from dflash_jax.loading.dtypes import dtype_name, resolve_dtype
-from dflash_jax.loading.names import drafter_rules, hf_to_params, params_to_hf
-from dflash_jax.loading.safetensors_io import save_safetensors
+from dflash_jax.formats.checkpoint_files import checkpoint_file, open_checkpoint
+from dflash_jax.formats.dtypes import dtype_name, resolve_dtype
+from dflash_jax.formats.names import drafter_rules, hf_to_params, params_to_hf
+from dflash_jax.formats.safetensors_io import save_safetensors
 
 __all__ = ["DrafterMismatchError", "load_drafter", "save_drafter", "validate_pair"]
 

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from dflash_jax import backends, sharding
-from dflash_jax._cache import resolve_kv_cache_dtype
-from dflash_jax._config import ConfigFields, ModelConfig, read_config_json, read_json
-from dflash_jax.loading.checkpoint_files import open_checkpoint
-from dflash_jax.loading.dtypes import resolve_dtype
-from dflash_jax.loading.names import hf_to_params, target_rules
+from dflash_jax.models.cache import resolve_kv_cache_dtype
+from dflash_jax.models.config import ConfigFields, ModelConfig, read_config_json, read_json
+from dflash_jax.formats.checkpoint_files import open_checkpoint
+from dflash_jax.formats.dtypes import resolve_dtype
+from dflash_jax.formats.names import hf_to_params, target_rules
 from dflash_jax._resources import smollm2_gguf_path
-from dflash_jax._target import Target, target_param_shapes
+from dflash_jax.models.target import Target, target_param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def load_target(path: str | Path, dtype="float32", *, tokenizer=True, attn_impl:
                          f"decode (layout 'packed'); got {path.name}, {jnp.dtype(dtype).name}, layout "
                          f"{'packed' if backend == 'cpu' else 'stacked'!r}")
     if path.suffix == ".gguf":
-        from dflash_jax.loading.gguf_reader import gguf_tokenizer, read_gguf
+        from dflash_jax.formats.gguf_reader import gguf_tokenizer, read_gguf
 
         checkpoint = read_gguf(path)
         config = ModelConfig.from_hf_config(checkpoint.hf_config, source=str(path))

@@ -1,8 +1,8 @@
 """The conformance suite: every target family of the library (one row each in support/families.py)
-passes the same checks. The checks are here; the test modules tests/test_conformance_<group>.py run
+passes the same checks. The checks are here; the test modules tests/families/test_conformance_<group>.py run
 them over the rows of their group (`GROUPS`: a few families per module, so that pytest-xdist's
 `--dist loadfile` spreads the suite over its processes), each with one line:
-`globals().update(conformance.tests("<group>"))`. tests/test_family_conformance.py checks that every
+`globals().update(conformance.tests("<group>"))`. tests/families/test_family_conformance.py checks that every
 family of the library has a row and every row a group.
 
 Against transformers' class of the family (float32, tiny random models saved with save_pretrained,
@@ -31,7 +31,7 @@ from support.sampling import V
 from support.speculative import check_rejections_at_every_position, check_sampling_lossless, tiny_drafter
 from support.tolerance import assert_model_close
 
-# The test module of each group is tests/test_conformance_<group>.py. No group is much costlier than the
+# The test module of each group is tests/families/test_conformance_<group>.py. No group is much costlier than the
 # others (their default checks took 73-157 s each, one process on 2 busy shared cores, 2026-12-06): the
 # hybrids' and MoE families' programs compile slowest.
 GROUPS = {
@@ -223,7 +223,7 @@ def test_cached_ragged_prefill_equals_each_row_alone(hf_pairs, key):
 def test_greedy_tokens_equal_transformers_generate(hf_pairs, hf_greedy, key):
     """Ragged prompts in one batch, plain decoding: each row is transformers' greedy `generate` of
     its prompt alone."""
-    from dflash_jax._speculative import generate
+    from dflash_jax.engine.generator import generate
 
     row, _, target, _ = hf_pairs(key)
     expect = hf_greedy(key)
@@ -234,7 +234,7 @@ def test_greedy_tokens_equal_transformers_generate(hf_pairs, hf_greedy, key):
 def test_speculative_greedy_with_a_random_drafter_equals_transformers_generate(hf_pairs, hf_greedy, key):
     """The same prompts decoded speculatively with a random drafter of block 4 (drafts rejected at
     every kind of place, the caches rolled back each cycle)."""
-    from dflash_jax._speculative import generate
+    from dflash_jax.engine.generator import generate
 
     row, _, target, _ = hf_pairs(key)
     expect = hf_greedy(key)
@@ -250,8 +250,8 @@ def test_export_writes_back_the_saved_tensors(hf_pairs, key, tmp_path):
     from safetensors.numpy import load_file
 
     from dflash_jax import load_target
-    from dflash_jax.loading.names import params_to_hf, target_rules
-    from dflash_jax.loading.safetensors_io import save_safetensors
+    from dflash_jax.formats.names import params_to_hf, target_rules
+    from dflash_jax.formats.safetensors_io import save_safetensors
 
     row, _, _, directory = hf_pairs(key)
     target = load_target(directory, tokenizer=False, layout="stacked")
@@ -337,7 +337,7 @@ def test_decode_step_touches_only_new_cache_rows(family, num_tokens):
 def test_decode_loop_touches_only_new_cache_rows(family):
     """The whole compiled speculative greedy loop of `generate`: its step cost does not follow the
     capacity (prompt bucket + 960 + block, rounded up to 1024)."""
-    from dflash_jax import _speculative as speculative
+    from dflash_jax.engine import generator as speculative
     from dflash_jax.kernels import KEY_TILE, round_up
     from support.hlo import whole_buffer_ops
 

@@ -27,7 +27,7 @@ def random_drafter_params(cfg, seed: int = 0, scale_of: Callable[[list[str]], fl
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax._drafter import init_drafter_params
+    from dflash_jax.drafters.drafter import init_drafter_params
 
     rng = np.random.default_rng(seed)
     shapes = jax.eval_shape(lambda: init_drafter_params(cfg, jax.random.PRNGKey(0)))

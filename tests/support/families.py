@@ -215,7 +215,7 @@ FAMILIES = {row.name: row for row in [
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE, _moe_init, parity_tokens=40,
            variants={"norm-topk": dict(norm_topk_prob=True), "raw-topk": dict(norm_topk_prob=False)},
            # the MoE hybrid's rejections, random drafter and decode loop stand for these by default; its
-           # layers are Qwen3's attention and KV cache with PreNormLayer's MoE block (`_moe.moe_block`), so its
+           # layers are Qwen3's attention and KV cache with PreNormLayer's MoE block (`layers.moe.moe_block`), so its
            # cached ragged prefill and decode step's HLO are the qwen3 row's prefill and test_decode_hlo's Qwen3
            # steps (that attention and cache) with the deepseek_v3 row's (the same MoE block in PreNormLayer,
            # experts of the same shapes at the same prefill lengths: the same expert forms) by default
@@ -407,7 +407,7 @@ def make_hf(family: str, out_dir=None, seed: int = 0, variant: str | None = None
 
 def target_config(family: str, **overrides):
     """Our ModelConfig of a row's config.json (with `overrides`), read as `load_target` reads it."""
-    from dflash_jax._config import ModelConfig
+    from dflash_jax.models.config import ModelConfig
 
     row = FAMILIES[family]
     return ModelConfig.from_hf_config({"architectures": [row.hf_class], **row.config, **row.decode_overrides,
@@ -436,7 +436,7 @@ def tiny_target(family: str, seed: int = 0, scale: float | None = None, **overri
     """Our target of the row's config (`decode_overrides`, then `overrides`) with every weight drawn
     with numpy (no initialiser to compile): norms near 1, the rest N(0, scale) (the row's `scale`
     by default), large enough for peaked distributions."""
-    from dflash_jax._target import Target, target_param_shapes
+    from dflash_jax.models.target import Target, target_param_shapes
 
     config = target_config(family, **overrides)
     scale = FAMILIES[family].scale if scale is None else scale
@@ -449,8 +449,8 @@ def save_target_dir(target, directory) -> None:
     import json
     from pathlib import Path
 
-    from dflash_jax.loading.names import params_to_hf, target_rules
-    from dflash_jax.loading.safetensors_io import save_safetensors
+    from dflash_jax.formats.names import params_to_hf, target_rules
+    from dflash_jax.formats.safetensors_io import save_safetensors
 
     c, directory = target.config, Path(directory)
     if c.arch not in ("qwen3", "llama", "qwen3_moe"):

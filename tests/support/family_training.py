@@ -11,8 +11,8 @@ def saved_target(family: str, directory, **overrides):
     """The row's tiny target (`families.tiny_target`, with `overrides`) written as an HF directory (config.json of
     the same config, model.safetensors through the export name table) and loaded from it."""
     from dflash_jax import load_target
-    from dflash_jax.loading.names import params_to_hf, target_rules
-    from dflash_jax.loading.safetensors_io import save_safetensors
+    from dflash_jax.formats.names import params_to_hf, target_rules
+    from dflash_jax.formats.safetensors_io import save_safetensors
     from support import families
 
     row = families.FAMILIES[family]

@@ -62,7 +62,7 @@ def write_quantised(directory, tensors: dict, config: dict, kind: str) -> dict:
     """Write `tensors` (float32) to directory/model.safetensors with every `is_quantised` weight quantised
     (`kind` "block": `weight_scale_inv`, float32 blocks; "channel": `weight_scale`, bfloat16 rows) and
     `config` to its config.json; -> the float64 reference's dequantised tensors (the others as given)."""
-    from dflash_jax.loading.safetensors_io import save_safetensors
+    from dflash_jax.formats.safetensors_io import save_safetensors
 
     out, expected = {}, {}
     for name, value in tensors.items():
@@ -87,8 +87,8 @@ def assert_loads_dequantised(tmp_path, config: dict, kind: str, family: str) -> 
     from jax.sharding import Mesh
 
     from dflash_jax import load_target
-    from dflash_jax.loading.names import params_to_hf, target_rules
-    from dflash_jax.loading.safetensors_io import save_safetensors
+    from dflash_jax.formats.names import params_to_hf, target_rules
+    from dflash_jax.formats.safetensors_io import save_safetensors
     from support import families
     from support.tolerance import assert_model_close
 

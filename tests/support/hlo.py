@@ -1,4 +1,4 @@
-"""The structural check on optimised HLO (tests/test_decode_hlo.py): nothing but in-place row updates
+"""The structural check on optimised HLO (tests/decode/test_decode_hlo.py): nothing but in-place row updates
 touches a whole cache buffer, so a step's cost does not grow with the cache capacity.
 
 The capacity is a number no other dimension has (1000); any instruction whose result carries that

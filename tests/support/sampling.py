@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax._config import ModelConfig
-from dflash_jax._drafter_config import DrafterConfig
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.drafters.config import DrafterConfig
 
 V = 6  # the vocabulary of the sampled targets is V + 1 (the last id: the drafter's mask token)
 TARGET = ModelConfig(arch="llama", vocab_size=V + 1, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -23,8 +23,8 @@ SAMPLES = 6000
 def sampling_pair():
     """TARGET with its LM head sharpened (the distribution far from uniform, the mask token never
     emitted) and DRAFTER, from fixed seeds -> (Target, Drafter)."""
-    from dflash_jax._drafter import Drafter, init_drafter_params
-    from dflash_jax._target import Target, init_target_params
+    from dflash_jax.drafters.drafter import Drafter, init_drafter_params
+    from dflash_jax.models.target import Target, init_target_params
 
     params = init_target_params(TARGET, jax.random.PRNGKey(3))
     params = {**params, "embed_tokens": {"embedding": params["embed_tokens"]["embedding"] * 4.0}}
@@ -38,7 +38,7 @@ _ROWS = 64  # rows of every enumeration batch: the (V + 1) ** (depth - 1) sequen
 def _next_token_probs_fn(target, temperature, top_k, top_p):
     """Jitted next-token probabilities at a position (eager dispatch would dominate the enumeration), one
     per target spec (hashable, static; the params are an argument) and filters."""
-    from dflash_jax import _sampling as sampling
+    from dflash_jax.decode import sampling
 
     spec = target.spec
     key = (spec, temperature, top_k, top_p)

@@ -64,8 +64,8 @@ def prompts_mix(seed=0):
 
 def tiny_drafter(target, block_size=8, seed=1):
     """A random one-layer drafter of `target` (of its hidden size), reading its layers 1 and last."""
-    from dflash_jax._drafter import Drafter, init_drafter_params
-    from dflash_jax._drafter_config import DrafterConfig
+    from dflash_jax.drafters.drafter import Drafter, init_drafter_params
+    from dflash_jax.drafters.config import DrafterConfig
 
     cfg = DrafterConfig(hidden_size=target.config.hidden_size, intermediate_size=64, num_layers=1, num_heads=4,
                         num_kv_heads=2, head_dim=8, vocab_size=target.config.vocab_size,
@@ -80,8 +80,8 @@ def check_rejections_at_every_position(target, drafter, prompts, max_new, monkey
     every cycle rejects at a known place and the cache rolls back there: the output must stay plain
     greedy decoding (`expect`, by default `plain_greedy_rows` of the prompts) bit for bit, and every
     acceptance length 1..G must occur (rows' positions `stride` apart: fewer new tokens cover them)."""
-    from dflash_jax import _decode_loop as decode_loop
-    from dflash_jax._speculative import Generator
+    from dflash_jax.decode import loop as decode_loop
+    from dflash_jax.engine.generator import Generator
 
     g = drafter.config.block_size
     expect = plain_greedy_rows(target, prompts, max_new) if expect is None else expect
@@ -108,7 +108,7 @@ def check_sampling_lossless(target, drafter):
     """test_sampling's chi-square (`support.sampling`): the first 3 tokens sampled speculatively
     (6,000 samples, its prompt, seed and threshold) follow the target's exact distribution, with
     drafts accepted."""
-    from dflash_jax._speculative import generate
+    from dflash_jax.engine.generator import generate
     from support.sampling import PROMPT, SAMPLES, chi_square_pvalue, exact_joint
 
     result = generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, stop_token_ids=(), temperature=1.0,

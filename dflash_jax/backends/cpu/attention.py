@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.backends.cpu.ffi import available
-from dflash_jax._masks import KeyRanges
+from dflash_jax.kernels.masks import KeyRanges
 
 TARGET_NAMES = {jnp.dtype(jnp.float32): "dflash_cache_attention",  # by the dtype of the K/V
                 jnp.dtype(jnp.float16): "dflash_cache_attention_f16"}

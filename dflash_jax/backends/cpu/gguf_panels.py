@@ -22,7 +22,6 @@ import numpy as np
 from dflash_jax.backends.cpu import layout
 from dflash_jax.backends.cpu.ffi import available
 from dflash_jax.backends.cpu.matmul import pack_quantized, packs_side_by_side
-from dflash_jax.loading.names import target_rules
 
 
 @dataclasses.dataclass
@@ -77,14 +76,14 @@ def _stacked(tensors, names_per_part: list[list[str]], activations: str):
 def stored_panels(tensors, config, activations: str = "float32") -> StoredPanels:
     """The narrow panels of every packed kernel of a GGUF target whose stored blocks the CPU rows
     kernel reads (`tensors`: the checkpoint's `GGUFTensors`; none where the kernel cannot run).
-    Each packed kernel's tensors are found through the loader's name table (`names.target_rules`);
+    Each packed kernel's tensors are found through the family's name table (`Family.target_rules`);
     q/k/v and gate/up make one product, their blocks side by side, where `pack_layers` fuses them
     (`layout.FUSED_PROJECTIONS`, `packs_side_by_side`, no bias), as separate products elsewhere.
     activations="int8": Q4_1 blocks are packed for int8 activations (`pack_quantized`), the
     others as before."""
     if not available():
         return StoredPanels()
-    rules = {rule.path: rule for rule in target_rules(config)}
+    rules = {rule.path: rule for rule in config.family.target_rules(config)}
     names = {path: rule.hf_names(config.num_layers) for path, rule in rules.items()}
     out = StoredPanels()
     skip = set()

@@ -55,16 +55,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.drafters import dspark
 from dflash_jax.models.config import ModelConfig
+from dflash_jax.decode.loop import GenerationConfig, SamplingParams
+from dflash_jax.drafters import generations
 from dflash_jax.drafters.drafter import DrafterSpec, init_drafter_params
-from dflash_jax.drafters.config import DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids
+from dflash_jax.drafters.config import DrafterConfig, default_target_layer_ids
 from dflash_jax.backends import ACTIVATIONS
 from dflash_jax.models.target import TargetSpec, init_target_params
 from dflash_jax.cli.bench_random import (
-    DFLASH2_SETTINGS,
     DRAFTER_GENERATIONS,
-    DSPARK_MARKOV_RANK,
     RANDOM_TARGETS as BENCH_TARGETS,
     random_params,
 )
@@ -130,14 +129,10 @@ def random_target_config(name: str, layers: int = 0) -> ModelConfig:
 
 
 def generation_config(base: DrafterConfig, generation: str) -> DrafterConfig:
-    """`base` (a DFlash drafter of blocks of G) as `generation`'s drafter with its published settings: a
-    DFlash2 one of the same block, a DSpark one of blocks of G - 1 slots (all proposing: G verified)."""
-    if generation == "dflash2":
-        return _replace(base, dflash2=DFlash2Config(**DFLASH2_SETTINGS))
-    if generation == "dspark":
-        return _replace(base, block_size=base.block_size - 1, dspark=DSparkConfig(
-            markov_rank=DSPARK_MARKOV_RANK, enable_confidence_head=True, confidence_head_with_markov=True))
-    return base
+    """`base` (a DFlash drafter of blocks of G) as `generation`'s drafter with its published settings
+    (`Generation.published`): a DFlash2 one of the same block, a DSpark one of blocks of G - 1 slots
+    (all proposing: G verified)."""
+    return generations.get(generation).published(base)
 
 
 def _replace(config, **changes):
@@ -207,23 +202,13 @@ def _label(args, generation: str, piece: str) -> str:
 
 def proposer(target, drafter, g: int):
     """propose(target params, drafter params, anchors [B], drafter cache) -> greedy drafts [B, G-1]
-    as the decode loop drafts them for `drafter`'s generation (`decode.loop._propose`, greedy)."""
-    dc = drafter.config
+    as the decode loop drafts them for `drafter`'s generation (`Generation.propose`, greedy)."""
+    cfg = GenerationConfig(block_size=g)
+    params = SamplingParams(temperature=jnp.float32(1.0), top_p=jnp.float32(1.0),
+                            stop_token_ids=jnp.full((8,), -1, jnp.int32))
 
     def propose(p, q, anchors, cache):
-        b = anchors.shape[0]
-        if dc.dspark is not None:  # G-1 slots, all proposing, embedded with the drafter's own table
-            module = drafter.module_params(q)
-            block = jnp.concatenate([anchors[:, None], jnp.full((b, g - 2), dc.mask_token_id, jnp.int32)], axis=1)
-            hidden = drafter.draft_hidden(q, dspark.block_embeddings(module, block), cache)
-            logits = dc.draft_logits(dspark.base_logits(module, hidden))
-            return dspark.draft(dc.dspark, module, hidden, logits, anchors)[0]
-        block = jnp.concatenate([anchors[:, None], jnp.full((b, g - 1), dc.mask_token_id, jnp.int32)], axis=1)
-        hidden = drafter.draft_hidden(q, dc.block_embeddings(target.embed(p, block)), cache)[:, 1:]
-        logits = dc.draft_logits(target.logits(p, hidden))
-        if dc.dflash2 is not None:
-            return drafter.select(q, hidden, logits, anchors)[0]
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return drafter.generation.propose(target, drafter, cfg, p, q, anchors, cache, None, params).drafts
 
     return propose
 
@@ -276,29 +261,20 @@ def time_pieces(target, tp, drafters, batch: int, capacity: int, fill: int, bloc
         dc = drafter.config
         name = functools.partial(_label, args, generation)
         dcache = lambda: filled_cache(drafter.init_cache(batch, capacity), fill, 3)  # noqa: E731
-        slots = g - 1 if dc.dspark is not None else g  # a DSpark block: G-1 slots, all proposing
+        generation = drafter.generation
+        slots = generation.drafter_slots(dc, g)  # a DSpark block: G-1 slots, all proposing
 
-        def draft(p, q, cache, dc=dc, drafter=drafter, slots=slots):
+        def draft(p, q, cache, dc=dc, drafter=drafter, slots=slots, generation=generation):
             block_tokens = jnp.concatenate([one, jnp.full((batch, slots - 1), dc.mask_token_id, jnp.int32)], axis=1)
-            embeds = (dspark.block_embeddings(drafter.module_params(q), block_tokens) if dc.dspark is not None
-                      else dc.block_embeddings(target.embed(p, block_tokens)))
-            return drafter.draft_hidden(q, embeds, cache)
+            return drafter.draft_hidden(q, generation.embed_block(target, p, drafter, q, block_tokens), cache)
 
         draft_step = jax.jit(draft)
         times[name("drafter block")] = median_ms(lambda c, f=draft_step, q=dp: (f(tp, q, c[1]), c[1]),
                                                  (None, dcache()), args.warmup, args.repeats)
-        if dc.dflash2 is not None:
-            walk = jax.jit(lambda q, h, z, drafter=drafter: drafter.select(q, h, z, one[:, 0])[0])
-            times[name(f"selector walk {g - 1}")] = median_ms(lambda _, f=walk, q=dp: f(q, hidden, logits), None,
-                                                              args.warmup, args.repeats)
-        if dc.dspark is not None:
-            own_head = jax.jit(lambda q, h, drafter=drafter: dspark.base_logits(drafter.module_params(q), h))
-            times[name(f"DSpark head {g - 1}")] = median_ms(lambda _, f=own_head, q=dp: f(q, hidden), None,
-                                                            args.warmup, args.repeats)
-            chain = jax.jit(lambda q, h, z, drafter=drafter, dc=dc: dspark.draft(
-                dc.dspark, drafter.module_params(q), h, z, one[:, 0])[::3])  # drafts and confidences
-            times[name(f"Markov chain {g - 1}")] = median_ms(lambda _, f=chain, q=dp: f(q, hidden, logits), None,
-                                                             args.warmup, args.repeats)
+        for piece, fn in generation.timed_pieces(drafter, g - 1).items():  # the generation's own pieces
+            step = jax.jit(lambda q, h, z, fn=fn: fn(q, h, z, one[:, 0]))
+            times[name(piece)] = median_ms(lambda _, f=step, q=dp: f(q, hidden, logits), None, args.warmup,
+                                           args.repeats)
 
         def append(q, cache, drafter=drafter):
             return drafter.append_context(q, cache, features).with_lengths(cache.lengths)

@@ -27,26 +27,19 @@ from typing import Any
 import yaml
 
 from dflash_jax._errors import ConfigError
+from dflash_jax.drafters import generations
 from train.data import DataConfig
 
 FEATURE_MODES = ("online", "offline")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 LABELS = ("tokens", "target", "distribution")  # run.labels: see train.step
 FC_INITS = ("random", "last_feature")
-GENERATIONS = ("dflash", "dflash2", "dspark")  # model.generation: the drafter architecture trained
-# Each newer generation's own model fields and their defaults (those of the released drafters:
-# DESIGN.md section 9; DeepSpec's config/dspark/dspark_qwen3_4b_online.py)
-GENERATION_FIELDS = {
-    "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
-    "dspark": {"markov_rank": 256, "confidence_head": True, "confidence_head_with_markov": True,
-               "sample_from_anchor": True},
-}
-# ... and their loss weights in `run` (the references' defaults: speculators' and SpecForge's DFlash2
-# selector_loss_alpha; DeepSpec's ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
-GENERATION_LOSS_WEIGHTS = {
-    "dflash2": {"selector_loss_alpha": 1.0},
-    "dspark": {"ce_loss_alpha": 0.1, "l1_loss_alpha": 0.9, "confidence_loss_alpha": 1.0},
-}
+GENERATIONS = generations.names()  # model.generation: the drafter architecture trained
+# Each newer generation's own model fields and their defaults, and its loss weights in `run` with
+# theirs (`Generation.train_defaults`, `loss_weight_defaults`)
+GENERATION_FIELDS = {g.name: g.train_defaults for g in generations.GENERATIONS.values() if g.train_defaults}
+GENERATION_LOSS_WEIGHTS = {g.name: g.loss_weight_defaults for g in generations.GENERATIONS.values()
+                           if g.loss_weight_defaults}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -100,7 +93,8 @@ class ModelSettings:
                "model.warm_start_layers needs model.warm_start: true and one target layer per drafter layer "
                "(model.num_layers)")
         _check(self.generation in GENERATIONS, f"model.generation must be one of {GENERATIONS}")
-        if self.generation != "dflash":
+        kind = generations.get(self.generation)
+        if not kind.draft_vocab_allowed:
             _check(not self.draft_vocab_size, f"model.draft_vocab_size: a {self.generation} drafter drafts over the "
                                               "whole vocabulary (set it to 0)")
         for generation, fields in GENERATION_FIELDS.items():
@@ -110,10 +104,8 @@ class ModelSettings:
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             _check(getattr(self, name) is None or getattr(self, name) >= 1, f"model.{name} must be >= 1")
         _check(self.markov_rank is None or self.markov_rank >= 0, "model.markov_rank must be >= 0 (0: no Markov head)")
-        if self.generation == "dspark":
-            f = self.generation_field
-            _check(not (f("confidence_head") and f("confidence_head_with_markov") and f("markov_rank") == 0),
-                   "model.confidence_head_with_markov needs a Markov head (model.markov_rank > 0), or set it to false")
+        problem = kind.check_train_fields(self.generation_field)
+        _check(problem is None, problem)
 
     def generation_field(self, name: str):
         """A field of model.generation's own: its value, or its default when unset."""
@@ -206,9 +198,9 @@ class TrainConfig:
             for name in weights:
                 _check(generation == self.model.generation or getattr(self.run, name) is None,
                        f"run.{name} weighs a {generation} drafter's loss; model.generation is {self.model.generation}")
-        _check(self.model.generation != "dspark" or self.run.labels == "tokens",
-               "run.labels: a dspark drafter learns the text's next tokens with the target's whole distribution "
-               "(DeepSpec's loss); run.labels must be 'tokens'")
+        _check(not generations.get(self.model.generation).trains_own_loss or self.run.labels == "tokens",
+               f"run.labels: a {self.model.generation} drafter learns the text's next tokens with the target's "
+               "whole distribution (DeepSpec's loss); run.labels must be 'tokens'")
 
     def loss_weight(self, name: str) -> float:
         """A loss weight of model.generation's own (GENERATION_LOSS_WEIGHTS): run's value, or its default."""

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.drafters import generations
 from dflash_jax.drafters.drafter import init_drafter_params
 from dflash_jax.drafters.config import (DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids,
                                         resolve_mask_token_id)
@@ -141,7 +142,7 @@ def initial_params(config: DrafterConfig, target, target_params, rng, *, warm: b
     """{"drafter": params} (+ {"draft_head": target LM head columns [D, Vd]} for a draft vocabulary).
     warm: copy target layers `warm_layers` (default the top ones) into the drafter layers."""
     drafter = init_drafter_params(config, rng, jnp.float32)
-    if config.dspark is not None:
+    if generations.of(config).own_tables:  # a DSpark drafter's own copies of the target's tables
         drafter = target_tables(drafter, target, target_params)
     if warm:
         drafter = warm_start(drafter, target_params, target.config.num_layers, warm_layers)

@@ -16,7 +16,7 @@ target's distribution over its k likeliest next tokens instead (`objective.block
 soft labels, a distillation loss); the greedy labels still decide which slots count and what
 accuracy compares with.
 
-The drafter's generation (its config) picks the objective:
+The drafter's generation (`dflash_jax.drafters.generations`) picks the objective:
 * DFlash: the decayed block cross-entropy above.
 * DFlash2: the same backbone loss (its convolutions run per block, as in inference) plus
   `selector_alpha` times the candidate selector's teacher-forced K-way cross-entropy
@@ -26,8 +26,9 @@ The drafter's generation (its config) picks the objective:
   previous token; `ce_alpha` x cross-entropy + `l1_alpha` x |p_d - p_t|_1 (the target's
   distribution at the same position, read online) + `confidence_alpha` x the confidence head's
   BCE against clip(1 - |p_d - p_t|_1 / 2, 0, 1), each a weighted mean with weights
-  exp(-s / decay) over the contiguous prefix of labels inside the loss mask. The drafter's own
-  embedding table and LM head (copies of the target's) stay frozen (`frozen_paths`).
+  exp(-s / decay) over the contiguous prefix of labels inside the loss mask (`DSpark.batch_loss`).
+  The drafter's own embedding table and LM head (copies of the target's) stay frozen
+  (`frozen_paths`).
 """
 from __future__ import annotations
 
@@ -39,9 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dflash_jax.drafters import dflash2
-from dflash_jax.drafters import dspark
-from dflash_jax.drafters import objective
+from dflash_jax.drafters import generations, objective
 from dflash_jax.drafters.drafter import DrafterSpec
 from dflash_jax.drafters.config import DrafterConfig
 
@@ -112,9 +111,7 @@ def make_optimizer(schedule: optax.Schedule, *, clip_norm: float = 1.0, weight_d
 def frozen_paths(config: DrafterConfig) -> tuple:
     """The trainable params' key paths that training keeps as they start: a DSpark drafter's own
     embedding table and LM head (DeepSpec freezes its copies of the target's)."""
-    if config.dspark is None:
-        return ()
-    return (("drafter", "embed_tokens"), ("drafter", "lm_head"))
+    return tuple(("drafter", name) for name in generations.of(config).own_tables)
 
 
 def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
@@ -147,10 +144,13 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
 
     frozen: {"target": target params, "target_to_draft": int32 [V] (reduced vocabulary only)}.
     Labels outside a reduced draft vocabulary weigh 0 and count as wrong for accuracy.
-    A DSpark drafter's loss is `dspark_batch_loss`; a DFlash2 drafter's adds its selector's.
+    A generation with a loss of its own (DSpark's) computes it (`Generation.batch_loss`); one with
+    terms beside the block loss (DFlash2's selector) adds them (`Generation.block_loss_term`).
     """
-    if config.dspark is not None:
-        loss, slots, terms = dspark_batch_loss(target, config, spec, params, frozen, batch)
+    generation = generations.of(config)
+    if generation.trains_own_loss:
+        loss, slots, terms = generation.batch_loss(target, DrafterSpec(config, DTYPES[spec.compute_dtype]), spec,
+                                                   params, frozen, batch)
         return (loss, (slots, terms)) if with_terms else (loss, slots)
     dtype = DTYPES[spec.compute_dtype]
     target_params = jax.lax.stop_gradient(frozen["target"])
@@ -193,81 +193,12 @@ def batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, ba
     else:
         head = lambda h: config.draft_logits(target.logits(target_params, h))
     loss_weights = weights if soft is None else soft_weights
-    extra = None if config.dflash2 is None else _selector_term(config, drafter_params, tokens, anchors, labels)
-    loss, slots, *selector = objective.weighted_block_loss(
+    extra = generation.block_loss_term(config, drafter_params, tokens, anchors, labels)
+    loss, slots, *extra_values = objective.weighted_block_loss(
         head, hidden, labels, loss_weights, counted, spec.logits_chunk, soft=None if soft is None else tuple(soft),
         scorable=weights > 0, extra=extra)
-    if config.dflash2 is None:
-        return (loss, (slots, {})) if with_terms else (loss, slots)
-    w = weights.reshape(selector[0].shape)
-    selector = jnp.sum(w * selector[0]) / jnp.maximum(jnp.sum(w), 1e-9)
-    loss = loss + spec.selector_alpha * selector
-    return (loss, (slots, {"selector_loss": selector})) if with_terms else (loss, slots)
-
-
-def _selector_term(config: DrafterConfig, drafter_params, tokens, anchors, labels):
-    """A DFlash2 drafter's selector cross-entropy as an extra term of the block loss's chunks (the
-    same draft logits; `objective.chunked_cross_entropy`): the teacher-forced predecessor is the
-    text token before each label. Weighed afterwards with the backbone's slot weights."""
-    b, n, g = labels.shape
-    flat = lambda x: x.reshape(b, n * g)  # noqa: E731
-    selector, top_k = drafter_params["candidate_selector"], config.dflash2.selector_top_k
-
-    def term(h, logits, prev, y):
-        return dflash2.selector_cross_entropy(selector, h, logits, prev, y, top_k)[0]
-
-    return term, (flat(objective.block_predecessors(tokens, anchors, g)), flat(labels))
-
-
-def dspark_batch_loss(target, config: DrafterConfig, spec: StepSpec, params, frozen, batch):
-    """A DSpark drafter's loss (module docstring), per-proposal accuracy [P] (teacher-forced argmax
-    of the biased logits) and the loss's terms of one (micro-)batch with its anchors; online
-    features only: the loss reads the target's whole distribution at every proposal."""
-    if "features" in batch:
-        raise ValueError("training a DSpark drafter needs the target's whole distribution at every proposal "
-                         "(its L1 and confidence terms): run online (data.path of text or token records, not a "
-                         "feature cache)")
-    if spec.target_labels:
-        raise ValueError("a DSpark drafter learns the text's next tokens (DeepSpec's loss): run.labels must be "
-                         "'tokens'")
-    dtype = DTYPES[spec.compute_dtype]
-    target_params = jax.lax.stop_gradient(frozen["target"])
-    tokens, loss_mask, anchors, valid = batch["tokens"], batch["loss_mask"], batch["anchors"], batch["valid"]
-    target_hidden, features, _ = target.forward(target_params, tokens, capture=config.target_layer_ids)
-    target_hidden, features = jax.lax.stop_gradient(target_hidden), jax.lax.stop_gradient(features)
-    drafter_params = jax.tree.map(lambda p: p.astype(dtype), params["drafter"])
-    for name in ("embed_tokens", "lm_head"):  # frozen copies of the target's tables
-        drafter_params[name] = jax.lax.stop_gradient(drafter_params[name])
-    drafter = DrafterSpec(config, dtype)
-    hidden = objective.drafter_block_hidden(drafter, target, drafter_params, target_params, features.astype(dtype),
-                                            tokens, anchors, valid, spec.anchor_chunk,
-                                            embed=lambda block: dspark.block_embeddings(drafter_params, block))
-    b, n = anchors.shape
-    g, p = config.block_size, config.proposals
-    hidden = hidden.reshape(b, n, g, -1)[:, :, g - p:].reshape(b, n * p, -1)  # the proposing slots
-    labels, previous, positions, weights = objective.proposal_targets(tokens, loss_mask, anchors, valid, p,
-                                                                      spec.decay)
-    flat = lambda x: x.reshape(b, n * p, *x.shape[3:])  # noqa: E731
-    aligned = jnp.take_along_axis(target_hidden, flat(positions)[..., None], axis=1)  # [B, N*P, D]
-    dc = config.dspark
-
-    def one(h, h_target, prev, y):
-        logits = config.draft_logits(dspark.base_logits(drafter_params, h))
-        logits, confidence = dspark.teacher_forced(dc, drafter_params, h, logits, prev)
-        ce, l1, bce, correct = dspark.loss_terms(logits, target.logits(target_params, h_target), y, confidence)
-        return ce, l1, jnp.zeros_like(ce) if bce is None else bce, correct
-
-    ce, l1, bce, correct = objective.map_position_chunks(one, (hidden, aligned, flat(previous), flat(labels)),
-                                                         spec.logits_chunk)
-    w = flat(weights)
-    mean = lambda x: jnp.sum(w * x) / jnp.maximum(jnp.sum(w), 1e-9)  # noqa: E731
-    terms = {"ce_loss": mean(ce), "l1_loss": mean(l1)}
-    loss = spec.ce_alpha * terms["ce_loss"] + spec.l1_alpha * terms["l1_loss"]
-    if dc.enable_confidence_head:
-        terms["confidence_loss"] = mean(bce)
-        loss = loss + spec.confidence_alpha * terms["confidence_loss"]
-    counted = weights > 0
-    return loss, objective.slot_accuracy(correct.reshape(b, n, p) & counted, counted), terms
+    loss, terms = generation.add_block_loss_terms(spec, loss, extra_values, weights)
+    return (loss, (slots, terms)) if with_terms else (loss, slots)
 
 
 def _micro_batches(batch: dict, count: int) -> dict:
@@ -285,7 +216,7 @@ def make_train_step(target, config: DrafterConfig, spec: StepSpec, optimizer: op
     averaged over spec.grad_accum micro-batches. metrics: loss, slot_accuracy [G-1] (slots 1..G-1), tau_estimate,
     grad_norm, learning_rate, and the loss's terms (`batch_loss`). A DSpark drafter's slot_accuracy
     has one entry per proposal (`DrafterConfig.proposals`)."""
-    first_proposal = 0 if config.dspark is not None else 1  # the accuracy vector's first proposing slot
+    first_proposal = generations.of(config).first_accuracy_slot  # the accuracy vector's first proposing slot
 
     def step(state: TrainState, frozen, batch):
         anchors, valid = objective.sample_anchors(jax.random.fold_in(state.rng, state.step),

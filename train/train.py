@@ -26,9 +26,8 @@ from tqdm.auto import tqdm
 
 from dflash_jax.drafters.draft_vocab import DraftVocab, build_draft_vocab
 from dflash_jax.drafters.drafter import Drafter
-from dflash_jax.drafters.config import DFlash2Config, DSparkConfig
+from dflash_jax.drafters import generations
 from dflash_jax.loading.target_loader import load_target
-from dflash_jax.drafters.objective import default_decay
 from dflash_jax.engine.generator import generate
 from dflash_jax import sharding
 from train import checkpointing, data as data_lib, drafter_init, step as step_lib
@@ -36,7 +35,6 @@ from train.config import ConfigError, TrainConfig, load_config
 
 log = logging.getLogger("train")
 VOCAB_FILE = "draft_vocab.npz"
-DSPARK_DECAY = 4.0  # DeepSpec's loss_decay_gamma (config/dspark/dspark_qwen3_4b_online.py)
 
 
 def load_target_model(cfg: TrainConfig):
@@ -48,17 +46,9 @@ def load_target_model(cfg: TrainConfig):
 
 
 def generation_configs(m) -> dict:
-    """model.generation's own drafter config fields: {"dflash2": DFlash2Config} or {"dspark":
-    DSparkConfig}, or {} for a DFlash drafter."""
-    f = m.generation_field
-    if m.generation == "dflash2":
-        return {"dflash2": DFlash2Config(*map(f, ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                  "selector_top_k")))}
-    if m.generation == "dspark":
-        return {"dspark": DSparkConfig(f("markov_rank"), f("confidence_head"),
-                                       f("confidence_head") and f("confidence_head_with_markov"),
-                                       sample_from_anchor=f("sample_from_anchor"))}
-    return {}
+    """model.generation's own drafter config fields (`Generation.train_fields`): {"dflash2":
+    DFlash2Config} or {"dspark": DSparkConfig}, or {} for a DFlash drafter."""
+    return generations.get(m.generation).train_fields(m.generation_field)
 
 
 def drafter_config_for(cfg: TrainConfig, target):
@@ -72,15 +62,12 @@ def drafter_config_for(cfg: TrainConfig, target):
 
 def step_spec(cfg: TrainConfig, drafter_config) -> step_lib.StepSpec:
     """The train step's static settings from the run's config (decay None: the generation's default:
-    DeepSpec's 4.0 for DSpark, the paper's value for the block size otherwise)."""
+    DeepSpec's 4.0 for DSpark, the paper's value for the block size otherwise:
+    `Generation.default_decay`)."""
     r = cfg.run
-    decay = r.decay or (DSPARK_DECAY if drafter_config.dspark is not None else default_decay(drafter_config.block_size))
-    weights = {}
-    if cfg.model.generation == "dflash2":
-        weights = {"selector_alpha": cfg.loss_weight("selector_loss_alpha")}
-    if cfg.model.generation == "dspark":
-        weights = {"ce_alpha": cfg.loss_weight("ce_loss_alpha"), "l1_alpha": cfg.loss_weight("l1_loss_alpha"),
-                   "confidence_alpha": cfg.loss_weight("confidence_loss_alpha")}
+    generation = generations.of(drafter_config)
+    decay = r.decay or generation.default_decay(drafter_config)
+    weights = generation.loss_weights(cfg.loss_weight)
     return step_lib.StepSpec(num_anchors=r.num_anchors, decay=decay, logits_chunk=r.logits_chunk,
                              compute_dtype=r.compute_dtype, grad_accum=cfg.optim.grad_accum,
                              anchor_chunk=r.anchor_chunk, target_labels=r.labels != "tokens",
@@ -222,9 +209,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data.path: {e}") from e
     if offline:
-        if drafter_config.dspark is not None:
-            raise ConfigError(f"data.path: {cfg.data.path} is a feature cache; a dspark drafter trains online "
-                              "(its loss reads the target's whole distribution at every proposal)")
+        if generations.of(drafter_config).trains_own_loss:
+            raise ConfigError(f"data.path: {cfg.data.path} is a feature cache; a {drafter_config.generation} drafter "
+                              "trains online (its loss reads the target's whole distribution at every proposal)")
         check_feature_cache(cfg, drafter_config, records.meta)
     prepare_run_dir(cfg, run_dir, resume, drafter_config)
     init = initial_drafter(cfg, target, drafter_config)

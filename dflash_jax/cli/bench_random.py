@@ -187,15 +187,12 @@ RANDOM_TARGETS = {
                      2),
 }
 RANDOM_DRAFT_LAYERS = 5  # the official DFlash drafters of these targets
-# The drafter generations `--random-drafter` builds, with their published settings: DFlash's block of
-# 16; DFlash2's convolution (kernel 2, groups of 16 channels) and selector (rank 256, top 16) over a
-# block of 8 (z-lab's DFlash2 drafters); DSpark's Markov head of rank 256 and confidence head over
-# [h ; W1[x]] with blocks of 7 slots, all proposing (deepseek-ai/dspark_*_block7). Each is the number
-# of tokens a cycle verifies (DSpark's block of 7 verifies 8).
+# The drafter generations `--random-drafter` builds, each with its released drafters' settings
+# (`Generation.published`, `published_verify_block`): DFlash's block of 16; DFlash2's convolution and
+# selector over a block of 8; DSpark's Markov and confidence heads over blocks of 7 slots, all
+# proposing (8 verified). The names of `dflash_jax.drafters.generations`, kept here so that the CLI's
+# --help loads no jax (tests/drafters/test_generations.py checks they agree).
 DRAFTER_GENERATIONS = ("dflash", "dflash2", "dspark")
-GENERATION_VERIFY_BLOCK = {"dflash": 16, "dflash2": 8, "dspark": 8}
-DFLASH2_SETTINGS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-DSPARK_MARKOV_RANK = 256
 
 
 def random_params(shapes, seed: int, block_elements: int = 1 << 26):
@@ -237,19 +234,17 @@ def random_configs(name: str, layers: int | None, block_size: int | None, genera
     `layers` cuts the target to that many layers (and the drafter to at most that many, its
     target layers spread over the cut target). `generation` (one of DRAFTER_GENERATIONS) makes the
     drafter a DFlash, DFlash2 or DSpark one with that generation's published settings; block_size
-    is the number of tokens a cycle verifies (None: GENERATION_VERIFY_BLOCK's), so G gives a DFlash or
+    is the number of tokens a cycle verifies (None: the generation's `published_verify_block`), so G gives a DFlash or
     DFlash2 block of G slots and a DSpark block of G - 1 (all of its slots propose)."""
-    import dataclasses
-
     import numpy as np
 
+    from dflash_jax.drafters import generations
+    from dflash_jax.drafters.config import DrafterConfig, default_target_layer_ids
     from dflash_jax.models.config import ModelConfig
-    from dflash_jax.drafters.config import DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids
 
-    if generation not in DRAFTER_GENERATIONS:
-        raise ValueError(f"unknown drafter generation {generation!r} (known: {', '.join(DRAFTER_GENERATIONS)})")
+    kind = generations.get(generation)  # ValueError naming the known ones
     hf, mask_token_id = RANDOM_TARGETS[name]
-    verify = block_size or GENERATION_VERIFY_BLOCK[generation]
+    verify = block_size or kind.published_verify_block
     num_layers = layers or hf["num_hidden_layers"]
     config = ModelConfig.from_hf_config({**hf, "num_hidden_layers": num_layers})
     draft_layers = min(RANDOM_DRAFT_LAYERS, num_layers)
@@ -265,13 +260,7 @@ def random_configs(name: str, layers: int | None, block_size: int | None, genera
         "rope_theta": config.rope_theta,
         "num_hidden_layers": draft_layers, "num_target_layers": num_layers, "block_size": verify,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)}})
-    if generation == "dflash2":
-        drafter_config = dataclasses.replace(drafter_config, dflash2=DFlash2Config(**DFLASH2_SETTINGS))
-    elif generation == "dspark":
-        if verify < 3:
-            raise ValueError(f"a DSpark drafter verifies blocks of at least 3 tokens, got {verify}")
-        drafter_config = dataclasses.replace(drafter_config, block_size=verify - 1, dspark=DSparkConfig(
-            markov_rank=DSPARK_MARKOV_RANK, enable_confidence_head=True, confidence_head_with_markov=True))
+    drafter_config = kind.published(drafter_config)
     return config, drafter_config
 
 

@@ -31,8 +31,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax import sharding
-from dflash_jax.drafters import dflash2
-from dflash_jax.drafters import dspark
 from dflash_jax.decode import sampling
 from dflash_jax.models.cache import KVCache, put_row, take_row, write_rows
 from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
@@ -152,7 +150,7 @@ def state_shardings(mesh, state: DecodeState) -> DecodeState:
                        verified=None if state.verified is None else sharding.replicated(mesh))
 
 
-def _target_probs(cfg: GenerationConfig, params: SamplingParams, logits):
+def target_probs(cfg: GenerationConfig, params: SamplingParams, logits):
     """The filtered distribution [..., V] of logits [..., V] (the target's, or the drafter's over its
     own vocabulary: top_k beyond a reduced draft vocabulary keeps all of it)."""
     return sampling.filtered_probs(logits, params.temperature, min(cfg.top_k, logits.shape[-1]),
@@ -193,7 +191,7 @@ def prefill(target, drafter, cfg: GenerationConfig, target_params, drafter_param
     logits = target.logits(target_params, sampling.gather_rows(hidden, prompt_lengths - 1))
     rng, key = jax.random.split(rng)
     if cfg.sampling:
-        first = sampling.sample(key, _target_probs(cfg, params, logits))
+        first = sampling.sample(key, target_probs(cfg, params, logits))
     else:
         first = sampling.greedy(logits)
     tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
@@ -215,7 +213,7 @@ def _top_probability(logits):
     return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
 
 
-def _confidence(cfg, logits):
+def slot_confidence(cfg, logits):
     """How likely the drafter is to be right, per slot, from its base logits [B, G-1, V] (before a
     DFlash2 selector or a DSpark Markov head): the top probability of each slot's distribution (of
     every slot [B, G-1] with cfg.verify_widths; of the first [B] with cfg.gate_drafts; else None).
@@ -228,92 +226,19 @@ def _confidence(cfg, logits):
 
 
 def _propose(target, drafter, cfg, target_params, drafter_params, anchors, draft_cache, key, params):
-    """Draft tokens [B, G-1] (target ids), their distributions over the target vocabulary
-    [B, G-1, V] (None unless exact sampling), the drafter's confidence in its slots (`_confidence`:
-    the first's [B] with cfg.gate_drafts, every one's [B, G-1] with cfg.verify_widths, else None) and
-    how many leading drafts each row verifies [B] (None: all; a DSpark drafter's confidence policy,
-    `_spark`).
-
-    A reduced draft vocabulary (drafter_params = {"drafter", "draft_head"}, see `Drafter`) drafts
-    with its own head over Vd ids and maps the draft back through draft_to_target. Its distribution
-    over the full vocabulary is the filtered draft distribution at the kept target ids and zero
-    elsewhere, so the exact rule (min(1, p_t/p_d), residual max(0, p_t - p_d)) stays lossless.
-    """
-    if drafter.config.dspark is not None:
-        return _spark(drafter, cfg, drafter_params, anchors, draft_cache, key, params)
-    mask = jnp.full((anchors.shape[0], cfg.block_size - 1), drafter.config.mask_token_id, jnp.int32)
-    block = jnp.concatenate([anchors[:, None], mask], axis=1)
-    dc = drafter.config
-    embeds = dc.block_embeddings(target.embed(target_params, block))
-    hidden = drafter.draft_hidden(drafter_params, embeds, draft_cache)[:, 1:]
-    exact = cfg.sampling and cfg.acceptance == "exact"
-    reduced = dc.draft_vocab_size is not None
-    if reduced:
-        logits = drafter.draft_head_logits(drafter_params, hidden)  # [B, G-1, Vd] float32
-    else:
-        logits = target.logits(target_params, hidden)
-    logits = dc.draft_logits(logits)
-    first = _confidence(cfg, logits)
-    if dc.dflash2 is not None:
-        return (*_select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params), first, None)
-    if exact:
-        probs = _target_probs(cfg, params, logits)
-        drafts = sampling.sample(key, probs)
-    else:
-        probs, drafts = None, sampling.greedy(logits)
-    if not reduced:
-        return drafts, probs, first, None
-    to_target = drafter_params["draft_head"]["draft_to_target"]  # [Vd]
-    if exact:
-        probs = jnp.zeros((*probs.shape[:-1], drafter.config.vocab_size), probs.dtype).at[..., to_target].set(probs)
-    return to_target[drafts], probs, first, None
-
-
-def _spark(drafter, cfg, drafter_params, anchors, draft_cache, key, params):
-    """`_propose`'s outputs for a DSpark drafter: the block [anchor, MASK x (G-2)] of G-1 slots
-    embedded with the drafter's own table, all G-1 slots proposing (cfg.block_size = G is what is
-    verified; without `sample_from_anchor`, DFlash's block of G slots, the anchor's not proposing),
-    each slot's base logits from its own LM head biased by the Markov head and drafted
-    left to right (`drafters.dspark.draft`): greedy, or at temperature > 0 drawn from the filtered biased
-    distribution, which is then the exact draft distribution q the acceptance rule reads. With a
-    confidence head and `params.confidence_threshold`, the proposal limit (`drafters.dspark.proposal_limit`)."""
-    dc, module = drafter.config, drafter.module_params(drafter_params)
-    from_anchor = dc.dspark.sample_from_anchor
-    slots = cfg.block_size - 1 if from_anchor else cfg.block_size
-    mask = jnp.full((anchors.shape[0], slots - 1), dc.mask_token_id, jnp.int32)
-    block = jnp.concatenate([anchors[:, None], mask], axis=1)
-    hidden = drafter.draft_hidden(drafter_params, dspark.block_embeddings(module, block), draft_cache)
-    hidden = hidden if from_anchor else hidden[:, 1:]
-    logits = dc.draft_logits(dspark.base_logits(module, hidden))
-    exact = cfg.sampling and cfg.acceptance == "exact"
-    probs_fn = (lambda z: _target_probs(cfg, params, z)) if exact else None
-    drafts, _, probs, confidences = dspark.draft(dc.dspark, module, hidden, logits, anchors, probs_fn, key)
-    first = _confidence(cfg, logits)  # not the confidence head's: c_k reads draft k - 1 (`_verify_plan`)
-    limit = None
-    if confidences is not None and params.confidence_threshold is not None:
-        limit = dspark.proposal_limit(confidences, params.confidence_threshold)
-    return drafts, probs, first, limit
-
-
-def _select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
-    """`_propose`'s outputs for a DFlash2 drafter: its candidate selector's walk over the top-K
-    candidates of every slot (`drafters.dflash2.select`), the argmax walk when greedy, else each slot drawn
-    from softmax(score / temperature) over its K candidates (top_k and top_p filter the target's
-    distribution only, as in the reference). The draft distribution the exact rule reads is that
-    K-way q scattered on the candidate ids, zero elsewhere: min(1, p/q) and the residual
-    max(0, p - q) keep it lossless. -> (drafts, their distributions or None)."""
-    temperature = params.temperature if cfg.sampling else None
-    drafts, candidates, index, q = drafter.select(drafter_params, hidden, logits, anchors, temperature, key)
-    probs = None
-    if cfg.sampling and cfg.acceptance == "exact":
-        probs = dflash2.scatter_q(q, candidates, drafter.config.vocab_size)
-    return drafts, probs
+    """The drafter's proposal for every row: its generation's (`drafters.generations.Generation.propose`),
+    a `Proposal` of the drafts [B, G-1] (target ids), their distributions over the target vocabulary
+    [B, G-1, V] (None unless exact sampling), the drafter's confidence in its slots
+    (`slot_confidence`) and how many leading drafts each row verifies [B] (None: all; a DSpark
+    drafter's confidence policy)."""
+    return drafter.generation.propose(target, drafter, cfg, target_params, drafter_params, anchors, draft_cache, key,
+                                      params)
 
 
 def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, key, params):
-    """`_propose`'s drafts, distributions, first-draft probability and limit, with `lookup`'s tokens
-    in the slots it fills (their probability 1, inside the limit). Where the lookup fills every slot
-    of every live row the drafter does not run (its drafts would all be replaced)."""
+    """`_propose`'s `Proposal`, with `lookup`'s tokens in the slots it fills (their probability 1,
+    inside the limit). Where the lookup fills every slot of every live row the drafter does not run
+    (its drafts would all be replaced)."""
     propose = lambda: _propose(target, drafter, cfg, target_params, drafter_params, anchors,
                                state.draft_cache, key, params)
     if not cfg.lookup:
@@ -322,14 +247,15 @@ def _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, 
     shapes = jax.eval_shape(propose)
     unused = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     everywhere = jnp.all(found | state.done[:, None])
-    drafts, probs, first, limit = jax.lax.cond(everywhere, unused, propose)
-    drafts, probs = merge_lookup(drafts, probs, looked_up, found)
+    proposal = jax.lax.cond(everywhere, unused, propose)
+    drafts, probs = merge_lookup(proposal.drafts, proposal.probs, looked_up, found)
+    first, limit = proposal.confidence, proposal.limit
     if first is not None:  # a looked-up token counts as certain
         first = jnp.where(found if first.ndim == 2 else found[:, 0], 1.0, first)
     if limit is not None:  # a looked-up slot counts as confident (as its probability counts as 1)
         slot = jnp.arange(found.shape[1])[None, :]
         limit = jnp.sum(jnp.cumprod((slot < limit[:, None]) | found, axis=-1), axis=-1).astype(jnp.int32)
-    return drafts, probs, first, limit
+    return proposal._replace(drafts=drafts, probs=probs, confidence=first, limit=limit)
 
 
 def _verify(target, drafter, cfg, target_params, state, block, drafts, draft_probs, key, params, limit=None):
@@ -351,14 +277,14 @@ def _verify(target, drafter, cfg, target_params, state, block, drafts, draft_pro
     if not cfg.sampling:
         num_accepted, next_token = sampling.accept_greedy(drafts, logits)
     elif cfg.acceptance == "match" or drafter is None:
-        num_accepted, next_token = sampling.accept_match(key, drafts, _target_probs(cfg, params, logits))
+        num_accepted, next_token = sampling.accept_match(key, drafts, target_probs(cfg, params, logits))
     else:
         num_accepted, next_token = sampling.accept_exact(key, drafts, draft_probs,
-                                                         _target_probs(cfg, params, logits))
+                                                         target_probs(cfg, params, logits))
     if limit is not None:
         at_limit = sampling.gather_rows(logits, limit)  # [B, V]: the target at the first unverified slot
         own = (sampling.greedy(at_limit) if not cfg.sampling
-               else sampling.sample(limit_key, _target_probs(cfg, params, at_limit)))
+               else sampling.sample(limit_key, target_probs(cfg, params, at_limit)))
         reached = num_accepted >= limit
         num_accepted = jnp.where(reached, limit, num_accepted)
         next_token = jnp.where(reached, own, next_token)
@@ -440,11 +366,8 @@ def cycle(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     rng, draft_key, accept_key = sampling.split(state.rng, 3)
     anchors = sampling.gather_rows(state.tokens, state.lengths - 1)
     if drafter is not None:
-        # (drafts, distributions, first-draft probability[, limit]): a proposer without a limit may
-        # leave it out (the tests' oracles do)
-        drafts, draft_probs, first, *limit = _draft(target, drafter, cfg, target_params, drafter_params, state,
-                                                    anchors, draft_key, params)
-        limit = limit[0] if limit else None
+        proposal = _draft(target, drafter, cfg, target_params, drafter_params, state, anchors, draft_key, params)
+        drafts, draft_probs, first, limit = proposal.drafts, proposal.probs, proposal.confidence, proposal.limit
     else:
         drafts, draft_probs, first, limit = jnp.zeros((anchors.shape[0], 0), jnp.int32), None, None, None
     block = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [B, G]
@@ -544,7 +467,7 @@ def admit(target, drafter, cfg: GenerationConfig, target_params, drafter_params,
     last = filled >= prompt_length
     logits = target.logits(target_params, sampling.gather_rows(hidden, (count - 1)[None]))  # [1, V]
     rng, first_key = jax.random.split(key)
-    first = (sampling.sample(first_key, _target_probs(cfg, params, logits)) if cfg.sampling
+    first = (sampling.sample(first_key, target_probs(cfg, params, logits)) if cfg.sampling
              else sampling.greedy(logits))[0]
     tokens = jax.lax.dynamic_update_slice(state.tokens, chunk[None].astype(jnp.int32), (slot, start))
     tokens = tokens.at[slot, filled].set(jnp.where(last, first, tokens[slot, filled]))

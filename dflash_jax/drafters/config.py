@@ -264,6 +264,19 @@ class DrafterConfig(LayerLayout):
             if getattr(self, name) != default:
                 raise ValueError(f"DSpark: {name} is not part of Qwen3DSparkModel (got {getattr(self, name)})")
 
+    def with_shared_tables(self, shared) -> "DrafterConfig":
+        """This config with the tables `shared` (of `SHARED_TABLES`) taken from the target: a DSpark
+        drafter in the speculators layout whose checkpoint leaves them out."""
+        return dataclasses.replace(self, dspark=dataclasses.replace(self.dspark, shared_tables=tuple(shared)))
+
+    @property
+    def generation(self) -> str:
+        """The drafter generation's name (`drafters.generations`: "dflash", "dflash2" or "dspark"), from the
+        generation config it holds; this module and the registry are the only ones that look."""
+        if self.dspark is not None:
+            return "dspark"
+        return "dflash2" if self.dflash2 is not None else "dflash"
+
     @property
     def architecture(self) -> str:
         """The config.json architecture: DFlashDraftModel, DFlash2DraftModel or Qwen3DSparkModel."""

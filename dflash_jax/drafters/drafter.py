@@ -29,8 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import backends
-from dflash_jax.drafters import dflash2
-from dflash_jax.drafters import dspark
+from dflash_jax.drafters import generations
 from dflash_jax.kernels import masks
 from dflash_jax.layers.attention import attention, cache_attention
 from dflash_jax.models.cache import KVCache, RingKVCache
@@ -64,12 +63,11 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.backend)
-        if cfg.dflash2 is not None:  # DFlash2: a convolution around each sublayer (`drafters.dflash2`)
-            conv = dict(hidden_size=cfg.hidden_size, kernel_size=cfg.dflash2.conv_kernel_size,
-                        group_size=cfg.dflash2.conv_group_size, dtype=self.dtype,
-                        backend=self.backend)
-            self.attention_conv = dflash2.GroupedDynamicCausalConv(**conv)
-            self.mlp_conv = dflash2.GroupedDynamicCausalConv(**conv)
+        generation = generations.of(cfg)
+        # the generation's modules around the sublayers (DFlash2's convolutions: attention_conv, mlp_conv)
+        self.wraps_sublayers = generation.wraps_sublayers
+        for name, module in generation.layer_modules(cfg, self.dtype, self.backend).items():
+            setattr(self, name, module)
 
     def context_kv(self, carry, _, shared):
         """shared (context [B, C, D], cos, sin) -> per-layer context keys/values [B, C, Hkv, Dh]."""
@@ -82,12 +80,12 @@ class DrafterLayer(nn.Module):
         otherwise)."""
         x = self.input_layernorm(hidden)
         dyn = None
-        if self.config.dflash2 is not None:
+        if self.wraps_sublayers:
             x, dyn = self.attention_conv.prepare(x, block)
         return (self.self_attn.queries(x, cos, sin), *self.self_attn.keys_values(x, cos, sin)), dyn
 
     def _residual(self, hidden, attended, dyn, block):
-        if self.config.dflash2 is None:
+        if not self.wraps_sublayers:
             hidden = hidden + self.self_attn.output(attended)
             return hidden + self.mlp(self.post_attention_layernorm(hidden))
         hidden = hidden + self.attention_conv.finish(self.self_attn.output(attended), dyn, block)
@@ -138,15 +136,12 @@ class DrafterModel(nn.Module):
         self._make_layers()
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.rotary = Rotary(cfg)
-        if cfg.dflash2 is not None:  # its weights; the walk is `drafters.dflash2.select` over them
-            self.candidate_selector = dflash2.CandidateSelector(cfg.vocab_size, cfg.dflash2.selector_rank, self.dtype)
-        if cfg.dspark is not None:  # its own tables and heads, read as arrays by `drafters.dspark.draft`
-            modules = dspark.heads(cfg.dspark, cfg.vocab_size, cfg.hidden_size, self.dtype)
-            self.embed_tokens = modules["embed_tokens"]
-            self.lm_head = modules["lm_head"]
-            self.markov_head = modules.get("markov_head")
-            self.confidence_head = modules.get("confidence_head")
-            self.draft_vocab = modules.get("draft_vocab")  # a reduced draft vocabulary's bias
+        # the generation's modules at the top (DFlash2's selector; DSpark's own tables and heads, read as
+        # arrays by `drafters.dspark.draft`)
+        heads = generations.of(cfg).head_modules(cfg, self.dtype)
+        self.head_names = tuple(heads)
+        for name, module in heads.items():
+            setattr(self, name, module)
 
     def _make_layers(self):
         """All layers as one scanned module: params stacked [L, ...] under "layers"."""
@@ -202,14 +197,9 @@ class DrafterModel(nn.Module):
         """Context K/V and blocks in one call (used by `init` and by training)."""
         k, v = self.context_kv(features, positions)
         hidden = self.blocks(block_embeds, block_positions, k, v, full_ranges, windowed_ranges)
-        if self.config.dflash2 is not None and self.is_initializing():
-            self.candidate_selector(hidden)  # creates the selector's weights
-        if self.config.dspark is not None and self.is_initializing():
-            modules = {"embed_tokens": self.embed_tokens, "lm_head": self.lm_head}
-            modules.update({k: m for k, m in (("markov_head", self.markov_head),
-                                              ("confidence_head", self.confidence_head),
-                                              ("draft_vocab", self.draft_vocab)) if m is not None})
-            dspark.init_heads(self.config.dspark, modules, hidden)
+        if self.head_names and self.is_initializing():  # creates the heads' weights
+            generations.of(self.config).init_heads(self.config, {n: getattr(self, n) for n in self.head_names},
+                                                   hidden)
         return hidden
 
 
@@ -301,14 +291,20 @@ class DrafterSpec:
         return self.module_for(params).apply({"params": self.module_params(params)}, block_embeds,
                                              positions, cache, full, windowed, method="cached_blocks")
 
+    @property
+    def generation(self) -> generations.Generation:
+        """The drafter's generation (`drafters.generations`): its proposal, heads, names and loss."""
+        return generations.of(self.config)
+
     def select(self, params, hidden, logits, anchors, temperature=None, key=None):
         """A DFlash2 drafter's candidate-selector walk over the proposal slots (`drafters.dflash2.select`:
         hidden [B, S, D], draft logits [B, S, V], anchors [B]; temperature None: greedy) -> (drafts,
         candidates, chosen indices, q over the candidates). params: `loop_params`."""
-        if self.config.dflash2 is None:
-            raise ValueError("select: this drafter is not a DFlash2 drafter (config.dflash2 is None)")
-        return dflash2.select(self.module_params(params)["candidate_selector"], hidden, logits, anchors,
-                              self.config.dflash2.selector_top_k, temperature, key)
+        walk = getattr(self.generation, "walk", None)
+        if walk is None:
+            raise ValueError(f"select: this drafter is not a DFlash2 drafter (a {self.generation.name} drafter has "
+                             "no candidate selector)")
+        return walk(self, params, hidden, logits, anchors, temperature, key)
 
     def train_hidden(self, params, features, block_embeds, anchors, block_valid):
         """Packed training forward.
@@ -322,7 +318,7 @@ class DrafterSpec:
         g = block_embeds.shape[1] // n
         if g * n != block_embeds.shape[1]:
             raise ValueError(f"block_embeds length {block_embeds.shape[1]} is not N={n} blocks")
-        if self.config.dflash2 is not None and g != self.config.block_size:
+        if self.generation.wraps_sublayers and g != self.config.block_size:
             raise ValueError(f"a DFlash2 drafter's convolutions run over blocks of block_size="
                              f"{self.config.block_size}; got blocks of {g}")
         positions = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
@@ -397,6 +393,7 @@ class Drafter:
         return DrafterSpec(self.config, self.dtype, self.attn_impl, self.decode_weights)
 
     module = property(lambda self: self.spec.module, doc="The Flax module (`DrafterSpec.module`).")
+    generation = property(lambda self: generations.of(self.config), doc="`DrafterSpec.generation`.")
     block_size = property(lambda self: self.config.block_size)
     init_cache = on_spec("init_cache")
     append_context = on_spec("append_context")

@@ -27,7 +27,7 @@ accepted. A verify-length policy (`proposal_limit`) stops the proposal before th
 confidence is below a threshold; the loop verifies only that prefix (`decode.loop._verify`), so the
 output is the target's whatever the policy.
 
-Training (DeepSpec's loss; `train.step.dspark_batch_loss`): every slot teacher-forced on the gold
+Training (DeepSpec's loss; `drafters.generations.DSpark.batch_loss`): every slot teacher-forced on the gold
 previous token (`teacher_forced`), its terms against the target's distribution (`loss_terms`).
 """
 from __future__ import annotations

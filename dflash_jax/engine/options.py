@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.models.config import default_stop_token_ids
+from dflash_jax.drafters import generations
 from dflash_jax.decode.loop import ACCEPTANCE_RULES, GenerationConfig, SamplingParams, new_tokens_bucket, round_up
 
 _SMALLEST_BUCKET, _LARGEST_POWER_BUCKET = 16, 1024
@@ -216,8 +217,7 @@ def _configure(target, drafter, o: SamplingOptions):
     _check_int("draft_context", o.draft_context, 0)
     _check_number("confidence_threshold", o.confidence_threshold, "in [0, 1] (0 = verify every draft)",
                   lambda c: 0 <= c <= 1)
-    dspark = None if drafter is None else drafter.config.dspark
-    confidence = dspark is not None and dspark.enable_confidence_head
+    confidence = drafter is not None and generations.of(drafter.config).accepts_confidence_threshold(drafter.config)
     if o.confidence_threshold and not confidence:
         raise ValueError("confidence_threshold needs a DSpark drafter with a confidence head (enable_confidence_head); "
                          f"this {'generation has no drafter' if drafter is None else 'drafter has none'}")

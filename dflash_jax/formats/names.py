@@ -70,7 +70,8 @@ class Rule:
         return divmod(k, self.experts) if self.experts else k
 
 
-def _linear(hf_prefix: str, path: tuple[str, ...], bias: bool) -> list[Rule]:
+def linear_rules(hf_prefix: str, path: tuple[str, ...], bias: bool) -> list[Rule]:
+    """The rules of one linear layer: its weight (transposed) and, with `bias`, its bias."""
     rules = [Rule(f"{hf_prefix}.weight", (*path, "kernel"), transpose=True)]
     if bias:
         rules.append(Rule(f"{hf_prefix}.bias", (*path, "bias")))
@@ -84,12 +85,12 @@ def decoder_layer_rules(hf_layer: str, qk_norm: bool, attention_bias: bool, mlp_
         Rule(f"{hf_layer}.post_attention_layernorm.weight", ("layers", "post_attention_layernorm", "scale")),
     ]
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        rules += _linear(f"{hf_layer}.self_attn.{proj}", ("layers", "self_attn", proj), attention_bias)
+        rules += linear_rules(f"{hf_layer}.self_attn.{proj}", ("layers", "self_attn", proj), attention_bias)
     if qk_norm:
         rules += [Rule(f"{hf_layer}.self_attn.{n}.weight", ("layers", "self_attn", n, "scale"))
                   for n in ("q_norm", "k_norm")]
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        rules += _linear(f"{hf_layer}.mlp.{proj}", ("layers", "mlp", proj), mlp_bias)
+        rules += linear_rules(f"{hf_layer}.mlp.{proj}", ("layers", "mlp", proj), mlp_bias)
     return rules
 
 
@@ -173,7 +174,7 @@ def target_rules(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
 
 def _linear_rules(hf_prefix: str, path: tuple[str, ...], names, bias: bool, ids) -> list[Rule]:
     return [dataclasses.replace(rule, layer_ids=ids)
-            for n in names for rule in _linear(f"{hf_prefix}.{n}", (*path, n), bias)]
+            for n in names for rule in linear_rules(f"{hf_prefix}.{n}", (*path, n), bias)]
 
 
 # Tensors some checkpoints carry that hold no parameters.
@@ -356,30 +357,10 @@ def params_to_hf(rules: list[Rule], params: Any, num_layers: int) -> dict[str, n
     return out
 
 
-def drafter_rules(attention_bias: bool = False, dflash2: bool = False, dspark=None) -> list[Rule]:
-    """The official DFlash drafter layout (no `model.` prefix, no embeddings, no LM head); dflash2:
-    with a DFlash2 drafter's convolutions and candidate selector (its codebooks stored without
-    ".weight"); dspark (a `DSparkConfig`): DeepSpec's layout, the backbone plus its own
-    embed_tokens and lm_head, and its Markov and confidence heads where the config has them."""
+def drafter_rules(attention_bias: bool = False) -> list[Rule]:
+    """The official DFlash drafter layout's backbone (no `model.` prefix, no embeddings, no LM head);
+    a drafter generation adds its own tensors' rules (`drafters.generations.Generation.name_rules`)."""
     rules = [Rule("fc.weight", ("fc", "kernel"), transpose=True),
              Rule("hidden_norm.weight", ("hidden_norm", "scale")),
              Rule("norm.weight", ("norm", "scale"))]
-    rules += decoder_layer_rules("layers.{i}", True, attention_bias, False)
-    if dflash2:
-        for conv in ("attention_conv", "mlp_conv"):
-            rules += [Rule(f"layers.{{i}}.{conv}.base_kernel", ("layers", conv, "base_kernel")),
-                      Rule(f"layers.{{i}}.{conv}.kernel_projection.weight", ("layers", conv, "kernel_projection",
-                                                                              "kernel"), transpose=True)]
-        rules += [Rule(f"candidate_selector.{name}", ("candidate_selector", name))
-                  for name in ("predecessor_codebook", "successor_codebook")]
-        rules.append(Rule("candidate_selector.hidden_projection.weight",
-                          ("candidate_selector", "hidden_projection", "kernel"), transpose=True))
-    if dspark is not None:
-        rules += [Rule("embed_tokens.weight", ("embed_tokens", "embedding")),
-                  Rule("lm_head.weight", ("lm_head", "kernel"), transpose=True)]
-        if dspark.markov_rank:
-            rules += [Rule("markov_head.markov_w1.weight", ("markov_head", "markov_w1", "embedding")),
-                      Rule("markov_head.markov_w2.weight", ("markov_head", "markov_w2", "kernel"), transpose=True)]
-        if dspark.enable_confidence_head:
-            rules += _linear("confidence_head.proj", ("confidence_head", "proj"), True)
-    return rules
+    return rules + decoder_layer_rules("layers.{i}", True, attention_bias, False)

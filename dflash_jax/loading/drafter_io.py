@@ -14,6 +14,7 @@ import numpy as np
 
 from dflash_jax import _host_arrays as host_arrays, backends, sharding
 from dflash_jax.models.config import read_config_json, write_config_json
+from dflash_jax.drafters import generations
 from dflash_jax.drafters.draft_vocab import DraftVocab
 from dflash_jax.drafters.drafter import DECODE_WEIGHTS, Drafter, drafter_param_shapes
 from dflash_jax.drafters.config import (SHARED_TABLES, DrafterConfig, is_speculators_dspark, resolve_mask_token_id,
@@ -21,7 +22,7 @@ from dflash_jax.drafters.config import (SHARED_TABLES, DrafterConfig, is_specula
 from dflash_jax._errors import CheckpointError, DrafterMismatchError
 from dflash_jax.formats.checkpoint_files import checkpoint_file, open_checkpoint
 from dflash_jax.formats.dtypes import dtype_name, resolve_dtype
-from dflash_jax.formats.names import drafter_rules, hf_to_params, params_to_hf
+from dflash_jax.formats.names import hf_to_params, params_to_hf
 from dflash_jax.formats.safetensors_io import save_safetensors
 
 __all__ = ["DrafterMismatchError", "load_drafter", "save_drafter", "validate_pair"]
@@ -68,17 +69,18 @@ def load_drafter(path: str | Path, target=None, dtype="float32", *, attn_impl: s
     tensors = open_checkpoint(path)
     reduced = config.draft_vocab_size is not None
     place = None if mesh is None else sharding.placer(mesh, shapes, config)
-    rules = drafter_rules(config.attention_bias, config.dflash2 is not None, config.dspark)
+    generation = generations.of(config)
+    rules = generation.name_rules(config)
     shared = ()
     if is_speculators_dspark(hf):  # the tables it leaves out are the target's
         shared = tuple(t for t in SHARED_TABLES if f"{t}.weight" not in tensors)
-        config = dataclasses.replace(config, dspark=dataclasses.replace(config.dspark, shared_tables=shared))
+        config = config.with_shared_tables(shared)
         rules = [rule for rule in rules if rule.path[0] not in shared]
         if shared and target is None:
             raise CheckpointError(f"{checkpoint_file(path)}: a DSpark drafter in the speculators layout without "
                                   f"{[f'{t}.weight' for t in shared]} takes them from the target: pass target= "
                                   "to load_drafter")
-    spark_vocab = config.dspark is not None and config.dspark.draft_vocab_size is not None
+    spark_vocab = generation.own_draft_vocab_size(config) is not None
     if spark_vocab:  # its head and W2 are read over the reduced vocabulary, then widened
         rules = [rule for rule in rules if rule.path[0] != "lm_head" and rule.path[:2] != ("markov_head", "markov_w2")]
     skipped = set(shared) | ({"lm_head", "markov_head", "draft_vocab"} if spark_vocab else set())
@@ -123,7 +125,8 @@ def _spark_vocab_params(config: DrafterConfig, tensors, target_head, dtype, sour
     its widened params: lm_head [D, V] and markov_w2 [r, V] zero off the kept ids, the bias [V] 0 at
     them and -inf elsewhere. CheckpointError naming `source` and the tensor when one is missing or
     does not fit."""
-    size, v, d, r = config.dspark.draft_vocab_size, config.vocab_size, config.hidden_size, config.dspark.markov_rank
+    own = generations.of(config).own(config)  # a DSparkConfig
+    size, v, d, r = own.draft_vocab_size, config.vocab_size, config.hidden_size, own.markov_rank
     need = {"d2t": ((size,), "integer"), "t2d": ((v,), "bool")}
     if target_head is None:
         need["lm_head.weight"] = ((size, d), "float")
@@ -277,19 +280,21 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, *, overwrite: bool = Fal
     config = drafter.config
     loaded_speculators = is_speculators_dspark(drafter.hf_config or {})
     speculators = layout == "speculators" or (layout == "auto" and loaded_speculators)
-    if speculators and config.dspark is None:
-        raise ValueError("layout='speculators' is written for DSpark drafters only")
-    tensors = params_to_hf(drafter_rules(config.attention_bias, config.dflash2 is not None, config.dspark),
-                           drafter.params, config.num_layers)
+    generation = generations.of(config)
+    if speculators and "speculators" not in generation.layouts:
+        writers = [g.name for g in generations.GENERATIONS.values() if "speculators" in g.layouts]
+        raise ValueError(f"layout='speculators' is written for {', '.join(writers)} drafters only, not "
+                         f"{generation.name}")
+    tensors = params_to_hf(generation.name_rules(config), drafter.params, config.num_layers)
     if drafter.draft_head is not None:
         tensors.update(drafter.draft_vocab.to_eagle3())
         tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(drafter.draft_head["kernel"])).T)
     # a config of the other layout is not a base: its keys would make the file read as that layout
     base = drafter.hf_config if loaded_speculators == speculators else None
     if speculators:
-        if config.dspark.draft_vocab_size is not None:
+        if generation.own_draft_vocab_size(config) is not None:
             _spark_vocab_tensors(drafter, tensors)
-        for name in config.dspark.shared_tables:
+        for name in generation.shared_tables(config):
             tensors.pop(f"{name}.weight")
         hf = config.to_speculators_config(base, dtype_name(drafter.dtype))
     else:

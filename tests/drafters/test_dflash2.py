@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.decode import loop as decode_loop
-from dflash_jax.drafters import dflash2
+from dflash_jax.drafters import dflash2, generations
 from dflash_jax.models.config import ModelConfig
 from dflash_jax.drafters.drafter import Drafter, init_drafter_params
 from dflash_jax.drafters.config import DFlash2Config, DrafterConfig
@@ -261,13 +261,13 @@ def sampling_setup():
     return target, Drafter(cfg, random_params(cfg, seed=5, codebook_scale=3.0))
 
 
-SELECT = decode_loop._select
+SELECT = generations.DFLASH2.select
 
 
 def plain_softmax_select(drafter, cfg, drafter_params, hidden, logits, anchors, key, params):
     """The selector's drafts with the wrong q: the drafter's plain softmax over the vocabulary."""
     drafts, _ = SELECT(drafter, cfg, drafter_params, hidden, logits, anchors, key, params)
-    return drafts, decode_loop._target_probs(cfg, params, logits)
+    return drafts, decode_loop.target_probs(cfg, params, logits)
 
 
 # newer-jax leg only (`one_leg`), with its power check below; both legs run the block and walk against
@@ -295,7 +295,7 @@ def test_the_chi_square_sees_a_plain_softmax_q(monkeypatch):
     from dflash_jax.engine.generator import Generator
 
     target, drafter = sampling_setup()
-    monkeypatch.setattr(decode_loop, "_select", plain_softmax_select)
+    monkeypatch.setattr(generations.DFLASH2, "select", plain_softmax_select)
     result = Generator(target, drafter).generate([PROMPT] * SAMPLES, max_new_tokens=3, stop_token_ids=(), seed=21,
                       temperature=1.0)
     assert chi_square_pvalue([tuple(t) for t in result.tokens], exact_joint(target)) < 1e-6

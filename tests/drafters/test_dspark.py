@@ -140,9 +140,9 @@ def test_block_chain_and_confidences_equal_the_float64_reference(with_markov):
 
 @pytest.mark.parametrize("from_anchor", [True, False], ids=["sample-from-anchor", "older-1+N-block"])
 def test_the_loops_proposal_equals_the_reference(from_anchor):
-    """`decode.loop._spark` as the loop runs it: with sample_from_anchor, a block of G slots gives G
-    drafts (G + 1 verified); without it, DFlash's block of G slots gives G - 1 (the chain starting
-    at slot 1 from the anchor). Its drafts and its per-row proposal limit equal the reference's."""
+    """`DSpark.propose` as the loop runs it (`decode.loop._propose`): with sample_from_anchor, a block of
+    G slots gives G drafts (G + 1 verified); without it, DFlash's block of G slots gives G - 1 (the
+    chain starting at slot 1 from the anchor). Its drafts and its per-row proposal limit equal the reference's."""
     cfg = config(DSparkConfig(R, True, True, sample_from_anchor=from_anchor))
     assert cfg.proposals == (G if from_anchor else G - 1)
     params = random_params(cfg, seed=7, markov_scale=1.5)
@@ -155,8 +155,8 @@ def test_the_loops_proposal_equals_the_reference(from_anchor):
     sampling_params = decode_loop.SamplingParams(jnp.float32(1.0), jnp.float32(1.0), jnp.full((8,), -1, jnp.int32),
                                                  confidence_threshold=jnp.float32(threshold))
     gen_cfg = decode_loop.GenerationConfig(block_size=cfg.proposals + 1)
-    drafts, probs, first, limit = decode_loop._spark(spec, gen_cfg, params, jnp.asarray(anchors), cache,
-                                                     jax.random.PRNGKey(0), sampling_params)
+    drafts, probs, first, limit = decode_loop._propose(None, spec, gen_cfg, None, params, jnp.asarray(anchors), cache,
+                                                       jax.random.PRNGKey(0), sampling_params)
     assert drafts.shape == (3, cfg.proposals) and probs is None and first is None
     p64 = as64(params)
     for row in range(3):
@@ -368,7 +368,7 @@ def test_the_chi_square_sees_a_q_without_the_markov_bias(monkeypatch):
         return drafts, biased, probs if probs_fn is None else probs_fn(logits), conf
 
     target, drafter = sampling_setup()
-    monkeypatch.setattr(decode_loop.dspark, "draft", unbiased_q)
+    monkeypatch.setattr(dspark, "draft", unbiased_q)
     result = Generator(target, drafter).generate([PROMPT] * SAMPLES, max_new_tokens=3, stop_token_ids=(), seed=21,
                                                  temperature=1.0)
     assert chi_square_pvalue([tuple(t) for t in result.tokens], exact_joint(target)) < 1e-6

@@ -172,8 +172,8 @@ def test_loads_and_drafts_as_the_same_weights_in_deepspecs_layout(checkpoints, t
     proposals = []
     for drafter in (spec, ref):
         cache = drafter.spec.append_context(drafter.params, drafter.spec.init_cache(3, 32), features)
-        proposals.append(decode_loop._spark(drafter.spec, gen_cfg, drafter.params, anchors, cache,
-                                            jax.random.PRNGKey(0), sampling))
+        proposals.append(decode_loop._propose(None, drafter.spec, gen_cfg, None, drafter.params, anchors, cache,
+                                              jax.random.PRNGKey(0), sampling))
     for a, b in zip(*proposals):
         assert (a is None) == (b is None)
         if a is not None:
@@ -271,10 +271,10 @@ def test_a_reduced_vocabulary_drafts_only_its_ids_as_the_reference_chain(reduced
     hidden = np.asarray(spec.draft_hidden(params, params["embed_tokens"]["embedding"][block], cache), np.float64)
     sampling = decode_loop.SamplingParams(jnp.float32(1.0), jnp.float32(1.0), jnp.full((8,), -1, jnp.int32),
                                           confidence_threshold=jnp.float32(0.5))
-    greedy = decode_loop._spark(spec, decode_loop.GenerationConfig(block_size=G + 1), params, jnp.asarray(anchors),
-                                cache, jax.random.PRNGKey(0), sampling)
-    sampled = decode_loop._spark(spec, decode_loop.GenerationConfig(block_size=G + 1, sampling=True), params,
-                                 jnp.asarray(anchors), cache, jax.random.PRNGKey(1), sampling)
+    greedy = decode_loop._propose(None, spec, decode_loop.GenerationConfig(block_size=G + 1), None, params,
+                                  jnp.asarray(anchors), cache, jax.random.PRNGKey(0), sampling)
+    sampled = decode_loop._propose(None, spec, decode_loop.GenerationConfig(block_size=G + 1, sampling=True), None,
+                                   params, jnp.asarray(anchors), cache, jax.random.PRNGKey(1), sampling)
     for row in range(3):
         prev, chain, conf = int(anchors[row]), [], []
         for k in range(G):

@@ -668,7 +668,7 @@ def test_two_processes_joined_by_jax_distributed_generate_as_one(findings, tmp_p
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)])}
     procs = [subprocess.Popen([sys.executable, "-c", "import jax; jax.config.update('jax_default_matmul_precision', "
                                f"'highest'); import test_sharded_generate as t; t.distributed_run("
                                f"{str(tmp_path / f'p{i}.json')!r}, 'localhost:{port}', 2, {i})"],

@@ -22,8 +22,9 @@ def run_8_devices(call: str, module: str) -> dict:
     directory) in a subprocess with 8 CPU devices -> the findings."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "findings.json"
+        folder = next((ROOT / "tests").rglob(f"{module}.py")).parent  # the module's package folder
         env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(folder)])}
         code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
                 f"import {module} as t; t.{call.format(out=repr(str(out)), tmp=repr(tmp))}")
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

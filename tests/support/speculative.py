@@ -81,6 +81,7 @@ def check_rejections_at_every_position(target, drafter, prompts, max_new, monkey
     greedy decoding (`expect`, by default `plain_greedy_rows` of the prompts) bit for bit, and every
     acceptance length 1..G must occur (rows' positions `stride` apart: fewer new tokens cover them)."""
     from dflash_jax.decode import loop as decode_loop
+    from dflash_jax.drafters.generations import Proposal
     from dflash_jax.engine.generator import Generator
 
     g = drafter.config.block_size
@@ -95,7 +96,7 @@ def check_rejections_at_every_position(target, drafter, prompts, max_new, monkey
         slots = jnp.arange(cfg.block_size - 1)
         want = jnp.take_along_axis(reference, jnp.minimum(state.lengths[:, None] + slots, reference.shape[1] - 1), 1)
         wrong = (state.cycles + stride * jnp.arange(state.lengths.shape[0])) % cfg.block_size
-        return jnp.where(slots[None] == wrong[:, None], (want + 1) % vocab, want), None, None
+        return Proposal(jnp.where(slots[None] == wrong[:, None], (want + 1) % vocab, want))
 
     monkeypatch.setattr(decode_loop, "_draft", oracle)
     result = Generator(target, drafter).generate(prompts, max_new_tokens=max_new, stop_token_ids=())

@@ -60,7 +60,7 @@ def one_step(out: str, data: int = -1, fsdp: int = 1, shard_target: bool = False
 
 def _spawn(code: str, devices: int = 1) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)])}
     return subprocess.Popen([sys.executable, "-c", "import test_train_distributed as t; " + code], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

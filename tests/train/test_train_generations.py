@@ -350,7 +350,7 @@ def test_what_a_generation_cannot_train_with_fails_with_one_clear_error(data, fi
     spec = step_lib.StepSpec(num_anchors=2, decay=4.0)
     config = dataclasses.replace(fitted_models.drafter_config(4), dspark=DSparkConfig(4, False))
     with pytest.raises(ValueError, match="DSpark drafter needs the target's whole distribution"):
-        step_lib.dspark_batch_loss(fitted_target, config, spec, None, None, {"features": None})
+        step_lib.batch_loss(fitted_target, config, spec, None, None, {"features": None})
     assert not (tmp_path / "x").exists()
 
 
@@ -403,7 +403,8 @@ def test_a_sharded_step_equals_one_device_and_keeps_the_frozen_tables(tmp_path):
     runs = {}
     for devices, data, fsdp in ((1, 1, 1), (8, 4, 2)):
         env = {**os.environ, "XLA_FLAGS": xla_flags(devices),
-               "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+               "JAX_PLATFORMS": "cpu",
+               "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests"), str(Path(__file__).parent)])}
         out = tmp_path / f"{devices}.pkl"
         code = f"import test_train_generations as t; t.sharded_steps({str(out)!r}, {data}, {fsdp})"
         done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)

@@ -31,7 +31,8 @@ import numpy as np
 from dflash_jax.drafters.drafter import DrafterSpec, drafter_param_shapes
 from dflash_jax.models.target import TargetSpec, target_param_shapes
 from dflash_jax.cli.bench_random import RANDOM_TARGETS, random_configs
-from dflash_jax.kernels import KEY_TILE, round_up
+from dflash_jax.decode.loop import cache_tile
+from dflash_jax.kernels import round_up
 
 GIB = 2**30
 # (prompt mean, output mean, lognormal sigma) in tokens. "sharegpt": the means the vLLM paper
@@ -116,7 +117,7 @@ def main(argv=None):
           "most slots that fit |")
     print("|---|---|---|---|---|---|---|---|")
     for max_tokens in args.max_tokens:
-        capacity = round_up(max_tokens + args.block, KEY_TILE)
+        capacity = round_up(max_tokens + args.block, cache_tile())
         slot = capacity * (t_tok + d_tok) + capacity * 4  # + the slot's int32 token row
         for slots in args.slots:
             caches = slots * slot
@@ -130,7 +131,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|")
     rng = np.random.default_rng(args.seed)
     for max_tokens in args.max_tokens:
-        capacity = round_up(max_tokens + args.block, KEY_TILE)
+        capacity = round_up(max_tokens + args.block, cache_tile())
         ours = int(free // (capacity * (t_tok + d_tok) + capacity * 4))
         for name, (prompt_mean, output_mean, _) in DISTRIBUTIONS.items():
             n, mean = paged_slots(rng, name, max_tokens, args.block, args.page, t_tok + d_tok, free)

@@ -367,9 +367,10 @@ def main(argv=None):
         args.dtype = "bfloat16" if args.random_target else "float32"
     if len(set(args.generation)) != len(args.generation):
         parser.error(f"--generation names a generation twice: {' '.join(args.generation)}")
-    if "dspark" in args.generation and min(args.block) < 3:
-        parser.error("a DSpark drafter's cycle verifies at least 3 tokens (its block of G-1 >= 2 slots): "
-                     f"--block {min(args.block)}")
+    for generation in args.generation:
+        least = generations.get(generation).min_verify_block
+        if min(args.block) < least:
+            parser.error(f"a {generation} drafter's cycle verifies at least {least} tokens: --block {min(args.block)}")
     if args.fill + max(args.block) > min(args.capacity):
         parser.error(f"--fill {args.fill} + block {max(args.block)} does not fit --capacity {min(args.capacity)}")
     target, tp, drafters, name = build_models(args)

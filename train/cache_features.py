@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dflash_jax.kernels import KEY_TILE, round_up
+from dflash_jax.decode.loop import cache_tile
+from dflash_jax.kernels import round_up
 from dflash_jax.drafters.objective import greedy_and_top_tokens, greedy_tokens
 from train.data import META, TokenRecords, bucket_of, load_token_records
 from train.regenerate import write_atomic
@@ -69,7 +70,7 @@ def _feature_fn(target, layer_ids: tuple[int, ...], logits_rows: int = LOGITS_RO
     shaped this way (measured)")."""
     def features(params, tokens):
         b, t = tokens.shape
-        cache = target.init_cache(b, round_up(t, KEY_TILE))
+        cache = target.init_cache(b, round_up(t, cache_tile()))
         hidden, feats, _ = target.prefill(params, tokens, cache, capture=layer_ids)
         head, chunk = (lambda h: target.logits(params, h)), max(1, logits_rows // b)
         if top_k:

@@ -26,26 +26,33 @@ __all__ = ["ACTIVATIONS", "EXPERT_FORMS", "Backend", "BackendLayout", "NAMES", "
            "platform", "decode_backend", "of_target_params", "of_drafter_params", "check_layout",
            "layout_backend", "params_in_layout"]
 
-NAMES = ("xla", "cpu")
+def _cpu() -> Backend:
+    from dflash_jax.backends.cpu import CpuBackend  # imported on first use: the one import of it
+
+    return CpuBackend()
+
+
+FACTORIES = {"xla": Backend, "cpu": _cpu}  # backend name -> what builds it
+NAMES = tuple(FACTORIES)
 LAYOUTS = {"stacked": "xla", "packed": "cpu"}  # user-facing layout name -> backend
+PLATFORM_BACKENDS = {"cpu": "cpu"}  # the backend "auto" picks on a platform ("xla" on the others)
 
 
 @functools.cache
 def get(name: str) -> Backend:
-    """The backend called `name` ("xla" or "cpu"), built once."""
-    if name == "xla":
-        return Backend()
-    if name == "cpu":
-        from dflash_jax.backends.cpu import CpuBackend
-
-        return CpuBackend()
-    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(NAMES)}")
+    """The backend called `name` (one of `NAMES`), built once."""
+    try:
+        factory = FACTORIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(NAMES)}") from None
+    return factory()
 
 
 def resolve(name: str = "auto") -> str:
-    """A backend name, "auto" resolved: "cpu" where JAX's default backend is the CPU, else "xla"."""
+    """A backend name, "auto" resolved: the platform's (`PLATFORM_BACKENDS`: "cpu" where JAX's default
+    backend is the CPU), else "xla"."""
     if name == "auto":
-        return "cpu" if platform() == "cpu" else "xla"
+        return PLATFORM_BACKENDS.get(platform(), "xla")
     get(name)  # validates
     return name
 

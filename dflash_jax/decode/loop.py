@@ -33,11 +33,18 @@ from flax import struct
 from dflash_jax import sharding
 from dflash_jax.decode import sampling
 from dflash_jax.models.cache import KVCache, put_row, take_row, write_rows
-from dflash_jax.kernels import KEY_TILE, round_up  # cache lengths: multiples of the kernel's key tile
+from dflash_jax import backends
+from dflash_jax.kernels import registry as kernel_registry, round_up
 from dflash_jax.decode.lookup import lookup_drafts, merge_lookup
 
 ACCEPTANCE_RULES = ("exact", "match")
 NEW_TOKENS_BUCKET = 64  # GenerationConfig.max_new_tokens: a multiple of this
+
+
+def cache_tile() -> int:
+    """Cache capacities are multiples of this: the key tile of the attention kernel this process's
+    platform runs (`kernels.registry.key_tile`)."""
+    return kernel_registry.key_tile(backends.platform())
 
 
 def new_tokens_bucket(max_new_tokens: int) -> int:
@@ -171,7 +178,7 @@ def _empty_draft_cache(drafter, cfg: GenerationConfig, batch: int, capacity: int
     if drafter is None:
         return None
     if cfg.draft_context and cfg.draft_context < capacity:
-        return drafter.init_cache(batch, round_up(cfg.draft_context, KEY_TILE), window=cfg.draft_context)
+        return drafter.init_cache(batch, round_up(cfg.draft_context, cache_tile()), window=cfg.draft_context)
     return drafter.init_cache(batch, capacity)
 
 
@@ -183,7 +190,7 @@ def prefill(target, drafter, cfg: GenerationConfig, target_params, drafter_param
     # Cache lengths that are multiples of the kernel's key tile spare it a padding copy per call
     # (the XLA path reads only the filled slots and needs no rounding). The drafter's block
     # attends to its context cache and its own keys separately, so both caches have one size.
-    cache_capacity = round_up(capacity, KEY_TILE)
+    cache_capacity = round_up(capacity, cache_tile())
     capture = drafter.config.target_layer_ids if drafter is not None else ()
     # Chunked prefill (Target.prefill): attention cost follows the filled length, memory one chunk.
     hidden, features, cache = target.prefill(target_params, prompt_tokens, target.init_cache(b, cache_capacity),

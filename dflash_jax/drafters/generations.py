@@ -154,6 +154,7 @@ class Generation:
     # ---- published settings (random drafters of the benchmark and the profiler)
 
     published_verify_block = 16  # tokens a cycle of its released drafters verifies
+    min_verify_block = 2  # the fewest tokens a cycle of it verifies (the anchor and one draft)
 
     def published(self, base):
         """`base` (a DFlash `DrafterConfig` whose block_size is what a cycle verifies) as this
@@ -377,9 +378,12 @@ class DSpark(Generation):
     loss_weight_defaults = {"ce_loss_alpha": 0.1, "l1_loss_alpha": 0.9, "confidence_loss_alpha": 1.0}
     draft_vocab_allowed = False  # its own reduced vocabulary is the speculators layout's d2t
 
+    min_verify_block = 3  # its block of G-1 >= 2 slots
+
     def published(self, base):
-        if base.block_size < 3:
-            raise ValueError(f"a DSpark drafter verifies blocks of at least 3 tokens, got {base.block_size}")
+        if base.block_size < self.min_verify_block:
+            raise ValueError(f"a DSpark drafter verifies blocks of at least {self.min_verify_block} tokens, got "
+                             f"{base.block_size}")
         return dataclasses.replace(base, block_size=base.block_size - 1, dspark=DSparkConfig(
             markov_rank=self.markov_rank, enable_confidence_head=True, confidence_head_with_markov=True))
 

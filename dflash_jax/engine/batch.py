@@ -41,10 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import sharding
-from dflash_jax.decode.loop import admit, decode_until, empty_state, round_up, state_shardings
+from dflash_jax.decode.loop import admit, cache_tile, decode_until, empty_state, round_up, state_shardings
 from dflash_jax.engine.options import SamplingOptions, _configure, _cut, _fetch, _is_int, _prompt_rows, prompt_bucket
 from dflash_jax.models.target import PREFILL_CHUNK
-from dflash_jax.kernels import KEY_TILE
 
 DEFAULT_MAX_CYCLES = 64  # cycles the decode loop may run before it returns to the host when nothing waits
 
@@ -147,7 +146,7 @@ class BatchEngine:
                              f"target's max_position_embeddings ({limit})")
         self.slots = slots
         self.capacity = round_up(prompt_bucket(self.max_prompt_tokens) + self.config.max_new_tokens
-                                 + self.config.block_size, KEY_TILE)
+                                 + self.config.block_size, cache_tile())
         self.cycles_per_chunk, self.max_cycles = cycles_per_chunk, max_cycles
         self.stats = EngineStats()
         self._state_sharding = None

@@ -1,7 +1,7 @@
 """The attention seam: every attention in dflash_jax (target, drafter, training) calls `attention`
-or, when part of its keys sit in a KV cache, `cache_attention`. Both dispatch between the Pallas
-kernel (`dflash_jax.kernels.block_attention`) and the plain-jnp reference beside it
-(`dflash_jax.kernels.reference`).
+or, when part of its keys sit in a KV cache, `cache_attention`. Both dispatch between the kernel the
+platform registers (`dflash_jax.kernels.registry`: the Pallas Triton kernel on a GPU,
+`kernels.block_attention`) and the plain-jnp reference beside it (`dflash_jax.kernels.reference`).
 
 q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D] with Hq % Hkv == 0 (GQA without repeating K/V);
 ranges: `masks.KeyRanges` ([B, Tq, 2] bounds). Output [B, Tq, Hq, D] in q's dtype. Scores,
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax import backends
-from dflash_jax.kernels import block_attention, block_attention_with_lse, unsupported_reason
+from dflash_jax.kernels import registry
 from dflash_jax.kernels.reference import (
     CACHE_CHUNK,
     chunked_cache_attention_with_lse,
@@ -118,23 +118,27 @@ def _per_device_heads(kernel, q, k, v, ranges: KeyRanges, sinks):
     return _shard_map()(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 
 
-def _kernel_mode(impl: str, q, k, v, ranges: KeyRanges, scale) -> bool | None:
-    """None: use the reference; else the kernel's `interpret` flag. Validates impl."""
+def _kernel_mode(impl: str, q, k, v, ranges: KeyRanges, scale):
+    """None: use the reference; else (the platform's kernel, its `interpret` flag). Validates impl.
+    "auto" takes the kernel the platform registers (`kernels.registry.KERNELS`) where it supports the
+    inputs; "pallas" / "pallas_interpret" the platform's kernel, else the one Pallas interprets
+    anywhere (`registry.forced`), which raises on unsupported inputs."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLS}")
     if impl == "reference":
         return None
+    platform = _platform()
     if impl == "auto":
-        backend = _platform()
-        if backend != "gpu":
-            _log_once(logging.DEBUG, f"backend is {backend!r}, the kernel needs a GPU")
+        kernel = registry.for_platform(platform)
+        if kernel is None:
+            _log_once(logging.DEBUG, f"backend is {platform!r}, no attention kernel is registered for it")
             return None
-        reason = unsupported_reason(q, k, v, ranges, scale)
+        reason = kernel.unsupported_reason(q, k, v, ranges, scale)
         if reason is not None:
             _log_once(logging.WARNING, reason)
             return None
-    # "pallas" / "pallas_interpret": the kernel raises on unsupported inputs.
-    return impl == "pallas_interpret"
+        return kernel, False
+    return registry.forced(platform), impl == "pallas_interpret"
 
 
 def attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, impl: str = "auto", sinks=None):
@@ -145,21 +149,23 @@ def attention(q, k, v, ranges: KeyRanges, *, scale: float | None = None, impl: s
     "pallas_interpret" runs the kernel in Pallas interpret mode (CPU tests); "reference" the
     reference. sinks [Hq]: attention sinks (module docstring).
     """
-    interpret = _kernel_mode(impl, q, k, v, ranges, scale)
-    if interpret is None:
+    mode = _kernel_mode(impl, q, k, v, ranges, scale)
+    if mode is None:
         return reference_attention(q, k, v, ranges, scale=scale, sinks=sinks)
+    kernel, interpret = mode
     return _per_device_heads(
-        lambda q, k, v, r, s: block_attention(q, k, v, r, scale=scale, interpret=interpret, sinks=s),
+        lambda q, k, v, r, s: kernel.attention(q, k, v, r, scale=scale, interpret=interpret, sinks=s),
         q, k, v, ranges, sinks)
 
 
 def _partial(q, k, v, ranges: KeyRanges, scale, impl: str):
     """(out, lse) of one part through the kernel or the dense reference (per `attention`'s rules)."""
-    interpret = _kernel_mode(impl, q, k, v, ranges, scale)
-    if interpret is None:
+    mode = _kernel_mode(impl, q, k, v, ranges, scale)
+    if mode is None:
         return reference_attention_with_lse(q, k, v, ranges, scale=scale)
+    kernel, interpret = mode
     return _per_device_heads(
-        lambda q, k, v, r, _: block_attention_with_lse(q, k, v, r, scale=scale, interpret=interpret),
+        lambda q, k, v, r, _: kernel.attention_with_lse(q, k, v, r, scale=scale, interpret=interpret),
         q, k, v, ranges, None)
 
 

@@ -161,8 +161,10 @@ def test_auto_reads_caches_with_the_kernel_on_a_gpu_and_the_reference_elsewhere(
     """What "auto" chooses for a model's cache reads (the choice, not a timing): the Pallas
     kernel on a GPU, for the cached part and the new keys alike; the chunked reference on a CPU
     (the XLA backend's models: the CPU backend's kernel is its own choice, tests/backends/test_cpu_attention.py)."""
+    import dataclasses
+
+    from dflash_jax.kernels import reference_attention_with_lse, registry
     from dflash_jax.layers import attention as _attention
-    from dflash_jax.kernels import reference_attention_with_lse
 
     calls = []
 
@@ -177,7 +179,8 @@ def test_auto_reads_caches_with_the_kernel_on_a_gpu_and_the_reference_elsewhere(
         return chunked(*args, **kwargs)
 
     monkeypatch.setattr(_attention, "_platform", lambda: platform)
-    monkeypatch.setattr(_attention, "block_attention_with_lse", kernel)
+    gpu = dataclasses.replace(registry.KERNELS["gpu"], attention_with_lse=kernel)  # the GPU's kernel, recorded
+    monkeypatch.setitem(registry.KERNELS, "gpu", gpu)
     monkeypatch.setattr(_attention, "chunked_cache_attention_with_lse", reference)
     target = Target(TARGET, drawn_params(target_param_shapes(TARGET), 0, scale=0.2))  # attn_impl "auto"
     assert target.attn_impl == "auto" and target.module_for(target.params).backend == "xla"

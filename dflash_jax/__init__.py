@@ -79,14 +79,14 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from dflash_jax.models.config import ModelConfig
-    from dflash_jax.engine.batch import BatchEngine, PromptResult
-    from dflash_jax.drafters.drafter import Drafter, DrafterSpec, init_drafter_params
-    from dflash_jax.drafters.config import DrafterConfig
     from dflash_jax._errors import CheckpointError, ConfigError, DrafterMismatchError, TorchRequiredError
+    from dflash_jax.drafters.config import DrafterConfig
+    from dflash_jax.drafters.drafter import Drafter, DrafterSpec, init_drafter_params
+    from dflash_jax.engine.batch import BatchEngine, PromptResult
     from dflash_jax.loading.drafter_io import load_drafter, save_drafter
     from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
     from dflash_jax.loading.target_loader import load_target
+    from dflash_jax.models.config import ModelConfig
     from dflash_jax.engine.generator import (GenerationResult, Generator, generate, generate_batch, generate_stream,
                                          release_generators)
-    from dflash_jax.models.target import Target, TargetSpec, init_target_params
+    from dflash_jax.models.target import init_target_params, Target, TargetSpec

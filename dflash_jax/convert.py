@@ -18,10 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash_jax.models.config import read_config_json
-from dflash_jax.loading.drafter_io import load_drafter, save_drafter
 from dflash_jax.formats.dtypes import stored_dtype_name
+from dflash_jax.loading.drafter_io import load_drafter, save_drafter
 from dflash_jax.loading.orbax_io import load_orbax_drafter, save_orbax_drafter
+from dflash_jax.models.config import read_config_json
 
 EXIT_ERROR = 2
 

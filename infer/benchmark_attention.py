@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.kernels import masks
-from dflash_jax.kernels import BlockSizes, block_attention, reference_attention
+from dflash_jax.kernels import block_attention, BlockSizes, masks, reference_attention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,8 +71,8 @@ def main(argv=None) -> None:
         # the drafter generations on the tiny Qwen3 target, greedy and sampled
         import jax
 
-        from dflash_jax.drafters.drafter import Drafter, init_drafter_params
         from dflash_jax.cli.bench_random import DRAFTER_GENERATIONS
+        from dflash_jax.drafters.drafter import Drafter, init_drafter_params
         from infer.profile_cycle import generation_config
 
         target = tiny_target("qwen3")

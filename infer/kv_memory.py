@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.drafters.drafter import DrafterSpec, drafter_param_shapes
-from dflash_jax.models.target import TargetSpec, target_param_shapes
-from dflash_jax.cli.bench_random import RANDOM_TARGETS, random_configs
+from dflash_jax.cli.bench_random import random_configs, RANDOM_TARGETS
 from dflash_jax.decode.loop import cache_tile
+from dflash_jax.drafters.drafter import drafter_param_shapes, DrafterSpec
 from dflash_jax.kernels import round_up
+from dflash_jax.models.target import target_param_shapes, TargetSpec
 
 GIB = 2**30
 # (prompt mean, output mean, lognormal sigma) in tokens. "sharegpt": the means the vLLM paper

@@ -55,13 +55,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.config import ModelConfig
+from dflash_jax.backends import ACTIVATIONS
 from dflash_jax.decode.loop import GenerationConfig, SamplingParams
 from dflash_jax.drafters import generations
+from dflash_jax.drafters.config import default_target_layer_ids, DrafterConfig
 from dflash_jax.drafters.drafter import DrafterSpec, init_drafter_params
-from dflash_jax.drafters.config import DrafterConfig, default_target_layer_ids
-from dflash_jax.backends import ACTIVATIONS
-from dflash_jax.models.target import TargetSpec, init_target_params
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.target import init_target_params, TargetSpec
 from dflash_jax.cli.bench_random import (
     DRAFTER_GENERATIONS,
     RANDOM_TARGETS as BENCH_TARGETS,
@@ -80,8 +80,8 @@ def build_models(args):
         config = random_target_config(args.random_target, args.layers)
         name = args.random_target + (f" ({args.layers} layers)" if args.layers else "")
     else:
-        from dflash_jax.loading.target_loader import load_target
         from dflash_jax._resources import smollm2_gguf_path
+        from dflash_jax.loading.target_loader import load_target
 
         loaded = load_target(args.target or smollm2_gguf_path(), args.dtype, tokenizer=False,
                              decode_activations=args.decode_activations)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from dflash_jax import backends
+from dflash_jax.backends import base
+from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.drafters.drafter import Drafter, init_drafter_params
 from dflash_jax.layers import moe
 from dflash_jax.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
-from dflash_jax.drafters.drafter import Drafter, init_drafter_params
-from dflash_jax.drafters.config import DrafterConfig
 from dflash_jax.models.target import Target, target_param_shapes
-from dflash_jax.backends import base
 from support.families import drawn_params
 
 DENSE = ModelConfig(arch="qwen3", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.config import ModelConfig
 from dflash_jax.drafters.objective import default_decay
-from dflash_jax.models.target import Target, init_target_params
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.target import init_target_params, Target
 from train import drafter_init, step as step_lib
 
 QWEN3_8B = ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
@@ -91,8 +91,8 @@ def make_batch(target, config, batch_size: int, seq_len: int, seed: int = 0) -> 
 
 def load_benchmark_target(name: str | None, dtype: str):
     if name is None:
-        from dflash_jax.loading.target_loader import load_target
         from dflash_jax._resources import smollm2_gguf_path
+        from dflash_jax.loading.target_loader import load_target
 
         return load_target(smollm2_gguf_path(), dtype=dtype, tokenizer=False, layout="stacked")
     config = RANDOM_TARGETS[name]

@@ -35,8 +35,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dflash_jax.decode.loop import cache_tile
-from dflash_jax.kernels import round_up
 from dflash_jax.drafters.objective import greedy_and_top_tokens, greedy_tokens
+from dflash_jax.kernels import round_up
 from train.data import META, TokenRecords, bucket_of, load_token_records
 from train.regenerate import write_atomic
 
@@ -178,8 +178,8 @@ def resolve_layer_ids(num_target_layers: int, layers: str | None, num_draft_laye
     if layers:
         return tuple(int(x) for x in layers.split(","))
     if drafter:
-        from dflash_jax.models.config import read_config_json
         from dflash_jax.drafters.config import DrafterConfig
+        from dflash_jax.models.config import read_config_json
 
         return DrafterConfig.from_hf_config(read_config_json(Path(drafter))).target_layer_ids
     from dflash_jax.drafters.config import default_target_layer_ids
@@ -207,8 +207,8 @@ def main(argv=None) -> int:
                         "token at 8), for run.labels=distribution; 0 = only the greedy next token")
     args = p.parse_args(argv)
     try:
-        from dflash_jax.loading.target_loader import load_target
         from dflash_jax._resources import smollm2_gguf_path
+        from dflash_jax.loading.target_loader import load_target
 
         buckets = tuple(int(b) for b in args.buckets.split(","))
         target = load_target(args.target or smollm2_gguf_path(), args.dtype)

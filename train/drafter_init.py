@@ -16,8 +16,8 @@ from dflash_jax.drafters import generations
 from dflash_jax.drafters.drafter import init_drafter_params
 from dflash_jax.drafters.config import (DFlash2Config, DrafterConfig, DSparkConfig, default_target_layer_ids,
                                         resolve_mask_token_id)
-from dflash_jax.loading.drafter_io import validate_pair
 from dflash_jax import backends
+from dflash_jax.loading.drafter_io import validate_pair
 
 LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
 

@@ -22,12 +22,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.models.config import read_config_json
+from dflash_jax.drafters.config import DrafterConfig
 from dflash_jax.drafters.draft_vocab import DraftVocab
 from dflash_jax.drafters.drafter import Drafter
-from dflash_jax.drafters.config import DrafterConfig
-from dflash_jax.loading.drafter_io import save_drafter
 from dflash_jax.formats.dtypes import resolve_dtype
+from dflash_jax.loading.drafter_io import save_drafter
+from dflash_jax.models.config import read_config_json
 from train import checkpointing
 from train.train import VOCAB_FILE
 

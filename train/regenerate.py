@@ -225,8 +225,8 @@ def main(argv=None) -> int:
                                batch_size=args.batch_size, max_turns=args.max_turns,
                                max_prompt_tokens=args.max_prompt_tokens, shard_size=args.shard_size,
                                seed=args.seed)
-        from dflash_jax.loading.target_loader import load_target
         from dflash_jax._resources import smollm2_gguf_path
+        from dflash_jax.loading.target_loader import load_target
 
         source = Path(args.input) if args.input else sharegpt_package_file()
         records = list(read_records(source, args.limit))

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import optax
 
 from dflash_jax.drafters import generations, objective
-from dflash_jax.drafters.drafter import DrafterSpec
 from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.drafters.drafter import DrafterSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

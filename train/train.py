@@ -24,12 +24,12 @@ import numpy as np
 import yaml
 from tqdm.auto import tqdm
 
-from dflash_jax.drafters.draft_vocab import DraftVocab, build_draft_vocab
-from dflash_jax.drafters.drafter import Drafter
-from dflash_jax.drafters import generations
-from dflash_jax.loading.target_loader import load_target
-from dflash_jax.engine.generator import generate
 from dflash_jax import sharding
+from dflash_jax.drafters import generations
+from dflash_jax.drafters.draft_vocab import build_draft_vocab, DraftVocab
+from dflash_jax.drafters.drafter import Drafter
+from dflash_jax.engine.generator import generate
+from dflash_jax.loading.target_loader import load_target
 from train import checkpointing, data as data_lib, drafter_init, step as step_lib
 from train.config import ConfigError, TrainConfig, load_config
 

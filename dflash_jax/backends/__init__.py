@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from dflash_jax.backends.base import ACTIVATIONS, EXPERT_FORMS, Backend, BackendLayout, platform
+from dflash_jax.backends.base import ACTIVATIONS, Backend, BackendLayout, EXPERT_FORMS, platform
 
 __all__ = ["ACTIVATIONS", "EXPERT_FORMS", "Backend", "BackendLayout", "NAMES", "LAYOUTS", "get", "resolve",
            "platform", "decode_backend", "of_target_params", "of_drafter_params", "check_layout",

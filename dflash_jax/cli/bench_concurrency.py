@@ -140,7 +140,7 @@ def profile_verify(target, drafter, prompts: list[dict], args, stops, path: Path
     decode seconds of a run that always verifies that width, over its cycles. Written to `path`."""
     import jax
 
-    from dflash_jax.engine.generator import Generator, _block_size, verify_widths_for
+    from dflash_jax.engine.generator import _block_size, Generator, verify_widths_for
 
     if drafter is None:
         raise CLIError("--profile-verify times the verify of a drafter's blocks: it needs a drafter")

@@ -239,7 +239,7 @@ def random_configs(name: str, layers: int | None, block_size: int | None, genera
     import numpy as np
 
     from dflash_jax.drafters import generations
-    from dflash_jax.drafters.config import DrafterConfig, default_target_layer_ids
+    from dflash_jax.drafters.config import default_target_layer_ids, DrafterConfig
     from dflash_jax.models.config import ModelConfig
 
     kind = generations.get(generation)  # ValueError naming the known ones
@@ -267,8 +267,8 @@ def random_configs(name: str, layers: int | None, block_size: int | None, genera
 def random_models(name: str, layers: int | None, block_size: int | None, dtype: str, seed: int,
                   kv_cache_dtype: str = "auto", generation: str = "dflash"):
     """(target, drafter) of `random_configs`, random weights drawn on the device, no tokenizer."""
-    from dflash_jax.models.target import Target, target_param_shapes
     from dflash_jax.formats.dtypes import resolve_dtype
+    from dflash_jax.models.target import Target, target_param_shapes
 
     config, _ = random_configs(name, layers, block_size, generation)
     jdtype = resolve_dtype(dtype)

@@ -30,12 +30,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dflash_jax import sharding
+from dflash_jax import backends, sharding
 from dflash_jax.decode import sampling
-from dflash_jax.models.cache import KVCache, put_row, take_row, write_rows
-from dflash_jax import backends
-from dflash_jax.kernels import registry as kernel_registry, round_up
 from dflash_jax.decode.lookup import lookup_drafts, merge_lookup
+from dflash_jax.kernels import registry as kernel_registry, round_up
+from dflash_jax.models.cache import KVCache, put_row, take_row, write_rows
 
 ACCEPTANCE_RULES = ("exact", "match")
 NEW_TOKENS_BUCKET = 64  # GenerationConfig.max_new_tokens: a multiple of this

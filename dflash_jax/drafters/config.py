@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dflash_jax.models.config import ConfigFields, LayerLayout, decoder_fields
 from dflash_jax._errors import DrafterMismatchError
+from dflash_jax.models.config import ConfigFields, decoder_fields, LayerLayout
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

@@ -30,12 +30,12 @@ import numpy as np
 
 from dflash_jax import backends
 from dflash_jax.drafters import generations
+from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.drafters.draft_vocab import DraftVocab
 from dflash_jax.kernels import masks
 from dflash_jax.layers.attention import attention, cache_attention
+from dflash_jax.layers.common import AttentionProjections, make_dense, MLP, RMSNorm, Rotary, run_layers
 from dflash_jax.models.cache import KVCache, RingKVCache
-from dflash_jax.drafters.draft_vocab import DraftVocab
-from dflash_jax.drafters.config import DrafterConfig
-from dflash_jax.layers.common import MLP, AttentionProjections, RMSNorm, Rotary, make_dense, run_layers
 from dflash_jax.models.spec import on_spec
 
 DECODE_WEIGHTS = ("stored", "q8_0")  # the weights a backend's decode layout keeps (`DrafterSpec`)

@@ -31,7 +31,7 @@ from dflash_jax.decode import sampling
 from dflash_jax.decode.loop import slot_confidence, target_probs
 from dflash_jax.drafters import dflash2, dspark, objective
 from dflash_jax.drafters.config import DFlash2Config, DSparkConfig
-from dflash_jax.formats.names import Rule, drafter_rules, linear_rules
+from dflash_jax.formats.names import drafter_rules, linear_rules, Rule
 
 
 class Proposal(NamedTuple):

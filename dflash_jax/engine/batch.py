@@ -42,7 +42,7 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax.decode.loop import admit, cache_tile, decode_until, empty_state, round_up, state_shardings
-from dflash_jax.engine.options import SamplingOptions, _configure, _cut, _fetch, _is_int, _prompt_rows, prompt_bucket
+from dflash_jax.engine.options import _configure, _cut, _fetch, _is_int, _prompt_rows, prompt_bucket, SamplingOptions
 from dflash_jax.models.target import PREFILL_CHUNK
 
 DEFAULT_MAX_CYCLES = 64  # cycles the decode loop may run before it returns to the host when nothing waits

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import backends, sharding
-from dflash_jax.decode.loop import GenerationConfig, cycle, decode, prefill, state_shardings
+from dflash_jax.decode.loop import cycle, decode, GenerationConfig, prefill, state_shardings
 from dflash_jax.engine.options import (  # noqa: F401 (prompt_bucket, _block_size, verify_widths_for: imported from here too)
     SamplingOptions,
     _as_options,
@@ -318,7 +318,7 @@ class Generator:
         queue of prompts as rows finish (continuous batching; `dflash_jax.engine.batch`). options: the
         keywords of `generate` (max_new_tokens, temperature, ...), the same for every prompt it runs.
         max_prompt_tokens: the longest prompt a slot holds (longer ones are refused one by one)."""
-        from dflash_jax.engine.batch import DEFAULT_MAX_CYCLES, BatchEngine
+        from dflash_jax.engine.batch import BatchEngine, DEFAULT_MAX_CYCLES
 
         return BatchEngine(self, slots=slots, max_prompt_tokens=max_prompt_tokens, options=SamplingOptions(**options),
                            cycles_per_chunk=cycles_per_chunk,

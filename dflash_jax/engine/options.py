@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.config import default_stop_token_ids
+from dflash_jax.decode.loop import ACCEPTANCE_RULES, GenerationConfig, new_tokens_bucket, round_up, SamplingParams
 from dflash_jax.drafters import generations
-from dflash_jax.decode.loop import ACCEPTANCE_RULES, GenerationConfig, SamplingParams, new_tokens_bucket, round_up
+from dflash_jax.models.config import default_stop_token_ids
 
 _SMALLEST_BUCKET, _LARGEST_POWER_BUCKET = 16, 1024
 _STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this: few shapes, no recompiles

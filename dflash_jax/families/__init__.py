@@ -12,6 +12,6 @@ in `MODULES` (`dflash_jax.models.registry`), and a row in the conformance table 
 """
 from __future__ import annotations
 
-from dflash_jax.models.registry import MODULES, for_hf_config, get, hf_classes, names, register
+from dflash_jax.models.registry import for_hf_config, get, hf_classes, MODULES, names, register
 
 __all__ = ["MODULES", "for_hf_config", "get", "hf_classes", "names", "register"]

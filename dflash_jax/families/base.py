@@ -5,10 +5,10 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from dflash_jax.models.config import LINEAR, REQUIRED, ConfigFields, ModelConfig, decoder_fields
 from dflash_jax._errors import CheckpointError
+from dflash_jax.formats.names import _linear_rules, moe_layer_rules, Rule, unfuse_experts
+from dflash_jax.models.config import ConfigFields, decoder_fields, LINEAR, ModelConfig, REQUIRED
 from dflash_jax.models.stack import is_direct, segment_path, stack_segments
-from dflash_jax.formats.names import Rule, _linear_rules, moe_layer_rules, unfuse_experts
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

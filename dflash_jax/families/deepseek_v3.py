@@ -35,18 +35,17 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dflash_jax._errors import CheckpointError
+from dflash_jax.families import register
+from dflash_jax.families.base import Family, MLP_PROJECTIONS
+from dflash_jax.formats import fp8_block, int4_pack
+from dflash_jax.formats.names import _linear_rules, moe_layer_rules, Rule
 from dflash_jax.kernels import masks
 from dflash_jax.layers.attention import attention, cache_attention
+from dflash_jax.layers.common import apply_rotary, make_dense, RMSNorm
 from dflash_jax.models.cache import rows_axis, write_rows
 from dflash_jax.models.config import ConfigFields, MLAConfig, ModelConfig, MoEConfig
 from dflash_jax.models.decoder_layer import PreNormLayer
-from dflash_jax.layers.common import RMSNorm, apply_rotary, make_dense
-from dflash_jax._errors import CheckpointError
-from dflash_jax.families import register
-from dflash_jax.families.base import MLP_PROJECTIONS, Family
-from dflash_jax.formats import fp8_block
-from dflash_jax.formats import int4_pack
-from dflash_jax.formats.names import Rule, _linear_rules, moe_layer_rules
 from dflash_jax.sharding import declare_param_axes
 
 log = logging.getLogger(__name__)

@@ -31,13 +31,13 @@ import numpy as np
 
 from dflash_jax.layers.attention import causal_attention
 from dflash_jax.models.cache import GroupedKVCache
-from dflash_jax.models.config import ConfigFields, ModelConfig, MoEConfig, _freeze
+from dflash_jax.models.config import _freeze, ConfigFields, ModelConfig, MoEConfig
 from dflash_jax.layers.common import RMSNorm, apply_rotary, capture_into, make_dense, rms_normalize, rope_frequencies, \
     rotary_cos_sin
-from dflash_jax.layers.moe import grouped_experts
 from dflash_jax.families import register
 from dflash_jax.families.base import Family
-from dflash_jax.formats.names import Rule, _linear_rules
+from dflash_jax.formats.names import _linear_rules, Rule
+from dflash_jax.layers.moe import grouped_experts
 from dflash_jax.sharding import declare_param_axes, replicas_of_group
 
 log = logging.getLogger(__name__)

@@ -28,17 +28,16 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dflash_jax._errors import CheckpointError
+from dflash_jax.families import register
+from dflash_jax.families.base import Family, MLP_PROJECTIONS
+from dflash_jax.formats import fp8_block, fp8_channel
+from dflash_jax.formats.names import _linear_rules, moe_layer_rules, Rule
 from dflash_jax.layers.attention import causal_attention
+from dflash_jax.layers.common import apply_rotary, make_dense, RMSNorm
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.config import ConfigFields, ModelConfig, MoEConfig
 from dflash_jax.models.decoder_layer import PreNormLayer
-from dflash_jax._errors import CheckpointError
-from dflash_jax.layers.common import RMSNorm, apply_rotary, make_dense
-from dflash_jax.families import register
-from dflash_jax.families.base import MLP_PROJECTIONS, Family
-from dflash_jax.formats import fp8_block
-from dflash_jax.formats import fp8_channel
-from dflash_jax.formats.names import Rule, _linear_rules, moe_layer_rules
 
 log = logging.getLogger(__name__)
 

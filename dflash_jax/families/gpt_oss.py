@@ -5,11 +5,11 @@ released checkpoints hold the experts fused (gate and up columns interleaved) an
 as they are read (`loading.mxfp4`)."""
 from __future__ import annotations
 
-from dflash_jax.models.config import ConfigFields, MoEConfig
 from dflash_jax.families import register
 from dflash_jax.families.base import Family
 from dflash_jax.formats.mxfp4 import dequantized
 from dflash_jax.formats.names import Rule
+from dflash_jax.models.config import ConfigFields, MoEConfig
 
 # What transformers' GptOssConfig fills in where a gpt-oss config.json is silent (its defaults are
 # gpt-oss-120b's shapes; the released configs state these fields anyway).

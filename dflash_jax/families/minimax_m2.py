@@ -14,11 +14,11 @@ and experts are float8_e4m3fn with `weight_scale_inv` block scales, dequantised 
 (`loading.fp8_block`)."""
 from __future__ import annotations
 
-from dflash_jax.models.config import ConfigFields, MoEConfig
 from dflash_jax.families import register
 from dflash_jax.families.base import ATTENTION_PROJECTIONS
 from dflash_jax.families.glm4_moe import FIXED, SigmoidMoeFamily
-from dflash_jax.formats.names import Rule, _linear_rules
+from dflash_jax.formats.names import _linear_rules, Rule
+from dflash_jax.models.config import ConfigFields, MoEConfig
 
 # What transformers' MiniMaxM2Config fills in where a config.json is silent (the released configs state them).
 DEFAULTS = {"head_dim": 128, "rope_theta": 5000000.0, "max_position_embeddings": 196608}

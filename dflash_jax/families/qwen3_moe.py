@@ -3,9 +3,9 @@ block (top k of the router's softmax, renormalised where `norm_topk_prob`) in ev
 dense ones: those `mlp_only_layers` lists, and with `decoder_sparse_step` s > 1 every layer i with
 (i + 1) % s != 0, as transformers' `Qwen3MoeDecoderLayer` decides. The stack groups them into scanned
 segments (`dflash_jax.models.stack`)."""
-from dflash_jax.models.config import MoEConfig
 from dflash_jax.families import register
 from dflash_jax.families.base import Family
+from dflash_jax.models.config import MoEConfig
 
 
 class Qwen3Moe(Family):

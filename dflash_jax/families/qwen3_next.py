@@ -21,11 +21,11 @@ import logging
 
 import numpy as np
 
-from dflash_jax.models.config import LINEAR, ConfigFields, MoEConfig
 from dflash_jax.families import register
 from dflash_jax.families.base import Family
 from dflash_jax.families.qwen3_5 import Qwen3_5
 from dflash_jax.formats.names import Rows, Rule
+from dflash_jax.models.config import ConfigFields, LINEAR, MoEConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Callable, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
-from dflash_jax.models.config import read_json
 from dflash_jax._errors import CheckpointError, ConfigError, TorchRequiredError
 from dflash_jax.formats.safetensors_io import SafetensorsFile
+from dflash_jax.models.config import read_json
 
 SAFETENSORS_INDEX, SAFETENSORS = "model.safetensors.index.json", "model.safetensors"
 TORCH_INDEX, TORCH_BIN = "pytorch_model.bin.index.json", "pytorch_model.bin"

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from dflash_jax.formats.gguf_file import GGUFCheckpoint, GGUFTensors, TensorInfo, Vocabulary, parse_gguf
 from dflash_jax._resources import user_cache_dir
+from dflash_jax.formats.gguf_file import GGUFCheckpoint, GGUFTensors, parse_gguf, TensorInfo, Vocabulary
 
 CACHE_ENV = "DFLASH_JAX_GGUF_CACHE"  # "0" turns the dequantisation cache off
 

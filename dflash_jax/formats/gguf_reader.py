@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from dflash_jax.formats.gguf_cache import CACHE_ENV, cached_checkpoint
-from dflash_jax.formats.gguf_file import GGUFCheckpoint, existing_gguf, parse_gguf
+from dflash_jax.formats.gguf_file import existing_gguf, GGUFCheckpoint, parse_gguf
 from dflash_jax.formats.gguf_tokenizer import gguf_tokenizer  # noqa: F401  (target_loader imports it from here)
 from dflash_jax._resources import smollm2_gguf_path, user_cache_dir
 

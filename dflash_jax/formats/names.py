@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from dflash_jax import _host_arrays as host_arrays
-from dflash_jax.models.config import ModelConfig
 from dflash_jax._errors import CheckpointError
+from dflash_jax.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

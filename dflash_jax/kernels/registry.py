@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from dflash_jax.kernels.block_attention import KEY_TILE, block_attention, block_attention_with_lse, unsupported_reason
+from dflash_jax.kernels.block_attention import block_attention, block_attention_with_lse, KEY_TILE, unsupported_reason
 
 # Cache capacities round to this where the platform has no kernel (the reference reads any length):
 # the GPU kernel's tile, so that a cache built on a CPU has the shapes it has on a GPU.

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import _host_arrays as host_arrays, backends, sharding
-from dflash_jax.models.config import read_config_json, write_config_json
 from dflash_jax.drafters import generations
 from dflash_jax.drafters.draft_vocab import DraftVocab
 from dflash_jax.drafters.drafter import DECODE_WEIGHTS, Drafter, drafter_param_shapes
+from dflash_jax.models.config import read_config_json, write_config_json
 from dflash_jax.drafters.config import (SHARED_TABLES, DrafterConfig, is_speculators_dspark, resolve_mask_token_id,
                                         validate_pair)
 from dflash_jax._errors import CheckpointError, DrafterMismatchError

@@ -10,11 +10,11 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from dflash_jax.models.config import read_config_json, write_config_json
-from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
-from dflash_jax.drafters.config import DrafterConfig, is_speculators_dspark
 from dflash_jax._errors import CheckpointError
-from dflash_jax.formats.dtypes import PARAM_DTYPES_BY_NAME, dtype_name, resolve_dtype, stored_dtype_name
+from dflash_jax.drafters.config import DrafterConfig, is_speculators_dspark
+from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
+from dflash_jax.formats.dtypes import dtype_name, PARAM_DTYPES_BY_NAME, resolve_dtype, stored_dtype_name
+from dflash_jax.models.config import read_config_json, write_config_json
 
 
 def save_orbax_drafter(drafter: Drafter, out_dir: str | Path) -> Path:

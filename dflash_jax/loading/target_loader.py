@@ -11,12 +11,12 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from dflash_jax import backends, sharding
-from dflash_jax.models.cache import resolve_kv_cache_dtype
-from dflash_jax.models.config import ConfigFields, ModelConfig, read_config_json, read_json
+from dflash_jax._resources import smollm2_gguf_path
 from dflash_jax.formats.checkpoint_files import open_checkpoint
 from dflash_jax.formats.dtypes import resolve_dtype
 from dflash_jax.formats.names import hf_to_params, target_rules
-from dflash_jax._resources import smollm2_gguf_path
+from dflash_jax.models.cache import resolve_kv_cache_dtype
+from dflash_jax.models.config import ConfigFields, ModelConfig, read_config_json, read_json
 from dflash_jax.models.target import Target, target_param_shapes
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from dflash_jax import backends
-from dflash_jax.models.config import ModelConfig
-from dflash_jax.layers.common import MLP, RMSNorm, capture_into
+from dflash_jax.layers.common import capture_into, MLP, RMSNorm
 from dflash_jax.layers.moe import moe_block
+from dflash_jax.models.config import ModelConfig
 
 
 class PreNormLayer(nn.Module):

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 
 from dflash_jax import backends
 from dflash_jax.layers.attention import causal_attention
+from dflash_jax.layers.common import AttentionProjections, Capture, Rotary, run_layers, token_positions
 from dflash_jax.models.cache import GroupedKVCache, KVCache, resolve_kv_cache_dtype
 from dflash_jax.models.config import LINEAR, ModelConfig
 from dflash_jax.models.decoder_layer import PreNormLayer
-from dflash_jax.models.stack import is_direct, stack_segments
-from dflash_jax.layers.common import AttentionProjections, Capture, Rotary, run_layers, token_positions
 from dflash_jax.models.spec import on_spec
+from dflash_jax.models.stack import is_direct, stack_segments
 
 PREFILL_CHUNK = 256  # tokens per step of `Target.prefill`
 

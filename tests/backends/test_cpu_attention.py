@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.backends.cpu.attention import applies, TARGET_NAMES
 from dflash_jax.kernels import masks
-from dflash_jax.layers import attention
-from dflash_jax.backends.cpu.attention import TARGET_NAMES, applies
 from dflash_jax.kernels.masks import KeyRanges
+from dflash_jax.layers import attention
 
 cache_attention = functools.partial(attention.cache_attention, backend="cpu")  # what the CPU backend's models call
 needs_kernel = pytest.mark.skipif(not applies(jnp.zeros(1), jnp.zeros(1), jnp.zeros(1)),

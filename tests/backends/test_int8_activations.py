@@ -120,8 +120,8 @@ def test_smollm2_with_int8_activations_verifies_a_block_as_its_steps(targets):
 @pytest.mark.one_leg
 def test_greedy_speculative_decoding_of_the_int8_model_equals_its_plain_decoding(targets):
     from dflash_jax.cli.common import encode_prompt, shipped_drafter_dir
-    from dflash_jax.loading.drafter_io import load_drafter
     from dflash_jax.engine.generator import generate
+    from dflash_jax.loading.drafter_io import load_drafter
 
     target = targets[1]
     if shipped_drafter_dir() is None:
@@ -155,8 +155,7 @@ def test_int8_activations_need_a_float32_cpu_decode(gguf_path):
 
 
 def test_the_clis_take_decode_activations_and_pass_it_to_load_target(monkeypatch):
-    from dflash_jax.cli import benchmark, demo
-    from dflash_jax.cli import generate as generate_cli
+    from dflash_jax.cli import benchmark, demo, generate as generate_cli
 
     for cli, required in ((generate_cli, ["--prompt", "Hi"]), (benchmark, []), (demo, [])):
         parse = lambda *argv: cli.build_parser().parse_args([*required, *argv])  # noqa: E731

@@ -17,10 +17,10 @@ PRESETS = ("qwen3-coder-next", "glm-4.5-air", "minimax-m2", "deepseek-v3", "kimi
 @pytest.mark.parametrize("preset", PRESETS)
 def test_cut_presets_build_their_param_and_cache_shapes(preset, layers):
     """Shapes only (nothing drawn): the cut target's params and its decode cache, and the drafter's."""
-    from dflash_jax.drafters.drafter import drafter_param_shapes
-    from dflash_jax.models.target import TargetSpec, target_param_shapes
     from dflash_jax.cli.bench_memory import cache_bytes_per_token
     from dflash_jax.cli.bench_random import random_configs
+    from dflash_jax.drafters.drafter import drafter_param_shapes
+    from dflash_jax.models.target import target_param_shapes, TargetSpec
 
     config, drafter_config = random_configs(preset, layers, None)
     assert config.num_layers == layers

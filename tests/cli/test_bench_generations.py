@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from dflash_jax.drafters.config import DFlash2Config, DSparkConfig
 from dflash_jax.cli import benchmark
 from dflash_jax.cli.bench_random import random_configs
+from dflash_jax.drafters.config import DFlash2Config, DSparkConfig
 from support.cli import TINY
 
 

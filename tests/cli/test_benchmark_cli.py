@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from dflash_jax import _compilation_cache as compilation_cache
-from dflash_jax.engine.generator import GenerationResult
 from dflash_jax.cli import bench_concurrency, benchmark
+from dflash_jax.engine.generator import GenerationResult
 from support.cli import TINY
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -177,8 +177,8 @@ def test_transformers_baseline_decodes_like_our_greedy_loop(tmp_path, monkeypatc
     pytest.importorskip("torch")
     from support.gguf import write_tiny_llama
 
-    from dflash_jax.loading.target_loader import load_target
     from dflash_jax.engine.generator import generate
+    from dflash_jax.loading.target_loader import load_target
 
     gguf_file = write_tiny_llama(tmp_path / "tiny.gguf")
     monkeypatch.setenv("DFLASH_JAX_GGUF_CACHE", "0")  # nothing of this test in the user cache

@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dflash_jax.backends.cpu.layout import pack_layers
+from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
 from dflash_jax.models.cache import UNROLLED_ROWS, write_rows
 from dflash_jax.models.config import ModelConfig
-from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
-from dflash_jax.drafters.config import DrafterConfig
 from dflash_jax.models.target import Target, target_param_shapes
-from dflash_jax.backends.cpu.layout import pack_layers
 from support.families import drawn_params
 from support.hlo import CAPACITY, compiled_text, whole_buffer_ops
 

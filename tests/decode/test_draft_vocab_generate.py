@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from support import fitted_models
+from dflash_jax._errors import CheckpointError, ConfigError
 from dflash_jax.decode import sampling
-from dflash_jax.decode.loop import GenerationConfig, SamplingParams, _propose, prefill
+from dflash_jax.decode.loop import _propose, GenerationConfig, prefill, SamplingParams
 from dflash_jax.drafters.draft_vocab import DraftVocab
 from dflash_jax.drafters.drafter import Drafter
-from dflash_jax._errors import CheckpointError, ConfigError
-from dflash_jax.loading.drafter_io import load_drafter, save_drafter
-from dflash_jax.formats.safetensors_io import SafetensorsFile, save_safetensors
 from dflash_jax.engine.generator import generate
+from dflash_jax.formats.safetensors_io import SafetensorsFile, save_safetensors
+from dflash_jax.loading.drafter_io import load_drafter, save_drafter
 from dflash_jax.models.target import Target
 from train.drafter_init import target_head_kernel
 

@@ -7,12 +7,12 @@ import warnings
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax.engine import generator as speculative
-from dflash_jax.models.config import ModelConfig
-from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
 from dflash_jax.drafters.config import DrafterConfig
-from dflash_jax.engine.generator import GenerationResult, generate, generate_stream
-from dflash_jax.models.target import Target, TargetSpec, target_param_shapes
+from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
+from dflash_jax.engine import generator as speculative
+from dflash_jax.engine.generator import generate, generate_stream, GenerationResult
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.target import Target, target_param_shapes, TargetSpec
 from support.families import drawn_params
 
 VOCAB = 16

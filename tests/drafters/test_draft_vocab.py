@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dflash_jax.drafters.draft_vocab import DraftVocab, build_draft_vocab
+from dflash_jax.drafters.draft_vocab import build_draft_vocab, DraftVocab
 
 
 def test_build_keeps_the_most_frequent_ids_and_the_forced_ones():

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.drafters.drafter import Drafter
 from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.drafters.drafter import Drafter
 from support.drafter_reference import random_drafter_params, rms, rope
 from support.tolerance import assert_model_close
 

@@ -14,8 +14,8 @@ from dflash_jax.cli import common
 from dflash_jax.drafters.drafter import DECODE_WEIGHTS, DrafterSpec
 from dflash_jax.backends.cpu.matmul import (PANEL_BLOCK_BYTES, QUANT_BLOCK, available, dequantize_panels,
                                            pack_kernel, quantize_q8_0, rows_matmul)
-from dflash_jax.loading.drafter_io import load_drafter
 from dflash_jax.engine.generator import generate
+from dflash_jax.loading.drafter_io import load_drafter
 from support.speculative import plain_greedy, prompts_mix
 
 needs_kernel = pytest.mark.skipif(not available(), reason="the CPU kernels are not built here")

@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax._errors import ConfigError
 from dflash_jax.decode import loop as decode_loop
 from dflash_jax.drafters import dspark
-from dflash_jax.models.config import ModelConfig
-from dflash_jax.drafters.drafter import Drafter, init_drafter_params
 from dflash_jax.drafters.config import DrafterConfig, DSparkConfig
-from dflash_jax._errors import ConfigError
-from dflash_jax.engine.generator import Generator, generate
-from dflash_jax.models.target import Target, init_target_params
+from dflash_jax.drafters.drafter import Drafter, init_drafter_params
+from dflash_jax.engine.generator import generate, Generator
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.target import init_target_params, Target
 from support.drafter_reference import random_drafter_params, rms, rope
 from support.tolerance import assert_model_close
 
@@ -462,8 +462,8 @@ def test_load_and_export_are_bit_exact_both_ways(tmp_path, dtype):
     import ml_dtypes
     from safetensors.numpy import load_file
 
-    from dflash_jax.loading.drafter_io import load_drafter, save_drafter
     from dflash_jax.formats.safetensors_io import save_safetensors
+    from dflash_jax.loading.drafter_io import load_drafter, save_drafter
 
     np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     src, out = tmp_path / "src", tmp_path / "out"

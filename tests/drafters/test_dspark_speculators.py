@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.decode import loop as decode_loop
-from dflash_jax.models.config import ModelConfig
-from dflash_jax.drafters.config import DrafterConfig, DSparkConfig
 from dflash_jax._errors import CheckpointError, ConfigError
+from dflash_jax.decode import loop as decode_loop
+from dflash_jax.drafters.config import DrafterConfig, DSparkConfig
 from dflash_jax.engine.generator import Generator
-from dflash_jax.models.target import Target, init_target_params
-from dflash_jax.loading.drafter_io import load_drafter, save_drafter
 from dflash_jax.formats.safetensors_io import save_safetensors
+from dflash_jax.loading.drafter_io import load_drafter, save_drafter
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.target import init_target_params, Target
 
 D, H, KV, HD, FF, V, G, R = 32, 4, 2, 8, 64, 50, 4, 6
 MASK = V - 1

@@ -176,7 +176,7 @@ def sharded_engine_run(out):
 
     from dflash_jax import sharding
     from dflash_jax.models.config import ModelConfig
-    from dflash_jax.models.target import Target, init_target_params
+    from dflash_jax.models.target import init_target_params, Target
     from support.speculative import tiny_drafter
 
     config = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -213,7 +213,7 @@ def test_what_a_cycle_verifies_never_reads_a_sampled_draft():
     import jax.numpy as jnp
 
     from dflash_jax.decode import sampling
-    from dflash_jax.decode.loop import GenerationConfig, SamplingParams, _propose, prefill
+    from dflash_jax.decode.loop import _propose, GenerationConfig, prefill, SamplingParams
 
     target, drafter = sampling_pair()
     cfg = GenerationConfig(max_new_tokens=4, block_size=4, sampling=True, verify_widths=(1, 2, 4),

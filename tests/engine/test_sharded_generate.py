@@ -45,8 +45,8 @@ MAX_NEW = 12
 
 
 def _configs():
-    from dflash_jax.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
     from dflash_jax.drafters.config import DrafterConfig
+    from dflash_jax.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
 
     vocab = 64
     qwen3 = ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,

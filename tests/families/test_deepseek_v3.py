@@ -13,10 +13,10 @@ import pytest
 from support import families, fp8
 from support.families import DEEPSEEK_V3
 
+from dflash_jax._errors import ConfigError
 from dflash_jax.families.deepseek_v3 import LatentCache
 from dflash_jax.models.cache import Cache
 from dflash_jax.models.config import ModelConfig
-from dflash_jax._errors import ConfigError
 from support.tolerance import assert_model_close
 
 ARCH = {"architectures": ["DeepseekV3ForCausalLM"]}
@@ -442,9 +442,9 @@ def test_sharded_greedy_on_a_wider_tensor_axis_equals_one_device():
 def test_benchmark_reports_the_latent_caches_bytes_per_token():
     """The benchmark's `cache_bytes_per_token`: DeepSeek-V3's 576 values per layer (bfloat16), where
     materialised keys and values would be 128 heads x (192 + 128)."""
-    from dflash_jax.models.target import TargetSpec
     from dflash_jax.cli.bench_memory import cache_bytes_per_token
     from dflash_jax.cli.bench_random import random_configs
+    from dflash_jax.models.target import TargetSpec
 
     config, _ = random_configs("deepseek-v3", 4, None)
     assert cache_bytes_per_token(TargetSpec(config, jnp.bfloat16)) == 4 * 576 * 2

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.config import ModelConfig
 from dflash_jax._errors import ConfigError
+from dflash_jax.models.config import ModelConfig
 from support import families
 from support.tolerance import assert_model_close
 
@@ -59,7 +59,7 @@ def test_random_target_presets_have_the_released_shapes(name):
     """`--random-target gemma-4-31b` / `gemma-4-26b-a4b` cut to 2 layers: a sliding and a full layer of the
     released shapes (weights' shapes only, nothing drawn), and their KV cache's groups."""
     from dflash_jax.cli.bench_random import random_configs
-    from dflash_jax.models.target import TargetSpec, target_param_shapes
+    from dflash_jax.models.target import target_param_shapes, TargetSpec
 
     cfg, drafter = random_configs(name, 2, None)
     assert cfg.layer_types == ("sliding_attention", "full_attention") and drafter.target_layer_ids == (0, 1)
@@ -277,8 +277,8 @@ def sharded_findings(out: str) -> None:
     import json
 
     from dflash_jax import sharding
-    from dflash_jax.drafters.drafter import Drafter, init_drafter_params
     from dflash_jax.drafters.config import DrafterConfig
+    from dflash_jax.drafters.drafter import Drafter, init_drafter_params
     from dflash_jax.engine.generator import Generator
 
     target = families.tiny_target("gemma4", **TENSOR_SPLIT)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from dflash_jax import sharding
-from dflash_jax.models.config import ModelConfig
 from dflash_jax._errors import CheckpointError, ConfigError
+from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.stack import stack_segments
 from dflash_jax.models.target import target_param_shapes
 from support import families, fp8

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.layers import moe
-from dflash_jax.models.config import ModelConfig, MoEConfig
 from dflash_jax._errors import CheckpointError, ConfigError
 from dflash_jax.formats import mxfp4
 from dflash_jax.formats.safetensors_io import save_safetensors
+from dflash_jax.layers import moe
+from dflash_jax.models.config import ModelConfig, MoEConfig
 from support import families
 from support.tolerance import assert_model_close
 

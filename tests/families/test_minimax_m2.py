@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from dflash_jax import sharding
-from dflash_jax.models.config import ModelConfig
 from dflash_jax._errors import ConfigError
-from dflash_jax.models.target import TargetSpec, target_param_shapes
 from dflash_jax.formats.names import target_rules
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.target import target_param_shapes, TargetSpec
 from support import families
 from support.devices import run_8_devices
 

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax._errors import CheckpointError
+from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.drafters.drafter import Drafter, init_drafter_params
+from dflash_jax.engine.generator import generate
 from dflash_jax.families.qwen3_5 import gated_delta as gd
 from dflash_jax.models.config import LinearAttentionConfig, ModelConfig
-from dflash_jax.drafters.drafter import Drafter, init_drafter_params
-from dflash_jax.drafters.config import DrafterConfig
-from dflash_jax._errors import CheckpointError
-from dflash_jax.engine.generator import generate
-from dflash_jax.models.target import Target, init_target_params
+from dflash_jax.models.target import init_target_params, Target
 from support import families
 
 ROW = families.FAMILIES["qwen3_5"]

@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from dflash_jax.models.config import LinearAttentionConfig, MoEConfig, ModelConfig
 from dflash_jax._errors import ConfigError
+from dflash_jax.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
 from support import families
 
 TEXT = families.QWEN3_5_MOE

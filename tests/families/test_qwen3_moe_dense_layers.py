@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.config import ModelConfig
 from dflash_jax.engine.generator import generate
+from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.stack import stack_segments
 from support.tolerance import assert_model_close
 from support.speculative import check_rejections_at_every_position, plain_greedy, tiny_drafter

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.config import LinearAttentionConfig, ModelConfig
 from dflash_jax._errors import CheckpointError, ConfigError
 from dflash_jax.families.qwen3_next import fused_rows
+from dflash_jax.models.config import LinearAttentionConfig, ModelConfig
 from support import families
 from support.tolerance import assert_model_close
 
@@ -246,9 +246,9 @@ def test_random_benchmark_target_has_the_released_shapes():
     """`--random-target qwen3-coder-next`: the released shapes; cut to 8 layers, its params' shapes
     (not drawn: 512 experts a layer) hold the fused tensors' rows, and every weight has a sharding
     rule on a tensor axis of 4 and an expert axis of 8."""
-    from dflash_jax.models.target import target_param_shapes
     from dflash_jax.cli.bench_random import random_configs
     from dflash_jax.formats.names import target_rules
+    from dflash_jax.models.target import target_param_shapes
     from dflash_jax.sharding import param_spec
 
     config, drafter = random_configs("qwen3-coder-next", None, None)

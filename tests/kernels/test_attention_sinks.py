@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.kernels import masks
+from dflash_jax.kernels import block_attention, block_attention_with_lse, BlockSizes, masks, reference_attention
 from dflash_jax.layers.attention import attention, cache_attention
-from dflash_jax.kernels import BlockSizes, block_attention, block_attention_with_lse, reference_attention
 
 TOL = 2e-5
 # Gradients (kernel vs jax.grad of the float32 reference), as a fraction of max(1, max |reference|):

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.layers import attention as attention_mod
 from dflash_jax.kernels import masks
+from dflash_jax.layers import attention as attention_mod
 from dflash_jax.layers.attention import attention
 from dflash_jax.kernels import (
     BlockSizes,

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.config import ModelConfig
-from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
 from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
+from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.target import Target, target_param_shapes
 from support.families import drawn_params
 
@@ -118,8 +118,7 @@ def test_sink_kernel_lowers_to_triton_for_cuda(num_splits):
     sinks, lowers for CUDA here (an abstract H100): three Triton calls as without sinks, the
     forward with one more operand (the folded sink logits); with the key tiles split over programs
     the sink enters the first split's softmax (a program-id test inside the kernel)."""
-    from dflash_jax.kernels import masks
-    from dflash_jax.kernels import BlockSizes, block_attention
+    from dflash_jax.kernels import block_attention, BlockSizes, masks
     from support.pallas import abstract_gpu
     import re
 

@@ -11,7 +11,11 @@ import numpy as np
 
 from dflash_jax import backends
 from dflash_jax.decode import loop as decode_loop
-from dflash_jax.kernels import KEY_TILE, block_attention, masks, reference_attention, reference_attention_with_lse
+from dflash_jax.kernels import KEY_TILE
+from dflash_jax.kernels import block_attention
+from dflash_jax.kernels import masks
+from dflash_jax.kernels import reference_attention
+from dflash_jax.kernels import reference_attention_with_lse
 from dflash_jax.kernels import registry
 from dflash_jax.layers.attention import attention, cache_attention
 

@@ -26,8 +26,8 @@ def sharded_run(out: str) -> None:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from dflash_jax.kernels import masks
     from dflash_jax import sharding
+    from dflash_jax.kernels import masks
     from dflash_jax.layers.attention import attention, cache_attention
 
     assert len(jax.devices()) == 8, jax.devices()
@@ -98,10 +98,10 @@ def _generator_run(mesh) -> dict:
 
     import numpy as np
 
-    from dflash_jax.models.config import ModelConfig
-    from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
     from dflash_jax.drafters.config import DrafterConfig
+    from dflash_jax.drafters.drafter import Drafter, drafter_param_shapes
     from dflash_jax.engine.generator import Generator
+    from dflash_jax.models.config import ModelConfig
     from dflash_jax.models.target import Target, target_param_shapes
     from support.families import drawn_params
 

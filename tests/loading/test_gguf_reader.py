@@ -386,10 +386,10 @@ def test_a_cpu_load_keeps_the_stored_blocks_it_can_and_checks_their_shapes(tmp_p
     import jax.numpy as jnp
 
     from dflash_jax._errors import CheckpointError
+    from dflash_jax.backends.cpu.layout import pack_layers
     from dflash_jax.backends.cpu.matmul import available, is_narrow
     from dflash_jax.formats.gguf_file import GGUFTensors
     from dflash_jax.loading.target_loader import load_target
-    from dflash_jax.backends.cpu.layout import pack_layers
 
     if not available():
         pytest.skip("the CPU rows kernel is not built here")

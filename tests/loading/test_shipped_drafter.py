@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_jax.cli.common import SHIPPED_DRAFTER_DIR, SHIPPED_DRAFTER_LOOKUP, encode_prompt
+from dflash_jax.cli.common import encode_prompt, SHIPPED_DRAFTER_DIR, SHIPPED_DRAFTER_LOOKUP
 from dflash_jax.engine.generator import generate
 from train.config import load_config
 

@@ -143,10 +143,10 @@ def test_a_cpu_decode_reads_the_files_quantized_blocks(target, gguf_path, chat_i
     import jax
     import jax.numpy as jnp
 
+    from dflash_jax.backends.cpu.layout import pack_layers
     from dflash_jax.backends.cpu.matmul import available, is_narrow
     from dflash_jax.formats.gguf_file import GGUFTensors
     from dflash_jax.loading.target_loader import load_target
-    from dflash_jax.backends.cpu.layout import pack_layers
 
     if not available():
         pytest.skip("the CPU rows kernel is not built here")

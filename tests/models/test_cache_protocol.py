@@ -45,7 +45,7 @@ def test_every_cache_lays_rows_out_alike_and_clears():
     """Every array of a cache is [B] or [L, B, ...] (what take_row / put_row rely on); cleared() empties
     every row (a hybrid's recurrent state back to zero), and a row taken out and put back is the same."""
     from dflash_jax.families.deepseek_v3 import LatentCache
-    from dflash_jax.models.cache import GroupedKVCache, RingKVCache, put_row, take_row
+    from dflash_jax.models.cache import GroupedKVCache, put_row, RingKVCache, take_row
 
     rng = np.random.default_rng(0)
     randomised = lambda c: jax.tree_util.tree_map(  # noqa: E731

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models.cache import KV_CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 from dflash_jax.backends.cpu.attention import applies
-from dflash_jax.loading.target_loader import load_target
-from dflash_jax.engine.generator import generate
-from dflash_jax.models.target import Target, TargetSpec, init_target_params
 from dflash_jax.backends.cpu.layout import pack_layers
+from dflash_jax.engine.generator import generate
+from dflash_jax.loading.target_loader import load_target
+from dflash_jax.models.cache import KV_CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
+from dflash_jax.models.target import init_target_params, Target, TargetSpec
 from support.cli import kwargs_given_to_load_target
 from support.fitted_models import TARGET_CONFIG
 from support.speculative import plain_greedy_rows, prompts_mix
@@ -115,8 +115,7 @@ def test_a_bad_kv_cache_dtype_is_refused_before_anything_is_read(bad, tmp_path):
 
 
 def test_the_clis_take_kv_cache_dtype_and_pass_it_to_load_target(monkeypatch):
-    from dflash_jax.cli import benchmark
-    from dflash_jax.cli import generate as generate_cli
+    from dflash_jax.cli import benchmark, generate as generate_cli
 
     for cli, required in ((generate_cli, ["--prompt", "Hi"]), (benchmark, [])):
         parse = lambda *argv: cli.build_parser().parse_args([*required, *argv])

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from dflash_jax import sharding
-from dflash_jax.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
-from dflash_jax.drafters.drafter import drafter_param_shapes
 from dflash_jax.drafters.config import DrafterConfig
-from dflash_jax.models.target import TargetSpec, target_param_shapes
+from dflash_jax.drafters.drafter import drafter_param_shapes
+from dflash_jax.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
+from dflash_jax.models.target import target_param_shapes, TargetSpec
 from support.families import drawn_params
 from support.tolerance import float32_atol, model_depth, model_summation_length
 

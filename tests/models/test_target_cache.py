@@ -116,8 +116,8 @@ def test_prefill_in_chunks_equals_one_pass(target):
 def test_chunked_cache_attention_equals_dense(window):
     """Key chunks of 4 over 10 slots (the last chunk overlaps the one before), ragged rows, one
     row with nothing visible: the same as dense attention over the layer."""
-    from dflash_jax.layers.attention import chunked_cache_attention_with_lse, reference_attention_with_lse
     from dflash_jax.kernels import masks
+    from dflash_jax.layers.attention import chunked_cache_attention_with_lse, reference_attention_with_lse
 
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.normal(size=(3, 2, 4, 8)), jnp.float32)
@@ -201,9 +201,9 @@ def test_packed_layers_equal_a_loop_over_single_kernels():
     decode this way)."""
     import dataclasses
 
+    from dflash_jax.backends.cpu.layout import pack_layers
     from dflash_jax.layers.common import RMSNorm, Rotary
     from dflash_jax.models.target import TargetLayer
-    from dflash_jax.backends.cpu.layout import pack_layers
 
     config = dataclasses.replace(CFG, hidden_size=64, intermediate_size=96)  # several panels
     model = Target(config, _params(config, 7))
@@ -269,8 +269,8 @@ def test_packed_lm_head_equals_the_scanned_one(rows, tied):
     give the scanned model's logits."""
     import dataclasses
 
-    from dflash_jax.backends.cpu.matmul import pack_kernel
     from dflash_jax.backends.cpu.layout import pack_layers
+    from dflash_jax.backends.cpu.matmul import pack_kernel
 
     config = dataclasses.replace(CFG, tie_word_embeddings=tied)
     model = Target(config, _params(config, 4))
@@ -314,8 +314,8 @@ def test_packed_params_keep_one_copy_of_a_tied_embedding(tied, kernels, monkeypa
 def test_released_params_are_given_up_and_pack_the_same(target):
     """`pack_layers(..., release=True)` (how `load_target` lays out its own params) empties the
     stacked dict weight by weight and returns what the copying call returns."""
-    from dflash_jax.backends.cpu.layout import pack_layers
     from dflash_jax.backends import params_in_layout
+    from dflash_jax.backends.cpu.layout import pack_layers
 
     kept = pack_layers(target.params)
     whole = jax.tree.structure(target.params)

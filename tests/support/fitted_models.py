@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax.models.config import ModelConfig, MoEConfig
-from dflash_jax.drafters.drafter import Drafter, init_drafter_params
 from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.drafters.drafter import Drafter, init_drafter_params
 from dflash_jax.drafters.objective import dflash_loss, sample_anchors
-from dflash_jax.models.target import Target, init_target_params
+from dflash_jax.models.config import ModelConfig, MoEConfig
+from dflash_jax.models.target import init_target_params, Target
 
 VOCAB, MODULUS, MASK = 48, 40, 47
 STEPS = (1, 2, 3, 5)

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.config import ModelConfig
 from dflash_jax.drafters.config import DrafterConfig
+from dflash_jax.models.config import ModelConfig
 
 V = 6  # the vocabulary of the sampled targets is V + 1 (the last id: the drafter's mask token)
 TARGET = ModelConfig(arch="llama", vocab_size=V + 1, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -24,7 +24,7 @@ def sampling_pair():
     """TARGET with its LM head sharpened (the distribution far from uniform, the mask token never
     emitted) and DRAFTER, from fixed seeds -> (Target, Drafter)."""
     from dflash_jax.drafters.drafter import Drafter, init_drafter_params
-    from dflash_jax.models.target import Target, init_target_params
+    from dflash_jax.models.target import init_target_params, Target
 
     params = init_target_params(TARGET, jax.random.PRNGKey(3))
     params = {**params, "embed_tokens": {"embedding": params["embed_tokens"]["embedding"] * 4.0}}

@@ -64,8 +64,8 @@ def prompts_mix(seed=0):
 
 def tiny_drafter(target, block_size=8, seed=1):
     """A random one-layer drafter of `target` (of its hidden size), reading its layers 1 and last."""
-    from dflash_jax.drafters.drafter import Drafter, init_drafter_params
     from dflash_jax.drafters.config import DrafterConfig
+    from dflash_jax.drafters.drafter import Drafter, init_drafter_params
 
     cfg = DrafterConfig(hidden_size=target.config.hidden_size, intermediate_size=64, num_layers=1, num_heads=4,
                         num_kv_heads=2, head_dim=8, vocab_size=target.config.vocab_size,

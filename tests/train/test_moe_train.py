@@ -13,7 +13,7 @@ from support import fitted_models
 from support.families import save_target_dir
 from dflash_jax import generate, load_target
 from dflash_jax.drafters.drafter import Drafter
-from dflash_jax.models.target import Target, init_target_params
+from dflash_jax.models.target import init_target_params, Target
 from train import checkpointing, step as step_lib
 from train.cache_features import _feature_fn, cache_features
 from train.config import config_from_dict

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.engine.generator import generate
-from dflash_jax.models.target import Target, init_target_params
+from dflash_jax.models.target import init_target_params, Target
 from train.cache_features import cache_features
 from train.data import (DataConfig, count_tokens, load_feature_cache, load_records, load_token_records, make_iterator,
                         tokenize_conversation)
@@ -28,8 +28,8 @@ def tiny_target():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from dflash_jax.formats.gguf_tokenizer import gguf_tokenizer
     from dflash_jax._resources import smollm2_gguf_path
+    from dflash_jax.formats.gguf_tokenizer import gguf_tokenizer
 
     return gguf_tokenizer(smollm2_gguf_path())
 

@@ -12,8 +12,8 @@ import pytest
 
 from support import fitted_models
 from support.devices import xla_flags
-from dflash_jax.models.target import Target, init_target_params
 from dflash_jax import sharding
+from dflash_jax.models.target import init_target_params, Target
 from train import drafter_init, step as step_lib
 
 ROOT = Path(__file__).resolve().parents[2]

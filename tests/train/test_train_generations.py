@@ -14,11 +14,9 @@ import pytest
 from support import fitted_models
 from support.devices import xla_flags
 from dflash_jax import generate
-from dflash_jax.drafters import dflash2
-from dflash_jax.drafters import dspark
-from dflash_jax.drafters import objective
-from dflash_jax.drafters.drafter import Drafter, DrafterSpec
+from dflash_jax.drafters import dflash2, dspark, objective
 from dflash_jax.drafters.config import DFlash2Config, DSparkConfig
+from dflash_jax.drafters.drafter import Drafter, DrafterSpec
 from dflash_jax.loading.drafter_io import load_drafter
 from support.drafter_reference import random_drafter_params
 from train import checkpointing, drafter_init, step as step_lib
@@ -136,7 +134,7 @@ def test_the_targets_of_proposals_and_the_predecessors_equal_a_loop():
 # ---- the batch losses from the drafter's hidden states -----------------------------------------------
 
 def _random_target():
-    from dflash_jax.models.target import Target, init_target_params
+    from dflash_jax.models.target import init_target_params, Target
 
     return Target(fitted_models.TARGET_CONFIG, init_target_params(fitted_models.TARGET_CONFIG, jax.random.PRNGKey(0)))
 

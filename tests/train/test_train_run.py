@@ -17,11 +17,11 @@ import yaml
 from support import fitted_models
 from support.devices import xla_flags
 from dflash_jax import generate
-from dflash_jax.models.config import write_config_json
 from dflash_jax.drafters.drafter import Drafter, init_drafter_params
-from dflash_jax.loading.drafter_io import load_drafter
 from dflash_jax.formats.names import params_to_hf, target_rules
 from dflash_jax.formats.safetensors_io import SafetensorsFile, save_safetensors
+from dflash_jax.loading.drafter_io import load_drafter
+from dflash_jax.models.config import write_config_json
 from train import checkpointing, drafter_init
 from train.config import ConfigError, config_from_dict, load_config
 from train.cache_features import cache_features

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from support import fitted_models
+from dflash_jax.backends.cpu.layout import pack_layers
 from dflash_jax.drafters import objective
 from dflash_jax.drafters.drafter import DrafterSpec
-from dflash_jax.models.target import Target, init_target_params
-from dflash_jax.backends.cpu.layout import pack_layers
+from dflash_jax.models.target import init_target_params, Target
 from train import drafter_init, step as step_lib
 
 NUM_ANCHORS = 6

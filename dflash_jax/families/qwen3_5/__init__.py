@@ -25,16 +25,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.families.qwen3_5 import gated_delta as gd
-from dflash_jax.families.qwen3_5.cache import HybridCache
-from dflash_jax.layers.attention import causal_attention
-from dflash_jax.models.cache import KVCache
-from dflash_jax.models.config import LINEAR, ConfigFields, LinearAttentionConfig, ModelConfig, MoEConfig
-from dflash_jax.layers.common import MLP, apply_rotary, capture_into, make_dense, rms_normalize
-from dflash_jax.layers.moe import MoE
 from dflash_jax.families import register
 from dflash_jax.families.base import ATTENTION_PROJECTIONS, Family
-from dflash_jax.formats.names import Rule, _linear_rules
+from dflash_jax.families.qwen3_5 import gated_delta as gd
+from dflash_jax.families.qwen3_5.cache import HybridCache
+from dflash_jax.formats.names import _linear_rules, Rule
+from dflash_jax.layers.attention import causal_attention
+from dflash_jax.layers.common import apply_rotary, capture_into, make_dense, MLP, rms_normalize
+from dflash_jax.layers.moe import MoE
+from dflash_jax.models.cache import KVCache
+from dflash_jax.models.config import ConfigFields, LINEAR, LinearAttentionConfig, ModelConfig, MoEConfig
 
 log = logging.getLogger(__name__)
 

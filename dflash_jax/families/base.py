@@ -105,6 +105,17 @@ class Family:
 
         return TargetLayer
 
+    # the token mixers whose layers keep a state of their own beside (or instead of) keys and values:
+    # the cache holds it by name (`Cache.layer_states`), the stack hands each such layer its own
+    # entries, and the layer returns the pending inputs its cache's `commit` writes (Qwen3.5's Gated
+    # DeltaNet: "conv" tails and delta-rule "state"s)
+    stateful_mixers: tuple[str, ...] = ()
+
+    def initial_layer_state(self, config: ModelConfig, mixer: str, batch: int, dtype) -> dict:
+        """The state a layer of a stateful mixer starts from without a cache (a forward over a whole
+        sequence): its `Cache.layer_states` entries for one layer, at their start."""
+        raise NotImplementedError(f"{self.name}: no layer of mixer {mixer!r} keeps a state")
+
     def init_cache(self, config: ModelConfig, batch: int, capacity: int, dtype, *, kv_replicas: int = 1,
                    groups: int = 1):
         """An empty decode cache (`dflash_jax.models.cache.Cache`) of a family whose layers keep something other

@@ -56,7 +56,7 @@ def is_direct(config) -> bool:
     scan over a layer module, params stacked [L, ...] under "layers", and a backend may run its own loop
     over them (`backends.base.Backend.layer_loop`)."""
     segments = stack_segments(config.layer_kinds)
-    return len(segments) == 1 and len(segments[0].pattern) == 1 and not config.is_hybrid_arch
+    return len(segments) == 1 and len(segments[0].pattern) == 1 and not config.family.stateful_mixers
 
 
 def segment_path(segments: Sequence[Segment], s: int, position: int, direct: bool = False) -> tuple[str, ...]:

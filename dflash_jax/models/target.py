@@ -25,7 +25,7 @@ from dflash_jax import backends
 from dflash_jax.layers.attention import causal_attention
 from dflash_jax.layers.common import AttentionProjections, Capture, Rotary, run_layers, token_positions
 from dflash_jax.models.cache import GroupedKVCache, KVCache, resolve_kv_cache_dtype
-from dflash_jax.models.config import LINEAR, ModelConfig
+from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.decoder_layer import PreNormLayer
 from dflash_jax.models.spec import on_spec
 from dflash_jax.models.stack import is_direct, stack_segments
@@ -61,14 +61,14 @@ class TargetLayer(PreNormLayer):
 class LayerInputs(NamedTuple):
     """A `StackGroup`'s scanned inputs, one entry per repeat, by name: per KV group the index there of
     the repeat's first layer of that group [G]; its layers' capture slots [P] and attention windows
-    [P]; its linear layers' conv tails [Pl, B, K-1, C] and delta-rule states [Pl, B, Hv, Dk, Dv] (the
-    cache's `layer_states`, None without them); the layers' own inputs [P, B, T, ...] (None without)."""
+    [P]; the state of its stateful layers (`Family.stateful_mixers`), by the names the cache gives them
+    (`Cache.layer_states`: Qwen3.5's "conv" tails [Ps, B, K-1, C] and delta-rule "state"s [Ps, B, Hv, Dk,
+    Dv]; None without a cache or such layers); the layers' own inputs [P, B, T, ...] (None without)."""
 
     kv_base: Any
     slots: Any
     windows: Any
-    conv: Any
-    state: Any
+    states: Any
     inputs: Any
 
 
@@ -95,24 +95,21 @@ class StackGroup(nn.Module):
     @nn.compact
     def __call__(self, carry, xs, positions, cos, sin, kv_cache, shared=None):
         cfg = self.config
-        kv_base, slots, windows, tails, states, inputs = (xs.kv_base, xs.slots, xs.windows, xs.conv, xs.state,
-                                                          xs.inputs)
+        kv_base, slots, windows, states, inputs = xs.kv_base, xs.slots, xs.windows, xs.states, xs.inputs
         own = lambda p: () if inputs is None else (inputs[p],)  # noqa: E731
         b = carry[0].shape[0]
         shapes = [shape for shape, _ in cfg.kv_groups]
         kv, pending = [[] for _ in shapes], []
         for p, (mixer, mlp) in enumerate(self.pattern):
-            layout = {"linear_groups": self.linear_groups} if cfg.is_hybrid_arch else {}  # sharding
+            layout = {"linear_groups": self.linear_groups} if cfg.family.stateful_mixers else {}  # sharding
             layer = cfg.family.layer_module(mixer)(cfg, self.dtype, self.attn_impl, self.backend, self.kv_replicas,
                                                    mixer=mixer, mlp=mlp, name=f"layer_{p}", **layout)
             shape = cfg.family.kv_shape(cfg, mixer)
-            if mixer == LINEAR:
-                i, linear = len(pending), cfg.linear
-                tail = tails[i] if tails is not None else jnp.zeros(
-                    (b, linear.conv_kernel_dim - 1, linear.conv_dim), self.dtype)
-                state = states[i] if states is not None else jnp.zeros(
-                    (b, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim), jnp.float32)
-                carry, out = layer(carry, (0, 0, slots[p]), positions, cos, sin, (tail, state))
+            if mixer in cfg.family.stateful_mixers:  # its state by name: the cache's, else its start
+                i = len(pending)
+                state = ({name: x[i] for name, x in states.items()} if states is not None
+                         else cfg.family.initial_layer_state(cfg, mixer, b, self.dtype))
+                carry, out = layer(carry, (0, 0, slots[p]), positions, cos, sin, state)
                 pending.append(out)
             elif shape is None:  # a layer that keeps no keys of its own
                 carry, _ = layer(carry, (0, windows[p], slots[p], *own(p)), positions, cos, sin, (kv_cache, shared))
@@ -212,8 +209,8 @@ class TargetModel(nn.Module):
         layers' pending inputs [Ll, B, T, ...]."""
         cfg = self.config
         kv_cache = None if cache is None else cache.attention_cache  # the `Cache` protocol's named parts
-        states = {} if cache is None else cache.layer_states  # the linear layers' ("conv", "state")
-        hybrid = bool(states)
+        states = {} if cache is None else cache.layer_states  # the stateful layers' state, by name
+        stateful = cfg.family.stateful_mixers
         kinds = [mixer for mixer, _ in cfg.layer_kinds]
         group_of = {i: g for g, (_, ids) in enumerate(cfg.kv_groups) for i in ids}  # layer -> its KV group
         kv, linear = [[] for _ in cfg.kv_groups], []
@@ -221,8 +218,8 @@ class TargetModel(nn.Module):
                               else jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *parts))
         for segment, scan in zip(self.segments, self.stack):
             mixers = [mixer for mixer, _ in segment.pattern]
-            per_linear = mixers.count(LINEAR)
-            linear_start = sum(k == LINEAR for k in kinds[:segment.start])
+            per_linear = sum(m in stateful for m in mixers)
+            linear_start = sum(k in stateful for k in kinds[:segment.start])
             # per KV group, the index there of each repeat's first layer of that group [repeats, G]
             kv_base = jnp.stack([sum(group_of.get(i) == g for i in range(segment.start))
                                  + sum(group_of.get(i) == g for i in range(segment.start, segment.start + len(mixers)))
@@ -232,14 +229,13 @@ class TargetModel(nn.Module):
                                 axis=-1).astype(jnp.int32)
             slots = jnp.asarray(plan.slots[segment.start:segment.stop].reshape(segment.repeats, -1))
             windows = jnp.asarray(cfg.layer_windows[segment.start:segment.stop], jnp.int32).reshape(segment.repeats, -1)
-            per_repeat = lambda x: None if not hybrid or not per_linear else x[  # noqa: E731
-                linear_start:linear_start + segment.repeats * per_linear].reshape(segment.repeats, per_linear,
-                                                                                    *x.shape[1:])
+            per_repeat = lambda x: x[linear_start:linear_start + segment.repeats * per_linear].reshape(  # noqa: E731
+                segment.repeats, per_linear, *x.shape[1:])
             own = None if inputs is None else jnp.moveaxis(inputs[:, :, segment.start:segment.stop], 2, 0).reshape(
                 segment.repeats, len(mixers), *inputs.shape[:2], *inputs.shape[3:])
-            xs = LayerInputs(kv_base, slots, windows, per_repeat(states["conv"]) if hybrid else None,
-                             per_repeat(states["state"]) if hybrid else None, own)
-            readers = any(m != LINEAR and cfg.family.kv_shape(cfg, m) is None for m in mixers)
+            segment_states = {name: per_repeat(x) for name, x in states.items()} if states and per_linear else None
+            xs = LayerInputs(kv_base, slots, windows, segment_states, own)
+            readers = any(m not in stateful and cfg.family.kv_shape(cfg, m) is None for m in mixers)
             shared = tuple(join(group) for group in kv) if readers else None
             carry, (seg_kv, seg_linear) = scan(carry, xs, positions, cos, sin, kv_cache, shared)
             flat = lambda tree: jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), tree)  # noqa: E731
@@ -253,7 +249,7 @@ class TargetModel(nn.Module):
         if isinstance(kv_cache, GroupedKVCache):
             return carry, tuple(join(group) for group in kv)
         k, v = join(kv[0]) if kv and kv[0] else (None, None)
-        if hybrid:
+        if states:  # a cache with stateful layers: their pending inputs too (its `commit`)
             return carry, (k, v, join(linear))
         return carry, (k, v)
 
@@ -362,10 +358,10 @@ class TargetSpec:
         whole, rest = divmod(t, size)
         start = cache.lengths
         module = self.module_for(params)
-        # a hybrid's recurrent state must stop at each row's last token: every chunk says how many of
-        # its tokens are the row's (the others leave the state unchanged); a KV cache needs only the
-        # total, set at the end
-        counted = self.config.is_hybrid_arch
+        # a stateful layer's state (a hybrid's recurrence) must stop at each row's last token: every
+        # chunk says how many of its tokens are the row's (the others leave the state unchanged); a KV
+        # cache needs only the total, set at the end
+        counted = bool(self.config.family.stateful_mixers)
         total = jnp.broadcast_to(jnp.asarray(t if num_new is None else num_new, jnp.int32), (b,))
         apply = lambda c, chunk, done: module.apply(
             {"params": params}, chunk, c, capture=capture,

@@ -70,3 +70,26 @@ def test_every_cache_lays_rows_out_alike_and_clears():
         for got, want in zip(jax.tree_util.tree_leaves(put_row(cache, row, jnp.int32(1))),
                              jax.tree_util.tree_leaves(cache)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_stack_reads_every_cache_by_its_named_parts():
+    """What the decoder stack reads of a cache (`Cache.attention_cache`, `Cache.layer_states`): the KV
+    part the attention layers read, and the stateful layers' state by name, each [Nl, B, ...] with one
+    entry per stateful layer, named and shaped as the family's start state of one layer
+    (`Family.initial_layer_state`, what the stack hands a layer without a cache)."""
+    from dflash_jax.families.deepseek_v3 import LatentCache
+    from dflash_jax.models.cache import GroupedKVCache
+
+    kv = KVCache.zeros(2, 3, 16, 1, 8)
+    grouped = GroupedKVCache((KVCache.zeros(1, 3, 16, 2, 4), kv))
+    latent = LatentCache(kv=jnp.zeros((2, 3, 16, 1, 12)), lengths=jnp.zeros((3,), jnp.int32))
+    for cache in (kv, grouped, latent):
+        assert cache.attention_cache is cache and cache.layer_states == {}
+    hybrid = HybridCache.for_model(HYBRID, 3, 16)
+    assert hybrid.attention_cache is hybrid.kv and hybrid.attention_cache.k.shape[0] == 1  # the one attention layer
+    family = HYBRID.family
+    assert family.stateful_mixers == ("linear_attention",)
+    start = family.initial_layer_state(HYBRID, "linear_attention", 3, jnp.float32)
+    assert set(hybrid.layer_states) == set(start) == {"conv", "state"}
+    for name, x in hybrid.layer_states.items():
+        assert x.shape == (len(HYBRID.linear_layer_ids), *start[name].shape) and x.dtype == start[name].dtype, name

@@ -154,8 +154,8 @@ class HybridLayer(nn.Module):
     `Qwen3_5MoeDecoderLayer`, whose MLP is the MoE block with its shared expert), called as every
     layer of the stack is (`dflash_jax.models.target.TargetLayer`): carry (hidden, features | None), xs
     (KV-cache layer index, window, capture slot); `cache` is the KV cache (or None) for an attention
-    layer, the (conv tail, delta-rule state) pair for a linear one. ys: the new (k, v), or the linear
-    layer's pending inputs (`HybridCache.commit`)."""
+    layer, its state by name for a linear one ({"conv": tail, "state": delta-rule state}). ys: the
+    new (k, v), or the linear layer's pending inputs (`HybridCache.commit`)."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -173,7 +173,8 @@ class HybridLayer(nn.Module):
         layer, _, slot = layer_xs
         x = CenteredRMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
         if self.mixer == LINEAR:
-            mixed, out = GatedDeltaNet(cfg, self.dtype, self.linear_groups, name="linear_attn")(x, *cache)
+            mixed, out = GatedDeltaNet(cfg, self.dtype, self.linear_groups, name="linear_attn")(
+                x, cache["conv"], cache["state"])
         else:
             mixed, out = GatedAttention(cfg, self.dtype, self.attn_impl, self.kv_replicas, name="self_attn")(
                 x, positions, cos, sin, cache, layer)
@@ -201,6 +202,16 @@ class Qwen3_5(Family):
     qk_norm = True
     hybrid = True
     checkpoint_prefixes = ("model.language_model.", "model.")
+
+    stateful_mixers = (LINEAR,)  # a Gated DeltaNet layer: its "conv" tail and delta-rule "state"
+
+    def initial_layer_state(self, config, mixer, batch, dtype):
+        """A Gated DeltaNet layer's state before any position: a zero conv tail [B, K-1, C] (in the
+        compute dtype) and a zero delta-rule state [B, Hv, Dk, Dv] (float32)."""
+        linear = config.linear
+        return {"conv": jnp.zeros((batch, linear.conv_kernel_dim - 1, linear.conv_dim), dtype),
+                "state": jnp.zeros((batch, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim),
+                                   jnp.float32)}
 
     def init_cache(self, config, batch, capacity, dtype, *, kv_replicas=1, groups=1):
         """The attention layers' KV cache beside the linear layers' conv tails and states (`HybridCache`)."""

@@ -318,3 +318,14 @@ def test_import_loads_no_heavy_package_until_a_name_is_used():
     assert callable(dflash_jax.sharding.make_mesh) and dflash_jax.backends.resolve() in dflash_jax.backends.NAMES
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         dflash_jax.nonexistent
+
+
+def test_the_top_keeps_four_private_modules_and_every_package_has_a_layer():
+    """The package's top holds the leaves only (at most 4 private modules: errors, shipped files, host
+    arrays, the compilation cache); the rest lives in packages whose names say what they are, each a
+    unit of `LAYERS`."""
+    top = Path(dflash_jax.__file__).parent
+    private = sorted(p.name for p in top.glob("_*.py") if p.name != "__init__.py")
+    assert len(private) <= 4, private
+    packages = {p.parent.name for p in top.glob("*/__init__.py")}
+    assert packages <= set(RANK), sorted(packages - set(RANK))

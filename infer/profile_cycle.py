@@ -261,17 +261,17 @@ def time_pieces(target, tp, drafters, batch: int, capacity: int, fill: int, bloc
         dc = drafter.config
         name = functools.partial(_label, args, generation)
         dcache = lambda: filled_cache(drafter.init_cache(batch, capacity), fill, 3)  # noqa: E731
-        generation = drafter.generation
-        slots = generation.drafter_slots(dc, g)  # a DSpark block: G-1 slots, all proposing
+        kind = drafter.generation
+        slots = kind.drafter_slots(dc, g)  # a DSpark block: G-1 slots, all proposing
 
-        def draft(p, q, cache, dc=dc, drafter=drafter, slots=slots, generation=generation):
+        def draft(p, q, cache, dc=dc, drafter=drafter, slots=slots, kind=kind):
             block_tokens = jnp.concatenate([one, jnp.full((batch, slots - 1), dc.mask_token_id, jnp.int32)], axis=1)
-            return drafter.draft_hidden(q, generation.embed_block(target, p, drafter, q, block_tokens), cache)
+            return drafter.draft_hidden(q, kind.embed_block(target, p, drafter, q, block_tokens), cache)
 
         draft_step = jax.jit(draft)
         times[name("drafter block")] = median_ms(lambda c, f=draft_step, q=dp: (f(tp, q, c[1]), c[1]),
                                                  (None, dcache()), args.warmup, args.repeats)
-        for piece, fn in generation.timed_pieces(drafter, g - 1).items():  # the generation's own pieces
+        for piece, fn in kind.timed_pieces(drafter, g - 1).items():  # the generation's own pieces
             step = jax.jit(lambda q, h, z, fn=fn: fn(q, h, z, one[:, 0]))
             times[name(piece)] = median_ms(lambda _, f=step, q=dp: f(q, hidden, logits), None, args.warmup,
                                            args.repeats)

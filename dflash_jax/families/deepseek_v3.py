@@ -134,6 +134,15 @@ class LatentCache:
     attention_cache = property(lambda self: self)  # the `Cache` protocol's named parts
     layer_states = property(lambda self: {})
 
+    def kv_group(self, group: int):
+        """The cache KV group `group` reads: this one (a cache of one group)."""
+        return self
+
+    @staticmethod
+    def pending_kv(groups):
+        """What `commit` takes of the groups' new keys: the one group's (k, v), or (None, None)."""
+        return groups[0] if groups and groups[0] is not None else (None, None)
+
     def with_lengths(self, lengths) -> "LatentCache":
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 

@@ -40,7 +40,10 @@ class Cache(Protocol):
     sequence starts from). The decoder stack reads it by name: `attention_cache` (what the attention
     layers read: the cache itself, or the KV part of a cache that holds more) and `layer_states` (the
     state of the layers that keep no keys, by name, each [Nl, B, ...] over those layers in order; empty
-    where there are none). Every array in it is [B] (per row, like `lengths`) or [L, B, ...] (per
+    where there are none). What `attention_cache` returns is read per KV group (`ModelConfig.kv_groups`):
+    `kv_group(g)` is the cache group g's layers read, and `pending_kv(groups)` what its `commit` takes
+    from the new keys of each group ((k, v) [Lg, B, T, ...], None for a group with none); a cache of
+    one group is its own group 0. Every array in it is [B] (per row, like `lengths`) or [L, B, ...] (per
     layer, then per row): `take_row` / `put_row` rely on that. `KVCache`, `GroupedKVCache`, Qwen3.5's
     `HybridCache` and DeepSeek-V3's `LatentCache` implement it."""
 
@@ -101,6 +104,15 @@ class KVCache:
     attention_cache = property(lambda self: self)  # the `Cache` protocol's named parts
     layer_states = property(lambda self: {})
 
+    def kv_group(self, group: int):
+        """The cache KV group `group` reads: this one (a cache of one group)."""
+        return self
+
+    @staticmethod
+    def pending_kv(groups):
+        """What `commit` takes of the groups' new keys: the one group's (k, v), or (None, None)."""
+        return groups[0] if groups and groups[0] is not None else (None, None)
+
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
@@ -156,6 +168,15 @@ class GroupedKVCache:
     capacity = property(lambda self: self.groups[0].capacity)
     attention_cache = property(lambda self: self)  # the `Cache` protocol's named parts
     layer_states = property(lambda self: {})
+
+    def kv_group(self, group: int) -> KVCache:
+        """The KV cache of group `group`'s layers."""
+        return self.groups[group]
+
+    @staticmethod
+    def pending_kv(groups):
+        """What `commit` takes: each group's (k, v)."""
+        return tuple(groups)
 
     def with_lengths(self, lengths) -> "GroupedKVCache":
         return self.replace(groups=tuple(g.with_lengths(lengths) for g in self.groups))

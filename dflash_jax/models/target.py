@@ -115,7 +115,7 @@ class StackGroup(nn.Module):
                 carry, _ = layer(carry, (0, windows[p], slots[p], *own(p)), positions, cos, sin, (kv_cache, shared))
             else:
                 g = shapes.index(shape)
-                cache = kv_cache.groups[g] if isinstance(kv_cache, GroupedKVCache) else kv_cache
+                cache = None if kv_cache is None else kv_cache.kv_group(g)
                 carry, out = layer(carry, (kv_base[g] + len(kv[g]), windows[p], slots[p], *own(p)), positions, cos,
                                    sin, cache)
                 kv[g].append(out)
@@ -204,9 +204,10 @@ class TargetModel(nn.Module):
         return hidden, features, cache.commit(pending, t if num_new is None else num_new)
 
     def _run_segments(self, carry, plan: Capture, positions, cos, sin, cache, inputs=None):
-        """Each segment's scan in turn -> (carry, pending): (k, v) [La, B, T, ...] of the attention layers
-        in order (per KV group, a tuple of them, for a GroupedKVCache), plus, for a HybridCache, the linear
-        layers' pending inputs [Ll, B, T, ...]."""
+        """Each segment's scan in turn -> (carry, pending): the attention layers' new (k, v) [La, B, T, ...]
+        per KV group, in the form the cache's `commit` takes (`Cache.pending_kv`: one (k, v) for a cache of
+        one group, a tuple of them for a GroupedKVCache), plus, where the cache holds stateful layers'
+        state, their pending inputs [Ls, B, T, ...]; None without a cache."""
         cfg = self.config
         kv_cache = None if cache is None else cache.attention_cache  # the `Cache` protocol's named parts
         states = {} if cache is None else cache.layer_states  # the stateful layers' state, by name
@@ -246,12 +247,12 @@ class TargetModel(nn.Module):
                 linear.append(flat(seg_linear))
         if kv_cache is not None and len(self.segments) > 1:
             kv = after(kv, carry[0])  # the new keys written after the last segment's reads of the cache
-        if isinstance(kv_cache, GroupedKVCache):
-            return carry, tuple(join(group) for group in kv)
-        k, v = join(kv[0]) if kv and kv[0] else (None, None)
+        if kv_cache is None:
+            return carry, None
+        pending = kv_cache.pending_kv([join(group) for group in kv])  # the cache's own form (per KV group)
         if states:  # a cache with stateful layers: their pending inputs too (its `commit`)
-            return carry, (k, v, join(linear))
-        return carry, (k, v)
+            return carry, (*pending, join(linear))
+        return carry, pending
 
     def _make_layers(self):
         """All layers as one scanned module: params stacked [L, ...] under "layers"."""

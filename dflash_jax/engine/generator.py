@@ -44,8 +44,10 @@ import numpy as np
 
 from dflash_jax import backends, sharding
 from dflash_jax.decode.loop import cycle, decode, GenerationConfig, prefill, state_shardings
+from dflash_jax.drafters.config import validate_pair
 from dflash_jax.engine.options import (  # noqa: F401 (prompt_bucket, _block_size, verify_widths_for: imported from here too)
     SamplingOptions,
+    check_models,
     _as_options,
     _block_size,
     _cut,
@@ -55,7 +57,6 @@ from dflash_jax.engine.options import (  # noqa: F401 (prompt_bucket, _block_siz
     prompt_bucket,
     verify_widths_for,
 )
-from dflash_jax.drafters.config import validate_pair
 
 MAX_COMPILED = 16  # compiled executables a Generator keeps by default (least recently used dropped first)
 _DEFAULT_GENERATORS = 2  # the Generators `generate` keeps, one per pair of specs (least recently used dropped)
@@ -205,6 +206,7 @@ class Generator:
 
     def __init__(self, target, drafter=None, *, backend: str = "auto", max_compiled: int | None = None,
                  mesh=None):
+        check_models(target, drafter)
         mesh = target.mesh if mesh is None else mesh
         if mesh is not None:
             if backend not in ("auto", "xla"):
@@ -225,6 +227,7 @@ class Generator:
     def bind(self, target, drafter=None) -> "Generator":
         """Generate with these models from now on (of this Generator's specs once it has compiled
         anything); decode params are derived for params objects it does not hold already."""
+        check_models(target, drafter)
         if drafter is not None:
             validate_pair(drafter.config, target)
         if self.target is not None and (target.spec, _spec(drafter)) != (self.target.spec, _spec(self.drafter)):
@@ -404,6 +407,7 @@ def generator_for(target, drafter=None, mesh=None) -> Generator:
     """The Generator `generate` and `generate_stream` use for these models: one per pair of specs
     on this process's backend and a mesh (None: the target's; the `_DEFAULT_GENERATORS` most
     recently used kept, until `release_generators`), bound to them."""
+    check_models(target, drafter)
     mesh = target.mesh if mesh is None else mesh
     key = (target.spec, _spec(drafter), backends.resolve() if mesh is None else "xla", mesh)
     if key in _GENERATORS:

@@ -94,11 +94,42 @@ def _check_number(name: str, value, rule: str, ok) -> None:
         raise ValueError(f"{name} must be {rule}, got {value}")
 
 
+def check_models(target, drafter) -> None:
+    """TypeError naming the argument and the fix where `target` is not a loaded target or `drafter`
+    not a loaded drafter (None: plain decoding): a path given for either, the two swapped, a target
+    where the drafter belongs. Models are told apart by their configs (`ModelConfig`,
+    `DrafterConfig`), so specs and loaded models both pass."""
+    from dflash_jax.drafters.config import DrafterConfig
+    from dflash_jax.models.config import ModelConfig
+
+    def kind(model) -> str | None:
+        config = getattr(model, "config", None)
+        return "target" if isinstance(config, ModelConfig) else "drafter" if isinstance(config, DrafterConfig) else None
+
+    if kind(target) == "drafter" and (drafter is None or kind(drafter) == "target"):
+        raise TypeError("target and drafter are swapped: the target comes first, generate(target, drafter, "
+                        "prompts) (drafter=None decodes plainly)")
+    if kind(target) != "target":
+        if isinstance(target, (str, bytes, os.PathLike)):
+            raise TypeError(f"target must be a loaded target, not a path ({target!r}): load it first, "
+                            "target = dflash_jax.load_target(path)")
+        raise TypeError(f"target must be a loaded target (dflash_jax.load_target), got {type(target).__name__}")
+    if drafter is not None and kind(drafter) != "drafter":
+        if isinstance(drafter, (str, bytes, os.PathLike)):
+            raise TypeError(f"drafter must be a loaded drafter, not a path ({drafter!r}): load it first, "
+                            "drafter = dflash_jax.load_drafter(path, target=target)")
+        if kind(drafter) == "target":
+            raise TypeError("drafter is a target: pass the DFlash drafter second (dflash_jax.load_drafter), or "
+                            "drafter=None for plain decoding")
+        raise TypeError(f"drafter must be a loaded drafter (dflash_jax.load_drafter) or None, got "
+                        f"{type(drafter).__name__}")
+
+
 def _prompt_rows(prompts, vocab: int) -> list[list[int]]:
     """prompts (a list of token-id lists, or (tokens [B, P], lengths [B])) -> ragged rows."""
     if isinstance(prompts, (str, bytes)):
-        raise TypeError("prompts must be token ids, not text: encode the text with the tokenizer "
-                        "and pass [ids]")
+        raise TypeError("prompts must be token ids, not text: encode the text with the target's tokenizer "
+                        "(ids = target.tokenizer.encode(text)) and pass [ids]")
     if isinstance(prompts, tuple) and len(prompts) == 2 and np.ndim(prompts[0]) == 2:
         array, lens = np.asarray(prompts[0]), np.asarray(prompts[1])
         if lens.shape != (array.shape[0],) or (lens > array.shape[1]).any():
@@ -110,6 +141,10 @@ def _prompt_rows(prompts, vocab: int) -> list[list[int]]:
             raise TypeError(f"prompts must be a list of prompts, each a list of token ids; got "
                             f"{type(prompts).__name__}")
         rows = list(prompts)
+        for i, row in enumerate(rows):
+            if isinstance(row, (str, bytes)):
+                raise TypeError(f"prompts[{i}] is text ({row!r:.40}): prompts are token ids; encode it with the "
+                                "target's tokenizer (target.tokenizer.encode(text)) and pass the ids")
         if any(np.ndim(r) == 0 for r in rows):
             shown = ", ".join(str(r) for r in rows[:3]) + (", ..." if len(rows) > 3 else "")
             raise ValueError(f"prompts must be a list of prompts, each a list of token ids; got a flat "

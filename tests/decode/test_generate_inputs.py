@@ -69,6 +69,40 @@ def test_bad_argument_raises_at_the_call_and_names_it(pair, entry, kwargs, error
         assert word in str(caught.value), (word, str(caught.value))
 
 
+MISUSED_MODELS = [
+    # (what is passed as (target, drafter), words the TypeError must contain)
+    ("target-as-a-path", lambda t, d: ("models/qwen3", d), ["target", "path", "dflash_jax.load_target"]),
+    ("drafter-as-a-path", lambda t, d: (t, "checkpoints/smollm2-dflash"), ["drafter", "path",
+                                                                           "dflash_jax.load_drafter"]),
+    ("swapped", lambda t, d: (d, t), ["swapped", "generate(target, drafter"]),
+    ("drafter-alone", lambda t, d: (d, None), ["swapped", "drafter=None"]),
+    ("target-as-the-drafter", lambda t, d: (t, t), ["drafter is a target", "load_drafter"]),
+    ("something-else", lambda t, d: (t, 3), ["drafter", "int"]),
+]
+
+
+@pytest.mark.parametrize("entry", ["generate", "generate_stream", "Generator"])
+@pytest.mark.parametrize("case, swap, words", MISUSED_MODELS, ids=[c for c, _, _ in MISUSED_MODELS])
+def test_models_in_the_wrong_place_raise_a_type_error_with_the_fix(pair, entry, case, swap, words):
+    target, drafter = swap(*pair)
+    with pytest.raises(TypeError) as caught:
+        if entry == "Generator":
+            speculative.Generator(target, drafter)
+        else:
+            {"generate": generate, "generate_stream": generate_stream}[entry](target, drafter, [[1, 2]],
+                                                                              max_new_tokens=4)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+def test_text_where_token_ids_belong_points_at_the_tokenizer(pair):
+    target, drafter = pair
+    for prompts, where in (("hello", "prompts"), (["hello"], "prompts[0]"), ([[1, 2], "hi"], "prompts[1]")):
+        with pytest.raises(TypeError) as caught:
+            generate(target, drafter, prompts, max_new_tokens=4)
+        assert where in str(caught.value) and "target.tokenizer.encode(text)" in str(caught.value), str(caught.value)
+
+
 # Programs are compiled per batch size, prompt bucket and max_new_tokens room (a multiple of 64):
 # the tests below that generate use two rows in the first bucket and a room of 64 (TWO_ROWS) where
 # their assertions do not depend on the shape, so that they share the prefill and loop programs

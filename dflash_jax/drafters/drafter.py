@@ -365,6 +365,13 @@ class Drafter:
             raise ValueError(f"draft_head: kernel {kernel.shape} and draft_to_target {ids.shape} must be "
                              f"[{self.config.hidden_size}, {size}] and [{size}]")
 
+    def __repr__(self) -> str:
+        """What the drafter is, in one line (its params and config.json are not printed)."""
+        c = self.config
+        vocab = f"{c.draft_vocab_size} of {c.vocab_size}" if c.draft_vocab_size is not None else c.vocab_size
+        return (f"Drafter({c.generation}, {c.num_layers} layers, block {c.block_size}, target layers "
+                f"{list(c.target_layer_ids)}, vocab {vocab}, dtype {jnp.dtype(self.dtype).name})")
+
     def with_draft_vocab(self, kernel, vocab: DraftVocab) -> "Drafter":
         """This drafter drafting over `vocab` with head kernel [D, Vd] (stored in self.dtype)."""
         if vocab.target_vocab_size != self.config.vocab_size:

@@ -110,6 +110,19 @@ class GenerationResult:
         flat = np.asarray([n for row in self.acceptance_lengths for n in row], np.int64)
         return np.bincount(flat, minlength=self.block_size + 1)
 
+    def acceptance_counts(self) -> dict[int, int]:
+        """{k: cycles that emitted k tokens} for k = 1 .. block_size, as the CLIs print it ("1:26 2:17")."""
+        counts = self.histogram()
+        return {k: int(counts[k]) for k in range(1, len(counts))}
+
+    def __repr__(self) -> str:
+        """The result in one line: rows, tokens per row, tau and its counts, decode speed (the tokens are
+        `tokens`)."""
+        lengths = [len(t) for t in self.tokens]
+        shown = lengths if len(lengths) <= 8 else [*lengths[:8], "..."]
+        return (f"GenerationResult({len(self.tokens)} rows, tokens {shown}, tau {self.tau:.2f}, acceptance "
+                f"{self.acceptance_counts()}, decode {self.decode_tokens_per_second:.1f} tokens/s)")
+
     def text(self, tokenizer, row: int = 0) -> str:
         """The answer of `row` as text: without its closing stop token and special tokens."""
         ids = self.tokens[row]

@@ -428,6 +428,16 @@ class Target:
     # Generator's, and the same spec compiles for any mesh.
     mesh: Any = None
 
+    def __repr__(self) -> str:
+        """What the target is, in one line (its params and tokenizer are not printed)."""
+        c = self.config
+        layout = None if self.params is None else {v: k for k, v in backends.LAYOUTS.items()}.get(
+            backends.of_target_params(self.params))
+        mesh = None if self.mesh is None else dict(self.mesh.shape)
+        return (f"Target({c.arch}, {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
+                f"dtype {jnp.dtype(self.dtype).name}, params {layout or 'none'}, "
+                f"tokenizer {'yes' if self.tokenizer is not None else 'none'}, mesh {mesh})")
+
     @property
     def spec(self) -> TargetSpec:
         return TargetSpec(self.config, self.dtype, self.attn_impl, self.kv_cache_dtype)

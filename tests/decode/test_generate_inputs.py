@@ -151,6 +151,22 @@ def test_result_text_and_decode_speed():
     assert result.tokens_per_second == pytest.approx(5 / 3.0)
 
 
+def test_results_models_and_counts_print_short(pair):
+    """A result, a target and a drafter print in one line (no token lists, weights or tokenizer);
+    acceptance_counts is keyed by acceptance length, as the CLIs print it."""
+    result = GenerationResult(tokens=[[5, 6, 2], [7, 8]], acceptance_lengths=[[1, 2], [1]],
+                              prefill_seconds=1.0, decode_seconds=2.0, compile_seconds=0.0, block_size=4,
+                              stop_token_ids=(2,))
+    assert result.acceptance_counts() == {1: 2, 2: 1, 3: 0, 4: 0}
+    assert result.histogram().tolist() == [0, 2, 1, 0, 0]
+    assert repr(result) == ("GenerationResult(2 rows, tokens [3, 2], tau 1.33, acceptance {1: 2, 2: 1, 3: 0, 4: 0}, "
+                            "decode 1.5 tokens/s)")
+    target, drafter = pair
+    assert repr(target) == ("Target(llama, 2 layers, hidden 16, vocab 16, dtype float32, params stacked, "
+                            "tokenizer none, mesh None)")
+    assert repr(drafter) == "Drafter(dflash, 1 layers, block 4, target layers [0, 1], vocab 16, dtype float32)"
+
+
 def test_stream_reports_compile_time_and_matches_generate(pair):
     target, drafter = pair
     stream = generate_stream(target, drafter, [[3, 4], [5]], max_new_tokens=7, stop_token_ids=(), seed=1)

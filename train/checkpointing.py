@@ -40,6 +40,10 @@ def _restore(manager: ocp.CheckpointManager, step: int | None, **items):
     step = manager.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"no checkpoint to resume from in {manager.directory}")
+    steps = sorted(manager.all_steps())
+    if step not in steps:
+        raise CheckpointError(f"{manager.directory} has no checkpoint of step {step}; its steps: "
+                              f"{', '.join(map(str, steps)) or 'none'}")
     try:
         return step, manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax raises many types for unreadable directories

@@ -109,6 +109,9 @@ def test_a_run_exports_and_a_later_run_continues_from_the_export(tiny, tmp_path)
     assert smaller.config == dataclasses.replace(dcfg, block_size=4)
     with pytest.raises(ValueError, match="block-size must be >= 2"):
         export(tmp_path / "run", tmp_path / "block1", block_size=1)
+    with pytest.raises(checkpointing.CheckpointError, match=r"has no checkpoint of step 99; its steps: 4$"):
+        export(tmp_path / "run", tmp_path / "step99", step=99)
+    assert not (tmp_path / "step99").exists()
 
     # A later run continues from the exported drafter (model.init_from), here with another block
     # size and an attention window the export did not have (both masks, not weight shapes).

@@ -45,6 +45,7 @@ _PROCESS_START = time.perf_counter()  # before the heavy imports: time-to-first-
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
+import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import NoReturn, Sequence  # noqa: E402
 
@@ -199,8 +200,8 @@ def _check_args(parser, args) -> None:
         parser.error("--join joins a prompt set's texts: it cannot be combined with --random-target")
     if args.batch < 1:
         parser.error("--batch must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        parser.error("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0) or not 0 < args.top_p <= 1 or args.top_k < 0:
+        parser.error("need a finite --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
     if args.block_size is not None and args.block_size < 2:
         parser.error("--block-size must be >= 2")
     check_drafting_flags(parser, args)

@@ -12,6 +12,7 @@ with one `error:` line and exit code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import NoReturn, Sequence
 
@@ -94,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
-    if args.temperature < 0:
-        parser.error("--temperature must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         parser.error("--top-p must be in (0, 1]")
     if args.top_k < 0:

@@ -345,3 +345,13 @@ def test_greedy_compare_explains_bfloat16_flips():
     assert "should be identical" in common.compare_outputs([1, 2], [1, 3], 0.0, "float32")
     assert "identically distributed" in common.compare_outputs([1], [2], 0.7, "float32")
     assert "from new token 2 on" in common.compare_outputs([1, 2], [1, 2, 3], 0.0, "bfloat16")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_generate_cli_refuses_a_bad_temperature_before_loading_models(tmp_path, capsys, value):
+    """The target does not exist: had the models been loaded first, the error would name the file."""
+    with pytest.raises(SystemExit) as caught:
+        generate_cli(["--prompt", "hi", "--target", str(tmp_path / "missing"), "--temperature", value])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "--temperature must be a finite number >= 0" in err and "missing" not in err, err

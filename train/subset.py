@@ -44,19 +44,23 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.skip < 0 or args.limit < 1 or args.turns < 1:
         p.error("--skip must be >= 0, --limit and --turns >= 1")
-    source = args.input or sharegpt_package_file()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    kept = 0
-    with open(out.with_suffix(".tmp"), "w") as f:
-        for index, record in enumerate(read_records(source, limit=args.skip + args.limit)):
-            if index < args.skip or "messages" not in record:
-                continue
-            messages = first_turns(record["messages"], args.turns)
-            if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-                continue
-            f.write(json.dumps({"id": record["id"], "messages": messages}) + "\n")
-            kept += 1
+    out, kept = Path(args.out), 0
+    try:
+        source = args.input or sharegpt_package_file()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.with_suffix(".tmp"), "w") as f:
+            for index, record in enumerate(read_records(source, limit=args.skip + args.limit)):
+                if index < args.skip or "messages" not in record:
+                    continue
+                messages = first_turns(record["messages"], args.turns)
+                if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+                    continue
+                f.write(json.dumps({"id": record["id"], "messages": messages}) + "\n")
+                kept += 1
+    except (ValueError, FileNotFoundError, ImportError) as e:  # one line: the data package, a bad file
+        out.with_suffix(".tmp").unlink(missing_ok=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out.with_suffix(".tmp").replace(out)
     print(f"wrote {kept} of {args.limit} records (after skipping {args.skip}) from {source} to {out}")
     return 0

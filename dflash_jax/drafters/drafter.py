@@ -300,11 +300,7 @@ class DrafterSpec:
         """A DFlash2 drafter's candidate-selector walk over the proposal slots (`drafters.dflash2.select`:
         hidden [B, S, D], draft logits [B, S, V], anchors [B]; temperature None: greedy) -> (drafts,
         candidates, chosen indices, q over the candidates). params: `loop_params`."""
-        walk = getattr(self.generation, "walk", None)
-        if walk is None:
-            raise ValueError(f"select: this drafter is not a DFlash2 drafter (a {self.generation.name} drafter has "
-                             "no candidate selector)")
-        return walk(self, params, hidden, logits, anchors, temperature, key)
+        return self.generation.walk(self, params, hidden, logits, anchors, temperature, key)
 
     def train_hidden(self, params, features, block_embeds, anchors, block_valid):
         """Packed training forward.

@@ -83,6 +83,12 @@ class Generation:
         """The positions of the drafter's block for a cycle that verifies `verify_block` tokens."""
         return verify_block
 
+    def block_tokens(self, config, cfg, anchors):
+        """The drafter's block [anchor, MASK x (S-1)] [B, S] for a cycle verifying cfg.block_size tokens."""
+        mask = jnp.full((anchors.shape[0], self.drafter_slots(config, cfg.block_size) - 1), config.mask_token_id,
+                        jnp.int32)
+        return jnp.concatenate([anchors[:, None], mask], axis=1)
+
     def embed_block(self, target, target_params, drafter, drafter_params, block):
         """The block's input embeddings [B, S, D] for its tokens [B, S]."""
         return drafter.config.block_embeddings(target.embed(target_params, block))
@@ -98,8 +104,7 @@ class Generation:
         ids and zero elsewhere, so the exact rule (min(1, p_t/p_d), residual max(0, p_t - p_d))
         stays lossless."""
         dc = drafter.config
-        mask = jnp.full((anchors.shape[0], self.drafter_slots(dc, cfg.block_size) - 1), dc.mask_token_id, jnp.int32)
-        block = jnp.concatenate([anchors[:, None], mask], axis=1)
+        block = self.block_tokens(dc, cfg, anchors)
         embeds = self.embed_block(target, target_params, drafter, drafter_params, block)
         hidden = drafter.draft_hidden(drafter_params, embeds, draft_cache)[:, 1:]
         if dc.draft_vocab_size is not None:
@@ -129,6 +134,12 @@ class Generation:
     def accepts_confidence_threshold(self, config) -> bool:
         """Whether `generate(confidence_threshold=...)` applies to this drafter (a confidence head)."""
         return False
+
+    def walk(self, drafter, params, hidden, logits, anchors, temperature=None, key=None):
+        """A candidate selector's walk over the proposal slots (DFlash2's); ValueError for a drafter
+        without one."""
+        raise ValueError(f"select: this drafter is not a DFlash2 drafter (a {self.name} drafter has no candidate "
+                         "selector)")
 
     def timed_pieces(self, drafter, slots: int) -> dict:
         """`infer.profile_cycle`'s pieces of its own: {label: f(drafter params, hidden [B, S, D],
@@ -332,8 +343,7 @@ class DSpark(Generation):
     def propose(self, target, drafter, cfg, target_params, drafter_params, anchors, draft_cache, key, params):
         dc, module = drafter.config, drafter.module_params(drafter_params)
         from_anchor = dc.dspark.sample_from_anchor
-        mask = jnp.full((anchors.shape[0], self.drafter_slots(dc, cfg.block_size) - 1), dc.mask_token_id, jnp.int32)
-        block = jnp.concatenate([anchors[:, None], mask], axis=1)
+        block = self.block_tokens(dc, cfg, anchors)
         hidden = drafter.draft_hidden(drafter_params, dspark.block_embeddings(module, block), draft_cache)
         hidden = hidden if from_anchor else hidden[:, 1:]
         logits = dc.draft_logits(dspark.base_logits(module, hidden))
@@ -373,7 +383,7 @@ class DSpark(Generation):
 
     published_verify_block = 8  # deepseek-ai/dspark_*_block7: blocks of 7 slots, all proposing
     markov_rank = 256  # their Markov head's rank
-    train_defaults = {"markov_rank": 256, "confidence_head": True, "confidence_head_with_markov": True,
+    train_defaults = {"markov_rank": markov_rank, "confidence_head": True, "confidence_head_with_markov": True,
                       "sample_from_anchor": True}
     loss_weight_defaults = {"ce_loss_alpha": 0.1, "l1_loss_alpha": 0.9, "confidence_loss_alpha": 1.0}
     draft_vocab_allowed = False  # its own reduced vocabulary is the speculators layout's d2t

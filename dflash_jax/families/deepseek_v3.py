@@ -43,7 +43,7 @@ from dflash_jax.formats.names import _linear_rules, moe_layer_rules, Rule
 from dflash_jax.kernels import masks
 from dflash_jax.layers.attention import attention, cache_attention
 from dflash_jax.layers.common import apply_rotary, make_dense, RMSNorm
-from dflash_jax.models.cache import rows_axis, write_rows
+from dflash_jax.models.cache import OneGroupCache, rows_axis, write_rows
 from dflash_jax.models.config import ConfigFields, MLAConfig, ModelConfig, MoEConfig
 from dflash_jax.models.decoder_layer import PreNormLayer
 from dflash_jax.sharding import declare_param_axes
@@ -110,7 +110,7 @@ def deinterleave(x):
 
 
 @struct.dataclass
-class LatentCache:
+class LatentCache(OneGroupCache):
     """A multi-head latent attention target's cache (DeepSeek-V3, `ModelConfig.mla`): per layer and
     token, the normed kv latent and the rotated shared key side by side, `kv` [L, B, S, 1, R + Dr]
     (kv_lora_rank + qk_rope_head_dim values, one "head" that every query head reads), lengths [B].
@@ -130,18 +130,6 @@ class LatentCache:
     @property
     def capacity(self) -> int:
         return self.kv.shape[2]
-
-    attention_cache = property(lambda self: self)  # the `Cache` protocol's named parts
-    layer_states = property(lambda self: {})
-
-    def kv_group(self, group: int):
-        """The cache KV group `group` reads: this one (a cache of one group)."""
-        return self
-
-    @staticmethod
-    def pending_kv(groups):
-        """What `commit` takes of the groups' new keys: the one group's (k, v), or (None, None)."""
-        return groups[0] if groups and groups[0] is not None else (None, None)
 
     def with_lengths(self, lengths) -> "LatentCache":
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))

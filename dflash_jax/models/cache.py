@@ -71,8 +71,26 @@ def rows_axis(mesh, batch: int):
     return "data" if data > 1 and batch % data == 0 else None
 
 
+class OneGroupCache:
+    """The `Cache` protocol's named parts of a cache that the attention layers read as it is, one KV
+    group, and that holds no layer state: `KVCache`, `RingKVCache`, DeepSeek-V3's `LatentCache`
+    (`GroupedKVCache` overrides the groups)."""
+
+    attention_cache = property(lambda self: self)  # the `Cache` protocol's named parts
+    layer_states = property(lambda self: {})
+
+    def kv_group(self, group: int):
+        """The cache KV group `group` reads: this one (a cache of one group)."""
+        return self
+
+    @staticmethod
+    def pending_kv(groups):
+        """What `commit` takes of the groups' new keys: the one group's (k, v), or (None, None)."""
+        return groups[0] if groups and groups[0] is not None else (None, None)
+
+
 @struct.dataclass
-class KVCache:
+class KVCache(OneGroupCache):
     """Keys/values of every layer: [layers, batch, capacity, kv_heads, head_dim], lengths [batch].
 
     Slot i of a row holds position i; slots >= lengths[b] are garbage and never attended to.
@@ -100,18 +118,6 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
-
-    attention_cache = property(lambda self: self)  # the `Cache` protocol's named parts
-    layer_states = property(lambda self: {})
-
-    def kv_group(self, group: int):
-        """The cache KV group `group` reads: this one (a cache of one group)."""
-        return self
-
-    @staticmethod
-    def pending_kv(groups):
-        """What `commit` takes of the groups' new keys: the one group's (k, v), or (None, None)."""
-        return groups[0] if groups and groups[0] is not None else (None, None)
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
@@ -148,7 +154,7 @@ class KVCache:
 
 
 @struct.dataclass
-class GroupedKVCache:
+class GroupedKVCache(OneGroupCache):
     """The KV cache of a target whose attention layers differ in the shape of their keys and values (Gemma 4's
     sliding and full layers): one `KVCache` per group of alike layers (`ModelConfig.kv_groups`, in its order;
     a layer's index in its group is its slot there), their lengths kept equal. `commit` takes a forward's
@@ -166,8 +172,6 @@ class GroupedKVCache:
 
     lengths = property(lambda self: self.groups[0].lengths)
     capacity = property(lambda self: self.groups[0].capacity)
-    attention_cache = property(lambda self: self)  # the `Cache` protocol's named parts
-    layer_states = property(lambda self: {})
 
     def kv_group(self, group: int) -> KVCache:
         """The KV cache of group `group`'s layers."""

